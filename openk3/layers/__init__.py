@@ -1,0 +1,1 @@
+"""Single-device building blocks of the K3 text backbone (one concept per file)."""

@@ -1,0 +1,51 @@
+"""RMSNorm and gated RMSNorm, computed in fp32 and cast back to the input dtype.
+
+Shape legend: ``*`` any leading dims, D normalised (last) dim.
+Source: architecture.md §1 (RMSNorm, eps ``rms_norm_eps``), §3.1 (KDA ``o_norm``: sigmoid-gated).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, in fp32.
+
+    Args:
+        x: [*, D], any float dtype. weight: [D] or None (no scale). eps: added to the mean square.
+    Returns:
+        [*, D] in ``x.dtype``.
+    """
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned scale (checkpoint tensor ``weight`` [D], init ones)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GatedRMSNorm(RMSNorm):
+    """``RMSNorm(x) * sigmoid(gate)`` (FLA ``FusedRMSNormGated`` with activation="sigmoid").
+
+    Used as KDA's per-head output norm: one weight [head_dim] shared by all heads.
+    """
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """x, gate: [*, D] -> [*, D] (x.dtype)."""
+        return (rms_norm(x, self.weight, self.eps).float() * torch.sigmoid(gate.float())).to(x.dtype)

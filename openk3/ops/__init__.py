@@ -1,0 +1,1 @@
+"""Numerical kernels: readable references and the fast paths beside them."""
