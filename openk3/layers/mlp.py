@@ -1,0 +1,108 @@
+"""Gated MLPs: SiTU-GLU (Kimi K3) and SwiGLU (Kimi Linear).
+
+Shape legend: ``*`` any leading dims, D model width (``hidden_size``), I intermediate width.
+
+Sources: architecture.md §8 (SiTU-GLU, exact definition, fp32 evaluation) and §6.1 (the fused
+shared experts), config fields ``hidden_act``, ``activation_situ_beta`` (β₁, gate branch) and
+``activation_situ_linear_beta`` (β₂, up branch).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk3.config import K3Config
+
+GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """SiTU-GLU: ``[β₁ tanh(g/β₁) σ(g)] ⊙ [β₂ tanh(u/β₂)]`` (architecture.md §8).
+
+    Each factor is a soft cap (``β tanh(x/β)``) so ``|out| < β₁β₂`` elementwise, while matching
+    SwiGLU to first order near 0. Evaluated in fp32 whatever the input dtype, as every
+    re-implementation does, then cast back.
+
+    Args:
+        gate, up: [*, I] pre-activations (same shape, any float dtype).
+        beta1, beta2: positive caps (the config's ``activation_situ_beta`` / ``..._linear_beta``).
+    Returns:
+        [*, I] in ``gate.dtype``.
+    """
+    g, u = gate.float(), up.float()
+    out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
+    return out.to(gate.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU ``silu(g) ⊙ u`` (Kimi Linear, ``hidden_act="silu"``), in fp32, cast back.
+
+    Args:
+        gate, up: [*, I]. Returns: [*, I] in ``gate.dtype``.
+    """
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def glu_activation(config: K3Config) -> GluActivation:
+    """The ``(gate, up) -> hidden`` nonlinearity selected by ``config.hidden_act``.
+
+    Raises:
+        ValueError: ``hidden_act`` not ``"situ"``/``"silu"``, or a non-positive SiTU beta.
+    """
+    if config.hidden_act == "silu":
+        return swiglu
+    if config.hidden_act == "situ":
+        b1, b2 = config.activation_situ_beta, config.activation_situ_linear_beta
+        for name, b in (("activation_situ_beta", b1), ("activation_situ_linear_beta", b2)):
+            if not (isinstance(b, (int, float)) and b > 0):
+                raise ValueError(f"K3Config.{name}={b!r}: SiTU betas must be positive numbers")
+        return functools.partial(situ_glu, beta1=float(b1), beta2=float(b2))
+    raise ValueError(f"K3Config.hidden_act={config.hidden_act!r}: must be 'situ' (SiTU-GLU) or 'silu' (SwiGLU)")
+
+
+class MLP(nn.Module):
+    """Gated FFN ``down_proj(act(gate_proj(x), up_proj(x)))``, no biases.
+
+    Used for the dense layer-0 FFN (width ``intermediate_size``, checkpoint prefix ``mlp.``) and
+    for the shared experts of a MoE layer, which the checkpoint stores fused as one MLP of width
+    ``n_shared_experts * moe_intermediate_size`` (prefix ``shared_experts.``); the sum of several
+    GLU experts equals one GLU of the concatenated width.
+
+    Checkpoint tensors: ``gate_proj.weight`` [I, D], ``up_proj.weight`` [I, D],
+    ``down_proj.weight`` [D, I].
+
+    Raises:
+        ValueError: non-positive widths, or a bad activation config (see :func:`glu_activation`).
+    """
+
+    def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"MLP {name}={v!r}: must be a positive integer")
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.initializer_range = config.initializer_range
+        self.act = glu_activation(config)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """All three projections ~ N(0, ``initializer_range``) (meta-device safe)."""
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(lin.weight, mean=0.0, std=self.initializer_range)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [*, D] -> [*, D] (dtype of the weights' matmul with x)."""
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"

@@ -1,0 +1,301 @@
+"""The K3 text backbone: decoder layers, Block AttnRes wiring, ``K3Model`` and ``K3ForCausalLM``.
+
+Shape legend: B batch rows, T tokens in this call, D hidden size, V vocabulary, N packed
+documents, E routed experts, k experts per token.
+
+One ``forward(input_ids, cache=None, ...)`` serves training (no cache), prefill and decode (a
+caller-owned :class:`~openk3.cache.HybridCache`). The layer schedule is data
+(``config.layer_types`` / ``mlp_layer_types``). With ``attn_res_block_size`` set, the residual
+stream is replaced by Block Attention Residuals exactly as in architecture.md §2 (steps 1-8);
+without it (Kimi Linear) the layers use a plain pre-norm residual stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk3.cache import HybridCache
+from openk3.config import DENSE, KDA, K3Config
+from openk3.layers.attn_res import depth_mix
+from openk3.layers.kda import KimiDeltaAttention
+from openk3.layers.mla import GatedMLA
+from openk3.layers.mlp import MLP
+from openk3.layers.moe import LatentMoE
+from openk3.layers.norm import RMSNorm
+
+
+@dataclass
+class K3Output:
+    """Result of :meth:`K3ForCausalLM.forward`.
+
+    Attributes:
+        logits: [B, T, V] fp32 (or the model dtype).
+        loss: scalar mean cross-entropy over non-ignored labels, when ``labels`` was given.
+        hidden: [B, T, D] the final-norm output (what feeds ``lm_head``).
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    n_tokens: int = 0
+    extras: dict = field(default_factory=dict)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer: mixer (KDA or gated MLA) + FFN (dense MLP or LatentMoE), each with its
+    pre-norm and, under Block AttnRes, its own depth-mixing site (norm weight × projection)."""
+
+    def __init__(self, config: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_kda = config.layer_types[layer_idx] == KDA
+        self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
+        if config.mlp_layer_types[layer_idx] == DENSE:
+            self.mlp = MLP(config, config.hidden_size, config.intermediate_size)
+        else:
+            self.block_sparse_moe = LatentMoE(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.use_attn_res:
+            self.self_attention_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.self_attention_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def mixer(self, h: torch.Tensor, cache_entry, ctx: dict) -> torch.Tensor:
+        """[B, T, D] mixer input (before ``input_layernorm``) -> [B, T, D] mixer output."""
+        x = self.input_layernorm(h)
+        if self.is_kda:
+            return self.self_attn(x, cache_entry, lengths=ctx["lengths"], cu_seqlens=ctx["cu_seqlens"], mode=ctx["mode"])
+        max_logits = ctx["max_logits"].get(self.layer_idx) if ctx["max_logits"] is not None else None
+        return self.self_attn(
+            x, cache_entry, lengths=ctx["lengths"], past_lengths=ctx["past_lengths"],
+            cu_seqlens=ctx["cu_seqlens"], max_logits_out=max_logits,
+        )
+
+    def ffn(self, h: torch.Tensor, routing_sink: list | None) -> torch.Tensor:
+        """[B, T, D] FFN input (before ``post_attention_layernorm``) -> [B, T, D] FFN output."""
+        x = self.post_attention_layernorm(h)
+        if hasattr(self, "mlp"):
+            return self.mlp(x)
+        return self.block_sparse_moe(x, routing_sink=routing_sink)
+
+
+class K3Model(nn.Module):
+    """Embeddings, decoder layers, output AttnRes site and final norm (checkpoint prefix ``model.``)."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.use_attn_res:
+            self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        routing_sink: list | None = None,
+        max_logits: dict | None = None,
+        hidden_sink: dict | None = None,
+    ) -> torch.Tensor:
+        """Run the backbone.
+
+        Args:
+            input_ids: [B, T] int64 (or ``inputs_embeds`` [B, T, D]).
+            cache: caller-owned decode state; updated in place, ``cache.lengths += lengths``.
+            lengths: [B] valid tokens per row in this call (right padding); None = all T.
+            cu_seqlens: [N+1] document boundaries of a packed row (B = 1, training): KDA state
+                and MLA attention reset at each boundary.
+            routing_sink: if a list, every MoE layer appends its ``RouterOutput``.
+            max_logits: {layer_idx: [H] tensor} for MLA layers, filled with per-head max logits
+                (QK-Clip).
+            hidden_sink: if a dict, receives per-layer intermediate values for parity tests.
+        Returns:
+            [B, T, D] output of the final norm.
+        Raises:
+            ValueError: inconsistent arguments (named).
+        """
+        cfg = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+        if lengths is not None:
+            lengths = lengths.to(device=x.device, dtype=torch.long)
+            if lengths.shape != (B,) or bool((lengths < 0).any()) or bool((lengths > T).any()):
+                raise ValueError(f"lengths: expected [B={B}] values in [0, T={T}], got {lengths.tolist()}")
+        if cache is not None:
+            if cache.batch_size != B:
+                raise ValueError(f"cache: holds {cache.batch_size} rows, input has B={B}")
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: packed documents are a training input; not supported with a cache")
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"cu_seqlens: needs a single packed row (B=1), got B={B}")
+        ctx = {
+            "lengths": lengths,
+            "past_lengths": cache.lengths if cache is not None else None,
+            "cu_seqlens": cu_seqlens,
+            # Decode steps use the token recurrence, everything else the chunkwise form.
+            "mode": "recurrent" if (cache is not None and T == 1) else "chunk",
+            "max_logits": max_logits,
+        }
+        eps = cfg.rms_norm_eps
+        sink = hidden_sink
+        if cfg.use_attn_res:
+            bs = cfg.attn_res_block_size
+            blocks: list[torch.Tensor] = []
+            p = x
+            for l, layer in enumerate(self.layers):
+                entry = cache.layers[l] if cache is not None else None
+                p_in = p
+                h = (
+                    depth_mix(blocks + [p_in], layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
+                    if blocks
+                    else p_in
+                )
+                opened = l % bs == 0
+                if opened:
+                    blocks.append(p_in)  # snapshot BEFORE the mixer (§2 step 3)
+                a = layer.mixer(h, entry, ctx)
+                p = a if opened else p_in + a
+                h_ffn = depth_mix(blocks + [p], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
+                f = layer.ffn(h_ffn, routing_sink)
+                p = p + f
+                if sink is not None:
+                    sink[l] = {"attn_in": h, "mixer_out": a, "ffn_in": h_ffn, "ffn_out": f, "out": p}
+            y = depth_mix(blocks + [p], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight, eps)
+        else:
+            h = x
+            for l, layer in enumerate(self.layers):
+                entry = cache.layers[l] if cache is not None else None
+                a = layer.mixer(h, entry, ctx)
+                h_ffn = h + a
+                f = layer.ffn(h_ffn, routing_sink)
+                h = h_ffn + f
+                if sink is not None:
+                    sink[l] = {"attn_in": h_ffn - a, "mixer_out": a, "ffn_in": h_ffn, "ffn_out": f, "out": h}
+            y = h
+        out = self.norm(y)
+        if sink is not None:
+            sink["final_norm_in"] = y
+            sink["final_norm_out"] = out
+        if cache is not None:
+            cache.lengths += lengths if lengths is not None else T
+        return out
+
+
+class K3ForCausalLM(nn.Module):
+    """``K3Model`` + untied ``lm_head``. The public model class of openk3.
+
+    Attributes follow the official checkpoint names (``model.*``, ``lm_head.weight``); see
+    :mod:`openk3.checkpoint` for the file format.
+    """
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        logits_to_keep: int | None = None,
+        **kwargs,
+    ) -> K3Output:
+        """Logits (and loss) for ``input_ids`` [B, T].
+
+        Args:
+            labels: [B, T] int64 next-token targets **already aligned** with the positions
+                (label t is the token that should follow position t), -100 = ignored. Loss is
+                the mean cross-entropy over the non-ignored labels, computed in fp32.
+            logits_to_keep: compute logits for the last ``logits_to_keep`` positions only.
+            kwargs: forwarded to :meth:`K3Model.forward` (``inputs_embeds``, ``lengths``,
+                ``cu_seqlens``, ``routing_sink``, ``max_logits``, ``hidden_sink``).
+        Returns:
+            :class:`K3Output` with logits [B, T', V].
+        """
+        hidden = self.model(input_ids, cache, **kwargs)
+        h = hidden if logits_to_keep is None else hidden[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = None
+        n = 0
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise ValueError(f"labels: shape {tuple(labels.shape)} does not match logits {tuple(logits.shape[:2])}")
+            n = int((labels != -100).sum())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return K3Output(logits=logits, loss=loss, hidden=hidden, n_tokens=n)
+
+    # ----------------------------------------------------------------- helpers
+    def new_cache(self, batch: int, capacity: int) -> HybridCache:
+        """An empty :class:`HybridCache` for ``batch`` rows and ``capacity`` tokens, on the model's
+        device and dtype."""
+        p = self.lm_head.weight
+        return HybridCache.empty(self.config, batch, capacity, device=p.device, dtype=p.dtype)
+
+    def save_pretrained(self, path: str, *, dtype: torch.dtype | None = None, max_shard_bytes: int | None = None) -> None:
+        """Write the official format (``config.json`` + safetensors). See :mod:`openk3.checkpoint`."""
+        from openk3.checkpoint import DEFAULT_SHARD_BYTES, to_hf_state_dict, write_checkpoint
+
+        sd = self.state_dict()
+        if dtype is not None:
+            sd = {k: (v.to(dtype) if v.is_floating_point() and not _keeps_fp32(k) else v) for k, v in sd.items()}
+        write_checkpoint(path, to_hf_state_dict(sd, self.config), self.config, max_shard_bytes or DEFAULT_SHARD_BYTES)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """The one explicit init of every parameter (safe after meta-device construction).
+
+        * Linear / embedding / stacked experts / router: N(0, ``initializer_range``).
+        * RMSNorm weights: ones. AttnRes pseudo-queries (``*_res_proj``): zeros (uniform depth
+          average at step 0, AttnRes paper §5).
+        * KDA ``A_log``: 0 for K3 (report §2.2), log U[1, 16] for Kimi Linear; ``dt_bias``:
+          inverse-softplus of dt ~ exp(U[ln 1e-3, ln 1e-1]) clamped >= 1e-4 (architecture.md §3.3).
+        * ``e_score_correction_bias``: zeros (Quantile Balancing moves it).
+        * Short convs: N(0, ``initializer_range``).
+        """
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith(("_res_proj.weight",)):
+                p.zero_()
+            elif name.endswith("A_log"):
+                if self.config.is_k3:
+                    p.zero_()
+                else:
+                    p.copy_(torch.empty_like(p).uniform_(1, 16, generator=generator).log())
+            elif name.endswith("dt_bias"):
+                dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
+                dt = dt.clamp_min(1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif p.ndim == 1 and leaf == "weight":
+                p.fill_(1.0)  # RMSNorm scales
+            else:
+                p.normal_(0.0, std, generator=generator)
+        for name, b in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+
+
+def _keeps_fp32(name: str) -> bool:
+    """Tensors the release keeps in fp32 whatever the model dtype (release notes §1.4, §1.7)."""
+    return name.endswith(("A_log", "dt_bias", "e_score_correction_bias", ".gate.weight"))

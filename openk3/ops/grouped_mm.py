@@ -1,0 +1,200 @@
+"""Routed-expert computation: sort (token, slot) assignments by expert, run every expert's GLU FFN
+as grouped matmuls, and combine with the routing weights in fp32.
+
+Shape legend: N tokens (flattened), k experts per token (``num_experts_per_tok``), A = N·k
+assignments, E routed experts, L expert input/output width (the latent width ``moe_latent_size``,
+or ``hidden_size`` for Kimi Linear), F expert FFN width (``moe_intermediate_size``), M the largest
+per-expert assignment count (padded backend only).
+
+Semantics (architecture.md §6.1):  ``out_n = Σ_j w_{n,j} · E_{e_{n,j}}(x_n)`` with
+``E_e(x) = w2_e · act(w1_e x, w3_e x)``; the weighted sum is accumulated in fp32.
+
+Backends (chosen in :func:`_select_backend`, the only place that decides):
+  * ``"grouped_mm"``: ``torch._grouped_mm`` over the expert-sorted rows; no host sync. Needs
+    fp32/bf16/fp16 (bf16 on CUDA, SM90+), and L·itemsize, F·itemsize multiples of 16 bytes.
+  * ``"bmm"``: rows scattered into a zero-padded [E, M, L] buffer and one ``torch.bmm`` per
+    projection. Works for any dtype/shape; costs a host sync for M and E·M·L memory.
+  * ``"loop"``: :func:`routed_experts_reference`, a plain loop over experts. Tests only.
+Tests force a backend with ``backend=`` or the :func:`force_backend` context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+BACKENDS = ("grouped_mm", "bmm", "loop")
+_forced_backend: str | None = None
+# CUTLASS grouped GEMM on CUDA handles fewer than this many groups (torch's own dispatch notes).
+_CUDA_MAX_GROUPS = 1024
+
+
+@contextlib.contextmanager
+def force_backend(name: str | None) -> Iterator[None]:
+    """Within the block, every :func:`routed_experts` call without ``backend=`` uses ``name``.
+
+    Raises:
+        ValueError: ``name`` not in :data:`BACKENDS` (None restores automatic choice).
+    """
+    global _forced_backend
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: must be one of {BACKENDS} or None")
+    previous, _forced_backend = _forced_backend, name
+    try:
+        yield
+    finally:
+        _forced_backend = previous
+
+
+def _check_inputs(x, topk_idx, topk_weight, w1, w3, w2) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [N, L], got shape {tuple(x.shape)}")
+    if w1.dim() != 3 or w3.shape != w1.shape:
+        raise ValueError(f"w1/w3: expected equal [E, F, L], got {tuple(w1.shape)} and {tuple(w3.shape)}")
+    e, f, l = w1.shape
+    if w2.shape != (e, l, f):
+        raise ValueError(f"w2: expected [E={e}, L={l}, F={f}], got {tuple(w2.shape)}")
+    if x.shape[1] != l:
+        raise ValueError(f"x: width {x.shape[1]} != expert input width L={l}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_idx: expected [N={x.shape[0]}, k], got {tuple(topk_idx.shape)}")
+    if topk_weight.shape != topk_idx.shape:
+        raise ValueError(f"topk_weight: shape {tuple(topk_weight.shape)} != topk_idx {tuple(topk_idx.shape)}")
+    if topk_idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"topk_idx: dtype {topk_idx.dtype} is not an integer index type")
+
+
+def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w1.dtype != x.dtype:
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
+            return False
+        if w1.shape[0] >= _CUDA_MAX_GROUPS:
+            return False
+    elif x.device.type != "cpu":
+        return False
+    _, f, l = w1.shape
+    align = 16 // x.element_size()
+    return f % align == 0 and l % align == 0
+
+
+def _select_backend(x: torch.Tensor, w1: torch.Tensor, backend: str | None) -> str:
+    """The one place a backend is chosen: explicit argument > :func:`force_backend` > automatic."""
+    name = backend if backend is not None else _forced_backend
+    if name is not None:
+        if name not in BACKENDS:
+            raise ValueError(f"backend={name!r}: must be one of {BACKENDS}")
+        if name == "grouped_mm" and not _grouped_mm_fits(x, w1):
+            raise ValueError(
+                f"backend='grouped_mm' does not support dtype={x.dtype}, device={x.device.type}, "
+                f"F={w1.shape[1]}, L={w1.shape[2]} (needs 16-byte aligned rows)"
+            )
+        return name
+    return "grouped_mm" if _grouped_mm_fits(x, w1) else "bmm"
+
+
+def _sort_by_expert(topk_idx: torch.Tensor, num_experts: int):
+    """Sorted order of the A assignments, their experts, per-expert counts (no host sync)."""
+    flat = topk_idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # [A]: assignment index at each sorted position
+    expert_sorted = flat[order]
+    # index_add_ rather than bincount: fixed output size (no sync), and an out-of-range id raises.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    return order, expert_sorted, counts
+
+
+def _ffn_grouped_mm(xs, counts, w1, w3, w2, act):
+    """xs: [A, L] rows sorted by expert; counts: [E]. Returns [A, L]."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    gate = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)  # [A, F]
+    up = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(act(gate, up), w2.transpose(-2, -1), offs=offs)
+
+
+def _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act):
+    """Same contract as :func:`_ffn_grouped_mm`, via a zero-padded [E, M, L] batch."""
+    e, _, l = w1.shape
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(xs.shape[0], device=xs.device) - starts[expert_sorted]  # row within its expert
+    m = int(counts.max().item()) if xs.shape[0] else 0
+    buf = xs.new_zeros(e, m, l).index_put((expert_sorted, slot), xs)
+    h = act(torch.bmm(buf, w1.transpose(1, 2)), torch.bmm(buf, w3.transpose(1, 2)))  # [E, M, F]
+    return torch.bmm(h, w2.transpose(1, 2))[expert_sorted, slot]
+
+
+def routed_experts(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    act: GluActivation,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Weighted sum of each token's routed GLU experts (the single entry point).
+
+    Args:
+        x: [N, L] expert inputs (for K3 the latent ``routed_expert_down_proj(x)``).
+        topk_idx: [N, k] int64/int32 expert ids in [0, E); repeated ids within a row are allowed
+            (each slot is computed separately).
+        topk_weight: [N, k] combine weights (used in fp32).
+        w1, w3: [E, F, L] gate / up weights; w2: [E, L, F] down weights; same dtype as x.
+        act: ``(gate [A, F], up [A, F]) -> [A, F]``, e.g. SiTU-GLU or SwiGLU.
+        backend: None (automatic) or one of :data:`BACKENDS`.
+    Returns:
+        [N, L] float32: ``Σ_j topk_weight[n, j] · E_{topk_idx[n, j]}(x[n])``.
+        Differentiable w.r.t. x, topk_weight and the expert weights; deterministic on every backend
+        (the combine is a fixed-order sum over k, not a scatter-add).
+    Raises:
+        ValueError: inconsistent shapes/dtypes, an unknown backend, or ``grouped_mm`` forced where
+            it does not apply. An expert id outside [0, E) raises from the index op.
+    """
+    _check_inputs(x, topk_idx, topk_weight, w1, w3, w2)
+    name = _select_backend(x, w1, backend)
+    if name == "loop":
+        return routed_experts_reference(x, topk_idx, topk_weight, w1, w3, w2, act)
+    n, k = topk_idx.shape
+    order, expert_sorted, counts = _sort_by_expert(topk_idx, w1.shape[0])
+    xs = x[torch.div(order, k, rounding_mode="floor")]  # [A, L] token rows, grouped by expert
+    if name == "grouped_mm":
+        ys = _ffn_grouped_mm(xs, counts, w1, w3, w2, act)
+    else:
+        ys = _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_slot = ys[inverse].float().view(n, k, -1)  # back to (token, slot) order
+    return (per_slot * topk_weight.float().unsqueeze(-1)).sum(1)
+
+
+def routed_experts_reference(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    act: GluActivation,
+) -> torch.Tensor:
+    """Readable reference for :func:`routed_experts` (same contract): loop over experts, run each
+    on the tokens that chose it, accumulate in fp32. For tests; never on the hot path."""
+    _check_inputs(x, topk_idx, topk_weight, w1, w3, w2)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    if x.dtype == torch.float64:
+        out = out.double()
+    for e in range(w1.shape[0]):
+        tok, slot = torch.nonzero(topk_idx == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        ye = act(xe @ w1[e].T, xe @ w3[e].T) @ w2[e].T
+        out = out.index_add(0, tok, ye.to(out.dtype) * topk_weight[tok, slot].to(out.dtype).unsqueeze(-1))
+    return out

@@ -1,0 +1,324 @@
+"""Readable fp32 references for Kimi Delta Attention: gates, L2 norm, token recurrence, chunked form.
+
+Shape legend: B batch rows, T tokens, H heads, K key dim, V value dim, N packed documents,
+C chunk size, NC number of chunks (ceil(T / C)).
+
+Conventions (kept semantic on purpose, see spec/style.md "flags that change what an argument means"):
+* ``q``, ``k`` are already L2-normalised (:func:`l2_normalize`); ``scale`` multiplies q inside.
+* ``g`` is the per-channel log-decay (<= 0), already passed through a gate function; ``beta`` is
+  already in (0, 1).
+* The state is S[K, V] per head, fp32, layout [B, H, K, V] (the spec's S; the official reference
+  stores the transpose [B, H, V, K]).
+* Right padding: with ``lengths`` [B], positions ``t >= lengths[b]`` are treated as g = 0,
+  beta = 0, k = 0, so they leave the state unchanged; their outputs are zero.
+* Packed documents: with ``cu_seqlens`` [N+1] (B must be 1) the state starts afresh at every
+  document (zeros, or ``initial_state[n]``) and the final state is returned per document.
+
+Source: architecture.md §3.2 (token recurrence), §3.4 (chunkwise form, numerics), §3.5 (decode);
+k3-release-notes.md §1.4 (gate forms, A_log per head); oracle ``fla/ops/kda/naive.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Sub-tile length inside a chunk: pairwise decays are formed exactly only inside a tile; across
+# tiles they factor through a reference position so that no exponent is positive (no overflow for
+# any gate, including the unbounded Kimi-Linear softplus gate).
+_TILE = 16
+
+
+# ----------------------------------------------------------------------------- gates and norms
+def _per_head(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate and return (z + dt_bias [..., H, K] fp32, exp(A_log) [H, 1] fp32)."""
+    if z.dim() < 2:
+        raise ValueError(f"z: expected [..., H, K], got shape {tuple(z.shape)}")
+    H, K = z.shape[-2:]
+    if A_log.shape != (H,):
+        raise ValueError(f"A_log: expected one value per head [H={H}], got {tuple(A_log.shape)}")
+    if dt_bias.numel() != H * K:
+        raise ValueError(f"dt_bias: expected H*K={H * K} values ([H*K] or [H, K]), got {tuple(dt_bias.shape)}")
+    return z.float() + dt_bias.float().reshape(H, K), A_log.float().exp()[:, None]
+
+
+def kda_gate_lower_bound(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """K3 decay gate: ``g = lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias))``.
+
+    Args:
+        z: [..., H, K] decay logits (``f_b_proj(f_a_proj(x))`` viewed per head), any float dtype.
+        A_log: [H] fp32, one value per head. dt_bias: [H*K] or [H, K].
+        lower_bound: g_min < 0 (``linear_attn_config.gate_lower_bound``, -5 in K3).
+    Returns:
+        [..., H, K] fp32 log-decay in (lower_bound, 0).
+    Raises:
+        ValueError: shape mismatch, or lower_bound not negative.
+    Source: architecture.md §3.2; fla ``naive_kda_lowerbound_gate``.
+    """
+    if not lower_bound < 0:
+        raise ValueError(f"lower_bound={lower_bound!r}: must be negative")
+    zb, A = _per_head(z, A_log, dt_bias)
+    return lower_bound * torch.sigmoid(A * zb)
+
+
+def kda_gate_softplus(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Kimi Linear decay gate: ``g = -exp(A_log[h]) * softplus(z + dt_bias)``.
+
+    Args/Returns: as :func:`kda_gate_lower_bound` (no bound; g in (-inf, 0)).
+    Raises:
+        ValueError: shape mismatch.
+    Source: architecture.md §3.2 (Kimi Linear remark); transformers ``KimiLinearForgetGate``.
+    """
+    zb, A = _per_head(z, A_log, dt_bias)
+    return -A * F.softplus(zb)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (one head), in fp32.
+
+    Args:
+        x: [..., K] any float dtype.
+    Returns:
+        [..., K] fp32.
+    Source: architecture.md §3.2 (L2N, eps 1e-6, as fla ``l2norm``).
+    """
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------------------- packed documents
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
+    """Validate ``cu_seqlens`` [N+1]: integer, starts at 0, non-decreasing, ends at ``total``.
+
+    Raises:
+        ValueError: naming ``cu_seqlens`` and its value.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N+1] with N >= 1, got {cu_seqlens!r}")
+    c = cu_seqlens.tolist()
+    if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
+        raise ValueError(f"cu_seqlens={c}: must start at 0, be non-decreasing and end at T={total}")
+
+
+def unpack_documents(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed [1, T, *] -> right-padded [N, L, *] (L = longest document) and lengths [N].
+
+    Raises:
+        ValueError: B != 1 or malformed ``cu_seqlens``.
+    """
+    if x.shape[0] != 1:
+        raise ValueError(f"cu_seqlens given: the batch dim must be 1 (packed documents), got {x.shape[0]}")
+    check_cu_seqlens(cu_seqlens, x.shape[1])
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    L = int(lengths.max())
+    pos = torch.arange(L, device=x.device)
+    valid = pos[None, :] < lengths[:, None]  # [N, L]
+    idx = (cu[:-1, None] + pos[None, :]).clamp(max=max(x.shape[1] - 1, 0))
+    out = x[0][idx] if L > 0 else x.new_zeros(len(lengths), 0, *x.shape[2:])
+    mask = valid.reshape(*valid.shape, *([1] * (x.dim() - 2)))
+    return torch.where(mask, out, torch.zeros((), dtype=x.dtype, device=x.device)), lengths
+
+
+def pack_documents(y: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Right-padded [N, L, *] with lengths [N] -> packed [1, sum(lengths), *] (document order)."""
+    valid = torch.arange(y.shape[1], device=y.device)[None, :] < lengths.to(y.device)[:, None]
+    return y[valid].unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------- shared checks
+def _prepare(q, k, v, g, beta, scale, initial_state, lengths, chunk_size):
+    """Validate, cast to fp32 and neutralise padded positions. Returns (q, k, v, g, beta, S0, valid)."""
+    if q.dim() != 4:
+        raise ValueError(f"q: expected [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected shape {tuple(q.shape)} (as q), got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v: expected [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
+    V = v.shape[3]
+    if g.shape != q.shape:
+        raise ValueError(f"g: expected per-channel log-decay {tuple(q.shape)}, got {tuple(g.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta: expected [B={B}, T={T}, H={H}], got {tuple(beta.shape)}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r}: must be a positive finite number")
+    if not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise ValueError(f"chunk_size={chunk_size!r}: must be a positive integer")
+    if initial_state is None:
+        S0 = q.new_zeros(B, H, K, V, dtype=torch.float32)
+    elif initial_state.shape != (B, H, K, V):
+        raise ValueError(f"initial_state: expected [B={B}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
+    else:
+        S0 = initial_state.float()
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    valid = None
+    if lengths is not None:
+        if lengths.shape != (B,):
+            raise ValueError(f"lengths: expected shape [B={B}], got {tuple(lengths.shape)}")
+        if bool(((lengths < 0) | (lengths > T)).any()):
+            raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
+        valid = torch.arange(T, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [B, T]
+        # where(), not a product: garbage (even NaN) in padding must not leak into the state.
+        m4 = valid[:, :, None, None]
+        q, k, v, g = (torch.where(m4, t, torch.zeros((), device=t.device)) for t in (q, k, v, g))
+        beta = torch.where(valid[:, :, None], beta, torch.zeros((), device=beta.device))
+    return q, k, v, g, beta, S0, valid
+
+
+def _finish(o, valid, dtype):
+    if valid is not None:
+        o = torch.where(valid[:, :, None, None], o, torch.zeros((), device=o.device))
+    return o.to(dtype)
+
+
+def _dispatch_varlen(core, q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens, **kw):
+    """Run ``core`` on right-padded rows; with ``cu_seqlens``, unpack documents first and repack."""
+    if cu_seqlens is None:
+        return core(q, k, v, g, beta, scale, initial_state, lengths, **kw)
+    if lengths is not None:
+        raise ValueError("lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)")
+    parts = [unpack_documents(t, cu_seqlens)[0] for t in (q, k, v, g, beta)]
+    doc_lengths = unpack_documents(beta, cu_seqlens)[1]
+    out = core(*parts, scale, initial_state, doc_lengths, **kw)
+    return (pack_documents(out[0], doc_lengths),) + tuple(out[1:])
+
+
+# ----------------------------------------------------------------------------- token recurrence
+def _recurrent_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False):
+    dtype = v.dtype
+    q, k, v, g, beta, S, valid = _prepare(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
+    T = q.shape[1]
+    outs, snaps = [], []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]  # decay: [B, H, K, V]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))  # delta-correct
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S))  # read
+        if output_chunk_states and ((t + 1) % chunk_size == 0 or t == T - 1):
+            snaps.append(S)
+    o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
+    res = (_finish(o, valid, dtype), S)
+    if output_chunk_states:
+        res += (torch.stack(snaps, 1) if snaps else S.new_zeros(S.shape[0], 0, *S.shape[1:]),)
+    return res
+
+
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, *, chunk_size: int = 64, output_chunk_states: bool = False,
+):
+    """Token-by-token KDA: per step ``S = S*exp(g)[:, None]; u = beta*(v - S^T k); S += k u^T;
+    o = S^T (q*scale)``.
+
+    Args:
+        q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log-decay.
+        beta: [B, T, H] in (0, 1). scale: query scale (K ** -0.5 in KDA).
+        initial_state: [B, H, K, V] (with ``cu_seqlens``: [N, H, K, V]); None = zeros.
+        lengths: [B] valid tokens per row (right padding); None = all valid.
+        cu_seqlens: [N+1] packed document offsets (requires B == 1; excludes ``lengths``).
+        chunk_size, output_chunk_states: as :func:`kda_chunk` (snapshots every ``chunk_size`` steps).
+    Returns:
+        (o [B, T, H, V] in v's dtype, final_state [B or N, H, K, V] fp32), plus chunk_states
+        [B or N, NC, H, K, V] fp32 when ``output_chunk_states``.
+    Raises:
+        ValueError: inconsistent shapes, bad lengths/cu_seqlens/scale.
+    Source: architecture.md §3.2 (decay, delta-correct, read).
+    """
+    return _dispatch_varlen(_recurrent_rows, q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens,
+                            chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+
+
+# ----------------------------------------------------------------------------- chunkwise form
+def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool) -> torch.Tensor:
+    """``out[i, j] = sum_c a_i[c] exp(G_i[c] - G_j[c]) b_j[c]`` for j < i (j <= i unless strict), else 0.
+
+    a, b, G: [..., C, K] (G the in-chunk cumulative log-decay, non-increasing along C). Returns [..., C, C].
+    Inside a sub-tile the pairwise differences are masked before exponentiating (j > i would give
+    exp(+large)); across tiles the decay factors through the last position r of the earlier tile:
+    exp(G_i - G_r) * exp(G_r - G_j), both exponents <= 0, so plain matmuls never overflow.
+    """
+    C = G.shape[-2]
+    out = G.new_zeros(*G.shape[:-2], C, C)
+    for s0 in range(0, C, _TILE):
+        s1 = min(s0 + _TILE, C)
+        n = s1 - s0
+        keep = torch.ones(n, n, dtype=torch.bool, device=G.device).tril(-1 if strict else 0)
+        diff = G[..., s0:s1, None, :] - G[..., None, s0:s1, :]  # [..., i, j, K]
+        decay = diff.masked_fill(~keep[:, :, None], float("-inf")).exp()
+        out[..., s0:s1, s0:s1] = (a[..., s0:s1, None, :] * decay * b[..., None, s0:s1, :]).sum(-1)
+        if s1 < C:
+            ref = G[..., s1 - 1 : s1, :]
+            a_hat = a[..., s1:, :] * (G[..., s1:, :] - ref).exp()
+            b_hat = b[..., s0:s1, :] * (ref - G[..., s0:s1, :]).exp()
+            out[..., s1:, s0:s1] = a_hat @ b_hat.transpose(-1, -2)
+    return out
+
+
+def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False):
+    dtype = v.dtype
+    q, k, v, g, beta, S, valid = _prepare(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
+    B, T, H, K = q.shape
+    C = chunk_size
+    NC = -(-T // C)
+    pad = NC * C - T
+    # [B, H, NC*C, *]; padded tail positions are identity steps (g = 0, beta = 0, k = 0).
+    q, k, v, g = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)) for t in (q * scale, k, v, g))
+    beta = F.pad(beta.transpose(1, 2), (0, pad))
+    eye = torch.eye(C, dtype=torch.float32, device=q.device)
+    outs, snaps = [], []
+    for c in range(NC):
+        sl = slice(c * C, (c + 1) * C)
+        qc, kc, vc, bc = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl, None]
+        G = g[:, :, sl].cumsum(-2)  # in-chunk cumulative log-decay, [B, H, C, K]
+        A_kk = bc * _decayed_scores(kc, kc, G, strict=True)  # strictly lower
+        # W = (I + A_kk)^-1 Diag(beta) (Gamma*K), U = (I + A_kk)^-1 Diag(beta) V, by forward substitution.
+        rhs = bc * torch.cat([kc * G.exp(), vc], dim=-1)
+        WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+        Wc, Uc = WU.split([K, vc.shape[-1]], dim=-1)
+        v_new = Uc - Wc @ S  # pseudo-values
+        A_qk = _decayed_scores(qc, kc, G, strict=False)  # diagonal included
+        outs.append((qc * G.exp()) @ S + A_qk @ v_new)
+        G_end = G[:, :, -1:, :]  # [B, H, 1, K]
+        S = G_end.exp().transpose(-1, -2) * S + (kc * (G_end - G).exp()).transpose(-1, -2) @ v_new
+        if output_chunk_states:
+            snaps.append(S)
+    if outs:
+        o = torch.cat(outs, dim=2)[:, :, :T].transpose(1, 2)
+    else:
+        o = v.new_zeros(B, 0, H, v.shape[-1])
+    res = (_finish(o, valid, dtype), S)
+    if output_chunk_states:
+        res += (torch.stack(snaps, 1) if snaps else S.new_zeros(B, 0, *S.shape[1:]),)
+    return res
+
+
+def kda_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, output_chunk_states: bool = False,
+):
+    """Chunkwise-parallel KDA (same function as :func:`kda_recurrent`, up to fp32 rounding).
+
+    Per chunk of ``chunk_size`` tokens: cumulative log-decay G, strictly-lower
+    ``A_kk = beta_i sum_c k_i e^{G_i-G_j} k_j``, ``W, U = (I + A_kk)^-1 Diag(beta) [Gamma*K, V]``,
+    pseudo-values ``U - W S``, ``O = (Gamma*Q) S + A_qk (U - W S)`` with A_qk's diagonal included,
+    ``S <- Diag(Gamma_C) S + (K * e^{G_C - G})^T (U - W S)``. Vectorised over B and H.
+
+    Args:
+        q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens: as :func:`kda_recurrent`.
+        chunk_size: C (64 as in every implementation). output_chunk_states: also return the state
+            after every chunk, i.e. after min((i+1)*C, length) tokens of each row/document.
+    Returns:
+        (o [B, T, H, V] in v's dtype, final_state [B or N, H, K, V] fp32), plus chunk_states
+        [B or N, NC, H, K, V] fp32 when ``output_chunk_states`` (NC = ceil(T / C), T the padded
+        row length or the longest document; the last entry equals final_state).
+    Raises:
+        ValueError: inconsistent shapes, bad lengths/cu_seqlens/scale/chunk_size.
+    Source: architecture.md §3.4; fla ``naive_chunk_kda``.
+    """
+    return _dispatch_varlen(_chunk_rows, q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens,
+                            chunk_size=chunk_size, output_chunk_states=output_chunk_states)

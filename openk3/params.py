@@ -1,0 +1,68 @@
+"""Parameter accounting (``openk3 info``): total and active counts by component.
+
+Counts come from modules built on the meta device (no memory), so the full 2.78T configuration
+is counted from the same code that runs the tiny ones. "Active" is what one token touches:
+every non-expert parameter, ``num_experts_per_tok`` routed experts per MoE layer, and **one**
+vocabulary matrix (the embedding lookup is not a matmul; architecture.md §12).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.config import K3Config
+
+COMPONENTS = ("embedding", "lm_head", "kda", "mla", "dense_ffn", "routed_experts", "shared_experts",
+              "router", "latent_proj", "norms_attn_res")
+
+
+def _component(name: str) -> str:
+    if name.startswith("model.embed_tokens"):
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if ".block_sparse_moe.experts." in name:
+        return "routed_experts"
+    if ".block_sparse_moe.shared_experts." in name:
+        return "shared_experts"
+    if ".block_sparse_moe.gate." in name:
+        return "router"
+    if ".block_sparse_moe.routed_expert_" in name:
+        return "latent_proj"
+    if ".mlp." in name:
+        return "dense_ffn"
+    if ".self_attn." in name:
+        return "attn"
+    return "norms_attn_res"
+
+
+def count_parameters(config: K3Config) -> dict:
+    """Total and active parameter counts, by component.
+
+    Returns:
+        ``{"total": int, "active": int, "by_component": {name: {"total", "active"}}}``; buffers
+        that are part of the checkpoint (``e_score_correction_bias``) count as parameters.
+    """
+    from openk3.model import K3ForCausalLM
+
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    by: dict[str, dict[str, int]] = {c: {"total": 0, "active": 0} for c in COMPONENTS}
+    k, E = config.num_experts_per_tok, config.n_routed_experts
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    for name, t in tensors:
+        comp = _component(name)
+        if comp == "attn":
+            layer = int(name.split(".")[2])
+            comp = "kda" if config.layer_types[layer] == "linear_attention" else "mla"
+        n = t.numel()
+        by[comp]["total"] += n
+        if comp == "routed_experts":
+            by[comp]["active"] += n // E * k
+        elif comp == "embedding" and not config.tie_word_embeddings:
+            pass  # a lookup, not a matmul: active counts one vocabulary matrix (the head)
+        else:
+            by[comp]["active"] += n
+    total = sum(v["total"] for v in by.values())
+    active = sum(v["active"] for v in by.values())
+    return {"total": total, "active": active, "by_component": by}

@@ -1,0 +1,100 @@
+"""K3Config: official config round trip, 1-based layer lists, presets, validation errors."""
+
+import json
+
+import pytest
+
+from openk3.config import KDA, MLA, PRESETS, K3Config, preset
+from tests.conftest import shared_path
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("rel", [("k3", "config.json"), ("fixtures", "k3-ref-tiny-a", "config.json")])
+def test_official_config_round_trip_preserves_every_field(rel, tmp_path):
+    original = _load(shared_path(*rel))
+    cfg = K3Config.from_dict(original)
+    assert cfg.to_dict() == original
+    cfg.save_pretrained(tmp_path)
+    again = K3Config.from_pretrained(tmp_path)
+    assert again.to_dict() == original
+    assert again.layer_types == cfg.layer_types
+
+
+def test_released_layer_schedule_is_converted_once_to_zero_based():
+    cfg = K3Config.from_pretrained(shared_path("k3"))
+    mla = [i for i, t in enumerate(cfg.layer_types) if t == MLA]
+    # 1-based full_attn_layers 4, 8, ..., 92, 93 -> 0-based 3, 7, ..., 91, 92
+    assert mla == list(range(3, 92, 4)) + [92]
+    assert cfg.layer_types.count(KDA) == 69 and len(mla) == 24
+    assert cfg.mlp_layer_types[0] == "dense" and set(cfg.mlp_layer_types[1:]) == {"sparse"}
+    # official spellings land on the DeepSeek-V3 names
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (896, 16, 2)
+    assert cfg.routed_expert_hidden_size == 3584 and cfg.moe_intermediate_size == 3072
+    assert cfg.gate_lower_bound == -5.0 and cfg.linear_num_heads == 96 and cfg.linear_head_dim == 128
+    assert cfg.attn_res_block_size == 12 and cfg.norm_topk_prob is True
+
+
+def test_preset_kimi_k3_equals_release():
+    released = K3Config.from_pretrained(shared_path("k3"))
+    mine = preset("kimi-k3")
+    for name in ("hidden_size", "num_hidden_layers", "layer_types", "mlp_layer_types", "q_lora_rank",
+                 "kv_lora_rank", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "routed_expert_hidden_size", "intermediate_size", "vocab_size", "attn_res_block_size",
+                 "linear_num_heads", "linear_head_dim", "gate_lower_bound", "activation_situ_beta",
+                 "activation_situ_linear_beta", "routed_scaling_factor"):
+        assert getattr(mine, name) == getattr(released, name), name
+
+
+def test_every_branch_preset():
+    cfg = preset("k3-test-tiny")
+    assert {KDA, MLA} <= set(cfg.layer_types)
+    assert {"dense", "sparse"} <= set(cfg.mlp_layer_types)
+    assert cfg.q_lora_rank is not None and preset("k3-test-tiny-noqlora").q_lora_rank is None
+    assert cfg.num_hidden_layers / cfg.attn_res_block_size >= 3  # several AttnRes blocks
+    for name in PRESETS:
+        preset(name).validate()
+
+
+def test_kimi_linear_flags_round_trip():
+    cfg = preset("kimi-linear-tiny")
+    d = cfg.to_dict()
+    assert d["model_type"] == "kimi_linear" and "gate_lower_bound" not in d["linear_attn_config"]
+    back = K3Config.from_dict(d)
+    assert back.gate_lower_bound is None and back.attn_res_block_size is None
+    assert back.routed_expert_hidden_size is None and back.hidden_act == "silu"
+    assert back.layer_types == cfg.layer_types
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_experts_per_tok": 99}, "num_experts_per_tok"),
+        ({"layer_types": ["linear_attention"] * 5 + ["mamba"]}, "layer_types[5]"),
+        ({"layer_types": ["linear_attention"] * 2}, "layer_types"),
+        ({"gate_lower_bound": 1.0}, "gate_lower_bound"),
+        ({"attn_res_block_size": 0}, "attn_res_block_size"),
+        ({"q_lora_rank": -3}, "q_lora_rank"),
+    ],
+)
+def test_validation_names_field_and_value(changes, field):
+    with pytest.raises(ValueError) as e:
+        preset("k3-test-tiny").replace(**changes)
+    assert field in str(e.value)
+    value = list(changes.values())[0]
+    if not isinstance(value, list):
+        assert repr(value) in str(e.value)
+
+
+def test_bad_layer_lists_are_rejected():
+    d = preset("k3-test-tiny").to_dict()
+    d["linear_attn_config"]["kda_layers"] = [0, 1]  # 0 is not a 1-based layer
+    with pytest.raises(ValueError, match="kda_layers"):
+        K3Config.from_dict(d)
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("nope")
