@@ -21,12 +21,17 @@ from openk3.config import K3Config
 GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """fp32, or float64 when given float64 (so float64 test references stay exact)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """SiTU-GLU: ``[β₁ tanh(g/β₁) σ(g)] ⊙ [β₂ tanh(u/β₂)]`` (architecture.md §8).
 
     Each factor is a soft cap (``β tanh(x/β)``) so ``|out| < β₁β₂`` elementwise, while matching
-    SwiGLU to first order near 0. Evaluated in fp32 whatever the input dtype, as every
-    re-implementation does, then cast back.
+    SwiGLU to first order near 0. Evaluated in fp32 (float64 stays float64) whatever the input
+    dtype, as every re-implementation does, then cast back.
 
     Args:
         gate, up: [*, I] pre-activations (same shape, any float dtype).
@@ -34,7 +39,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -
     Returns:
         [*, I] in ``gate.dtype``.
     """
-    g, u = gate.float(), up.float()
+    g, u = _upcast(gate), _upcast(up)
     out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
     return out.to(gate.dtype)
 
@@ -45,7 +50,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Args:
         gate, up: [*, I]. Returns: [*, I] in ``gate.dtype``.
     """
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    return (F.silu(_upcast(gate)) * _upcast(up)).to(gate.dtype)
 
 
 def glu_activation(config: K3Config) -> GluActivation:

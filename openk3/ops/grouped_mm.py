@@ -68,6 +68,11 @@ def _check_inputs(x, topk_idx, topk_weight, w1, w3, w2) -> None:
         raise ValueError(f"topk_idx: dtype {topk_idx.dtype} is not an integer index type")
 
 
+def _accum_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for every dtype, except that float64 inputs (test references) stay float64."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
@@ -151,7 +156,7 @@ def routed_experts(
         act: ``(gate [A, F], up [A, F]) -> [A, F]``, e.g. SiTU-GLU or SwiGLU.
         backend: None (automatic) or one of :data:`BACKENDS`.
     Returns:
-        [N, L] float32: ``Σ_j topk_weight[n, j] · E_{topk_idx[n, j]}(x[n])``.
+        [N, L] float32 (float64 for float64 x): ``Σ_j topk_weight[n, j] · E_{topk_idx[n, j]}(x[n])``.
         Differentiable w.r.t. x, topk_weight and the expert weights; deterministic on every backend
         (the combine is a fixed-order sum over k, not a scatter-add).
     Raises:
@@ -171,8 +176,9 @@ def routed_experts(
         ys = _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    per_slot = ys[inverse].float().view(n, k, -1)  # back to (token, slot) order
-    return (per_slot * topk_weight.float().unsqueeze(-1)).sum(1)
+    acc = _accum_dtype(x)
+    per_slot = ys[inverse].to(acc).view(n, k, x.shape[1])  # back to (token, slot) order
+    return (per_slot * topk_weight.to(acc).unsqueeze(-1)).sum(1)
 
 
 def routed_experts_reference(
@@ -187,9 +193,7 @@ def routed_experts_reference(
     """Readable reference for :func:`routed_experts` (same contract): loop over experts, run each
     on the tokens that chose it, accumulate in fp32. For tests; never on the hot path."""
     _check_inputs(x, topk_idx, topk_weight, w1, w3, w2)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    if x.dtype == torch.float64:
-        out = out.double()
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=_accum_dtype(x), device=x.device)
     for e in range(w1.shape[0]):
         tok, slot = torch.nonzero(topk_idx == e, as_tuple=True)
         if tok.numel() == 0:

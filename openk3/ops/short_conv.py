@@ -75,8 +75,11 @@ def short_conv(
             raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
 
     stream = torch.cat([tail.float(), x.float().transpose(1, 2)], dim=2)  # [B, C, W-1+T]
-    y = F.conv1d(stream, w.unsqueeze(1), groups=C)  # [B, C, T]
-    y = _ACTIVATIONS[activation](y).transpose(1, 2).to(x.dtype)
+    if T > 0:
+        y = F.conv1d(stream, w.unsqueeze(1), groups=C)  # [B, C, T]
+        y = _ACTIVATIONS[activation](y).transpose(1, 2).to(x.dtype)
+    else:
+        y = x.new_zeros(B, 0, C)
 
     if W == 1:
         return y, x.new_zeros(B, C, 0)

@@ -1,0 +1,36 @@
+"""The Kimi K3 chat format: request -> prompt ids, training rendering, and the chat template.
+
+Public entry points (``../shared/spec/k3-chat-format.md``):
+
+* :func:`encode_request` (request dict, tokenizer) -> :class:`Prompt` (``token_ids``, ``text``,
+  ``prompt_tokens``, ``image_slots``, ``channel``, ...);
+* :func:`render_training` -> :class:`TrainingExample` (ids + assistant-only loss mask);
+* :func:`render_assistant_output`: the ids a model generates for an assistant message (the output
+  parser's round-trip partner);
+* :func:`template_variables`, :func:`chat_template`, :func:`render_template`: the project's Jinja
+  chat template (``template.jinja``), whose text equals :attr:`Prompt.text`.
+"""
+
+from openk3.chat_format.render import (
+    IMAGE_PLACEHOLDER,
+    Prompt,
+    TrainingExample,
+    canonical_json,
+    encode_request,
+    render_assistant_output,
+    render_training,
+)
+from openk3.chat_format.template import chat_template, render_template, template_variables
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "Prompt",
+    "TrainingExample",
+    "canonical_json",
+    "chat_template",
+    "encode_request",
+    "render_assistant_output",
+    "render_template",
+    "render_training",
+    "template_variables",
+]

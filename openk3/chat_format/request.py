@@ -1,0 +1,343 @@
+"""Validate a chat-completions request and normalise it into the shapes the K3 renderer needs.
+
+Everything here is pure data handling (no tokenizer): the one-shot options (thinking, effort,
+tool_choice, response_format; ``../shared/spec/k3-chat-format.md`` §8-§9 and the server mapping in
+``../shared/fixtures/k3-chat-format/README.md``) and one normalised object per message (§4).
+Malformed input raises ``ValueError`` whose message starts with the field path, for example
+``messages[3].tool_calls[0].function.name: ...``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+EFFORTS = ("low", "medium", "high", "max")  # the template's set (§8); the hosted API omits medium
+TOOL_CHOICES = ("auto", "none", "required")
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+@dataclass(frozen=True)
+class ImageSlot:
+    """An image content part; renders as one ``<|media_pad|>`` id that the server expands (§10).
+
+    ``part`` is the original content part (the server reads the URL / data from it)."""
+
+    part: dict
+
+
+Parts = list  # list[str | ImageSlot], in content order
+
+
+@dataclass
+class TextMessage:
+    """A ``user`` or ``system`` message (``developer`` is mapped to ``system``, §4.5)."""
+
+    index: int
+    role: str
+    name: str | None
+    parts: Parts
+
+
+@dataclass
+class DynamicTools:
+    """A ``system`` message with a non-empty ``tools`` list: a dynamic tool declaration (§4.2)."""
+
+    index: int
+    tools: list
+
+
+@dataclass
+class ToolCall:
+    """One assistant tool call. Exactly one of ``arguments`` (an object: typed argument tags) and
+    ``raw_json`` (text that is not JSON: a json block) is set, or neither (no arguments, §6)."""
+
+    name: str
+    id: Any
+    arguments: dict | None = None
+    raw_json: str | None = None
+
+
+@dataclass
+class AssistantMessage:
+    """An assistant message: reasoning (think channel), content (response channel), tool calls."""
+
+    index: int
+    name: str | None
+    reasoning: str | None
+    parts: Parts
+    calls: list[ToolCall] = field(default_factory=list)
+    partial: bool = False
+
+
+@dataclass
+class ToolResult:
+    """A ``tool`` message. ``id`` is ``tool_call_id`` (or ``id``), None when absent; ``fallback_name``
+    is the ``tool`` field if that key exists, else ``name`` (used only for unresolved runs, §4.4)."""
+
+    index: int
+    id: Any
+    fallback_name: str | None
+    parts: Parts
+
+
+Message = TextMessage | DynamicTools | AssistantMessage | ToolResult
+
+
+@dataclass
+class RequestOptions:
+    """Request-level settings after the server mapping (fixtures README, §8-§9).
+
+    ``tool_choice`` is the request's value (``auto`` when absent); ``render_tool_choice`` says
+    whether the §5.3 message is emitted (``none``/``required`` with at least one tool declared)."""
+
+    thinking: bool
+    thinking_effort: str | None
+    tools: list
+    tool_choice: str
+    render_tool_choice: bool
+    response_format: str | None
+    response_schema: Any = None
+    keep: str | None = None
+
+
+def _fail(where: str, problem: str) -> ValueError:
+    return ValueError(f"{where}: {problem}")
+
+
+def parse_content(content: Any, where: str) -> Parts:
+    """Content (str / None / list of parts) -> parts list; empty strings are kept out.
+
+    Raises:
+        ValueError: content of another type, a part that is not an object, a text part without a
+            string ``text``, or an unsupported part type (e.g. ``video_url``).
+    """
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content] if content else []
+    if not isinstance(content, list):
+        raise _fail(where, f"must be a string, null or a list of parts, got {type(content).__name__}")
+    parts: Parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise _fail(f"{where}[{j}]", f"content part must be an object, got {type(part).__name__}")
+        kind = part.get("type", "text")
+        if kind in IMAGE_PART_TYPES:
+            parts.append(ImageSlot(part))
+        elif kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _fail(f"{where}[{j}].text", "text part needs a string 'text'")
+            if text:
+                parts.append(text)
+        else:
+            raise _fail(f"{where}[{j}].type", f"unsupported content part type {kind!r} (text, image_url, image)")
+    return parts
+
+
+def _name(msg: dict, where: str) -> str | None:
+    name = msg.get("name")
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str):
+        raise _fail(f"{where}.name", f"must be a string, got {type(name).__name__}")
+    return name
+
+
+def parse_arguments(args: Any, where: str) -> tuple[dict | None, str | None]:
+    """OpenAI ``function.arguments`` -> (object for typed tags, raw text for a json block) per §6.
+
+    A JSON-object string or an object gives typed tags; text that is not JSON gives a json block;
+    missing / null / blank gives neither.
+
+    Raises:
+        ValueError: valid JSON that is not an object, or a value that is neither string nor object.
+    """
+    if args is None:
+        return None, None
+    if isinstance(args, dict):
+        return args, None
+    if not isinstance(args, str):
+        raise _fail(where, f"must be a JSON-object string or an object, got {type(args).__name__}")
+    if not args.strip():
+        return None, None
+    try:
+        value = json.loads(args)
+    except (json.JSONDecodeError, RecursionError):
+        return None, args
+    if not isinstance(value, dict):
+        raise _fail(where, f"must encode a JSON object, got JSON {type(value).__name__}")
+    return value, None
+
+
+def _parse_calls(calls: Any, where: str) -> list[ToolCall]:
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise _fail(where, f"must be a list, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        cw = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise _fail(cw, f"tool call must be an object, got {type(call).__name__}")
+        fn, fw = (call["function"], f"{cw}.function") if isinstance(call.get("function"), dict) else (call, cw)
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise _fail(f"{fw}.name", "tool call needs a non-empty string name")
+        arguments, raw = parse_arguments(fn.get("arguments"), f"{fw}.arguments")
+        out.append(ToolCall(name=name, id=call.get("id"), arguments=arguments, raw_json=raw))
+    return out
+
+
+def _parse_tools(tools: Any, where: str) -> list:
+    if not isinstance(tools, list):
+        raise _fail(where, f"must be a list of tool objects, got {type(tools).__name__}")
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise _fail(f"{where}[{j}]", f"tool must be an object, got {type(tool).__name__}")
+    return tools
+
+
+def tool_name(tool: dict) -> str | None:
+    """Declared name of an OpenAI tool object (``function.name``, or a flat ``name``)."""
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    name = fn.get("name")
+    return name if isinstance(name, str) else None
+
+
+def parse_message(msg: Any, i: int, where: str | None = None) -> Message:
+    """Validate and normalise ``messages[i]``; errors are prefixed with `where` (default ``messages[i]``).
+
+    Raises:
+        ValueError: not an object, missing / unknown role, or a malformed field (named in the message).
+    """
+    where = where or f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise _fail(where, f"message must be an object, got {type(msg).__name__}")
+    if "role" not in msg:
+        raise _fail(f"{where}.role", "missing")
+    role = msg["role"]
+    if role == "developer":
+        role = "system"
+    if role in ("user", "system"):
+        if role == "system" and msg.get("tools"):
+            return DynamicTools(i, _parse_tools(msg["tools"], f"{where}.tools"))
+        return TextMessage(i, role, _name(msg, where), parse_content(msg.get("content"), f"{where}.content"))
+    if role == "assistant":
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        rkey = "reasoning_content" if msg.get("reasoning_content") else "reasoning"
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise _fail(f"{where}.{rkey}", f"must be a string, got {type(reasoning).__name__}")
+        return AssistantMessage(i, _name(msg, where), reasoning or None,
+                                parse_content(msg.get("content"), f"{where}.content"),
+                                _parse_calls(msg.get("tool_calls"), f"{where}.tool_calls"),
+                                partial=bool(msg.get("partial")))
+    if role == "tool":
+        call_id = msg["tool_call_id"] if "tool_call_id" in msg else msg.get("id")
+        fallback = msg["tool"] if "tool" in msg else msg.get("name")
+        if fallback is not None and not isinstance(fallback, str):
+            raise _fail(f"{where}.{'tool' if 'tool' in msg else 'name'}", "must be a string")
+        return ToolResult(i, call_id, fallback, parse_content(msg.get("content"), f"{where}.content"))
+    raise _fail(f"{where}.role", f"unknown role {role!r} (system, user, assistant, tool, developer)")
+
+
+def parse_messages(request: dict) -> list[Message]:
+    """All messages of `request`, normalised, in order.
+
+    Raises:
+        ValueError: ``messages`` missing, not a list or empty, or any malformed message.
+    """
+    msgs = request.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _fail("messages", "must be a non-empty list")
+    return [parse_message(m, i) for i, m in enumerate(msgs)]
+
+
+def _effort_source(request: dict, ctk: dict, thinking_obj: dict) -> tuple[str | None, str]:
+    for value, where in ((ctk.get("thinking_effort"), "chat_template_kwargs.thinking_effort"),
+                         (thinking_obj.get("effort"), "thinking.effort"),
+                         (request.get("reasoning_effort"), "reasoning_effort")):
+        if value is not None:
+            return value, where
+    return None, ""
+
+
+def parse_options(request: dict, messages: list[Message]) -> RequestOptions:
+    """Request-level options per §8-§9 and the fixtures' server mapping.
+
+    * thinking is off when ``thinking.type == "disabled"``, ``chat_template_kwargs.thinking`` is
+      false, or ``reasoning_effort == "none"``;
+    * effort = first set of ``chat_template_kwargs.thinking_effort``, ``thinking.effort``,
+      ``reasoning_effort``; default ``max``;
+    * tool_choice ``none``/``required`` is rendered only when a tool is declared (request-level or
+      dynamic); the named-function form is rejected;
+    * response_format ``json_object`` / ``json_schema`` render a message, ``text`` nothing.
+
+    Raises:
+        ValueError: naming the field (``thinking``, ``reasoning_effort``, ``tool_choice``, ...).
+    """
+    if not isinstance(request, dict):
+        raise _fail("request", f"must be an object, got {type(request).__name__}")
+    ctk = request.get("chat_template_kwargs") or {}
+    if not isinstance(ctk, dict):
+        raise _fail("chat_template_kwargs", "must be an object")
+    thinking_obj = request.get("thinking")
+    if thinking_obj is None:
+        thinking_obj = {}
+    if not isinstance(thinking_obj, dict):
+        raise _fail("thinking", f"must be an object like {{'type': 'enabled'}}, got {type(thinking_obj).__name__}")
+    ttype = thinking_obj.get("type")
+    if ttype not in (None, "enabled", "disabled"):
+        raise _fail("thinking.type", f"must be 'enabled' or 'disabled', got {ttype!r}")
+    keep = thinking_obj.get("keep")
+    if keep is not None and not isinstance(keep, str):
+        raise _fail("thinking.keep", f"must be a string or null, got {type(keep).__name__}")
+    ctk_thinking = ctk.get("thinking")
+    if ctk_thinking is not None and not isinstance(ctk_thinking, bool):
+        raise _fail("chat_template_kwargs.thinking", f"must be a boolean, got {ctk_thinking!r}")
+    effort, effort_where = _effort_source(request, ctk, thinking_obj)
+    thinking = not (ttype == "disabled" or ctk_thinking is False or request.get("reasoning_effort") == "none")
+    if effort is not None and effort not in EFFORTS and not (effort == "none" and not thinking):
+        raise _fail(effort_where, f"unsupported effort {effort!r} (low, medium, high, max)")
+    effort = (effort or "max") if thinking else None
+
+    tools = _parse_tools(request["tools"], "tools") if request.get("tools") is not None else []
+    declared = [tool_name(t) for t in tools] + [tool_name(t) for m in messages if isinstance(m, DynamicTools)
+                                                for t in m.tools]
+    seen: set[str] = set()
+    for name in declared:
+        if name is not None and name in seen:
+            raise _fail("tools", f"duplicate tool name {name!r} across the declarations")
+        seen.add(name)
+
+    choice = request.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        raise _fail("tool_choice", "the named-function form is not supported by K3; use auto, none or required")
+    if choice not in TOOL_CHOICES:
+        raise _fail("tool_choice", f"unsupported value {choice!r} (auto, none, required)")
+
+    rf = request.get("response_format")
+    rf_type, schema = None, None
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise _fail("response_format", f"must be an object, got {type(rf).__name__}")
+        kind = rf.get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise _fail("response_format.type", f"unsupported value {kind!r} (text, json_object, json_schema)")
+        if kind != "text":
+            rf_type = kind
+        if kind == "json_schema":
+            wrapper = rf.get("json_schema")
+            if isinstance(wrapper, dict) and "schema" in wrapper:
+                schema = wrapper["schema"]
+            elif isinstance(wrapper, dict) and "json_schema" in wrapper:
+                schema = wrapper["json_schema"]
+            else:
+                schema = wrapper
+    return RequestOptions(thinking=thinking, thinking_effort=effort, tools=tools, tool_choice=choice,
+                          render_tool_choice=choice in ("none", "required") and bool(declared),
+                          response_format=rf_type, response_schema=schema, keep=keep)

@@ -1,0 +1,213 @@
+"""Kimi Delta Attention layer (K3 variant and the predecessor Kimi Linear variant).
+
+Shape legend: B batch rows, T tokens, D hidden size, H heads (``linear_num_heads``),
+K head dim (``linear_head_dim``; K = V), P = H*K projection width, W short-conv kernel,
+N packed documents.
+
+y = o_proj( o_norm( KDA(q, k, v, g, beta), gate ) ), with
+  q, k = L2N(SiLU(conv(q_proj x))), v = SiLU(conv(v_proj x)), beta = sigmoid(b_proj x),
+  g = gate(f_b_proj(f_a_proj x)) per channel: K3 ``gate_lower_bound * sigmoid(exp(A_log) (z + dt_bias))``,
+  Kimi Linear ``-exp(A_log) softplus(z + dt_bias)``; output gate ``g_proj x`` (K3, full rank) or
+  ``g_b_proj(g_a_proj x)`` (Kimi Linear, low rank).
+
+Source: architecture.md §3 (equations §3.2, init §3.3, decode cache §3.5), k3-release-notes.md §1.4,
+fixtures/k3-ref-tiny-a/README.md "Conventions the reference fixes"; transformers
+``KimiLinearDeltaAttention`` for the Kimi Linear variant. Attribute names are the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from openk3.cache import KDALayerState
+from openk3.config import KDA, K3Config
+from openk3.layers.norm import GatedRMSNorm
+from openk3.ops.kda import MODES, kda
+from openk3.ops.kda_reference import (
+    kda_gate_lower_bound,
+    kda_gate_softplus,
+    l2_normalize,
+    pack_documents,
+    unpack_documents,
+)
+from openk3.ops.short_conv import short_conv, short_conv_step
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer of one decoder layer.
+
+    Parameters (checkpoint names, under ``model.layers.{i}.self_attn.``):
+        q_proj, k_proj, v_proj: Linear D->P. q_conv1d, k_conv1d, v_conv1d: depthwise Conv1d weight
+        [P, 1, W]. f_a_proj: D->K, f_b_proj: K->P (decay logit). dt_bias: [P] fp32. A_log: [H] fp32
+        (one per head). b_proj: D->H. g_proj: D->P (``use_full_rank_gate``) or g_a_proj: D->K +
+        g_b_proj: K->P. o_norm: GatedRMSNorm weight [K] shared by heads. o_proj: P->D. No biases.
+
+    Args:
+        config: the architecture; reads hidden_size, linear_num_heads, linear_head_dim,
+            linear_conv_kernel_dim, gate_lower_bound, use_full_rank_gate, rms_norm_eps,
+            initializer_range.
+        layer_idx: 0-based layer index; ``config.layer_types[layer_idx]`` must be KDA.
+    Raises:
+        ValueError: layer_idx out of range or not a KDA layer.
+    """
+
+    def __init__(self, config: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        if not 0 <= layer_idx < config.num_hidden_layers:
+            raise ValueError(f"layer_idx={layer_idx}: outside [0, num_hidden_layers={config.num_hidden_layers})")
+        if config.layer_types[layer_idx] != KDA:
+            raise ValueError(f"layer_idx={layer_idx}: config.layer_types[{layer_idx}]="
+                             f"{config.layer_types[layer_idx]!r}, not {KDA!r}")
+        self.layer_idx = layer_idx
+        self.hidden_size = D = config.hidden_size
+        self.num_heads = H = config.linear_num_heads
+        self.head_dim = K = config.linear_head_dim
+        self.proj_dim = P = H * K
+        self.conv_size = W = config.linear_conv_kernel_dim
+        self.gate_lower_bound = config.gate_lower_bound
+        self.use_full_rank_gate = config.use_full_rank_gate
+        self.initializer_range = config.initializer_range
+
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if self.use_full_rank_gate:
+            self.g_proj = nn.Linear(D, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, P, bias=False)
+        self.o_norm = GatedRMSNorm(K, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(P, D, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter (safe after meta-device construction + ``to_empty``).
+
+        * A_log: 0 for K3 [R]; log U[1, 16] for Kimi Linear.
+        * dt_bias: inverse softplus of dt ~ exp(U[ln 1e-3, ln 1e-1]) clamped >= 1e-4.
+        * Linear weights: normal(0, initializer_range) [P: not public].
+        * conv weights: PyTorch's Conv1d default, U(+-1/sqrt(W)) (fan-in of a depthwise kernel is W).
+        * o_norm weight: ones.
+        Source: architecture.md §3.3.
+        """
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, self.initializer_range, generator=generator)
+            elif isinstance(m, nn.Conv1d):
+                bound = 1.0 / math.sqrt(self.conv_size)
+                nn.init.uniform_(m.weight, -bound, bound, generator=generator)
+        if self.gate_lower_bound is not None:
+            nn.init.zeros_(self.A_log)
+        else:
+            a = torch.empty_like(self.A_log)
+            nn.init.uniform_(a, 1.0, 16.0, generator=generator)
+            self.A_log.copy_(a.log())
+        u = torch.empty_like(self.dt_bias)
+        nn.init.uniform_(u, math.log(1e-3), math.log(1e-1), generator=generator)
+        dt = u.exp().clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) == dt
+        nn.init.ones_(self.o_norm.weight)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KDALayerState | None = None,
+        *,
+        lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        mode: str = "chunk",
+    ) -> torch.Tensor:
+        """Mix tokens of the (already RMSNorm'd) layer input.
+
+        Args:
+            x: [B, T, D] normed layer input (model dtype).
+            cache: incoming per-row state (conv [B, 3, P, W-1], recurrent [B, H, K, K] fp32);
+                UPDATED IN PLACE with the state after each row's valid tokens. None = start from
+                zeros and keep nothing. With ``cu_seqlens`` it holds one row per document.
+            lengths: [B] valid (non-padding) tokens per row in this call, right padding;
+                None = all T. Padded positions leave the state unchanged and output zeros.
+            cu_seqlens: [N+1] packed document offsets with B == 1 (excludes ``lengths``); every
+                document starts from its own state (zeros, or ``cache`` row n).
+            mode: ``"chunk"`` (prefill/training) or ``"recurrent"`` (token loop; decode). Same result.
+        Returns:
+            [B, T, D] in x's dtype.
+        Raises:
+            ValueError: bad shapes, lengths, cu_seqlens, mode, or a cache of the wrong size.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected [B, T, D={self.hidden_size}], got {tuple(x.shape)}")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: must be one of {MODES}")
+        if cu_seqlens is None:
+            return self._forward_rows(x, cache, lengths, mode)
+        if lengths is not None:
+            raise ValueError("lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)")
+        # The reference path runs packed documents as padded rows; a varlen kernel can skip this.
+        rows, doc_lengths = unpack_documents(x, cu_seqlens)
+        return pack_documents(self._forward_rows(rows, cache, doc_lengths, mode), doc_lengths)
+
+    def _check_state(self, cache: KDALayerState, B: int) -> None:
+        P, W, H, K = self.proj_dim, self.conv_size, self.num_heads, self.head_dim
+        if tuple(cache.conv.shape) != (B, 3, P, W - 1):
+            raise ValueError(f"cache.conv: expected [B={B}, 3, P={P}, W-1={W - 1}], got {tuple(cache.conv.shape)}")
+        if tuple(cache.recurrent.shape) != (B, H, K, K):
+            raise ValueError(f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(cache.recurrent.shape)}")
+
+    def _forward_rows(self, x: torch.Tensor, cache: KDALayerState | None, lengths: torch.Tensor | None,
+                      mode: str) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        if cache is not None:
+            self._check_state(cache, B)
+        if lengths is not None:
+            if lengths.shape != (B,):
+                raise ValueError(f"lengths: expected shape [B={B}], got {tuple(lengths.shape)}")
+            if bool(((lengths < 0) | (lengths > T)).any()):
+                raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
+
+        tails = cache.conv.unbind(1) if cache is not None else (None, None, None)
+        mixed, new_tails = [], []
+        for proj, conv, tail in zip((self.q_proj, self.k_proj, self.v_proj),
+                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
+            inp = proj(x)  # [B, T, P]
+            if tail is not None and T == 1 and mode == "recurrent":
+                valid = None if lengths is None else lengths > 0
+                out, new_tail = short_conv_step(inp[:, 0], conv.weight, tail.to(inp.dtype), valid, activation="silu")
+                out = out[:, None]
+            else:
+                out, new_tail = short_conv(inp, conv.weight, None if tail is None else tail.to(inp.dtype),
+                                           lengths, activation="silu")
+            mixed.append(out.reshape(B, T, H, K))
+            new_tails.append(new_tail)
+        q, k = l2_normalize(mixed[0]), l2_normalize(mixed[1])
+        v = mixed[2].float()
+
+        z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)
+        if self.gate_lower_bound is not None:
+            g = kda_gate_lower_bound(z, self.A_log, self.dt_bias, self.gate_lower_bound)
+        else:
+            g = kda_gate_softplus(z, self.A_log, self.dt_bias)
+        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+
+        o, state = kda(q, k, v, g, beta, K ** -0.5, None if cache is None else cache.recurrent,
+                       lengths, mode=mode)
+        if cache is not None:
+            cache.conv.copy_(torch.stack(new_tails, dim=1))
+            cache.recurrent.copy_(state)
+
+        gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        out = self.o_norm(o, gate.reshape(B, T, H, K))  # fp32 [B, T, H, K]
+        return self.o_proj(out.reshape(B, T, self.proj_dim).to(x.dtype))

@@ -1,0 +1,295 @@
+"""Softmax attention for gated MLA: the full causal form and the absorbed latent form over a cache.
+
+Shape legend: B batch rows, H heads, T query tokens, S key positions (cache capacity or T),
+K query/key head dim (qk_nope + qk_rope), V value head dim, C latent width (kv_lora_rank),
+R shared key width (qk_rope_head_dim), N packed documents.
+
+Two entry points, one per MLA form (architecture.md §4):
+
+* :func:`causal_attention` — expanded per-head q/k/v over the whole sequence (training, prefill
+  without a cache). Rows may be right-padded (``lengths``) or hold packed documents
+  (``cu_seqlens``, block-diagonal causal mask). Dispatches to
+  ``torch.nn.functional.scaled_dot_product_attention`` (``"sdpa"``) or to the plain softmax
+  :func:`causal_attention_reference` (``"reference"``); the choice is made here only, see
+  :func:`attention_backend`.
+* :func:`latent_attention` — the absorbed form: queries already multiplied into the latent space
+  (q̃_h = W_UK,hᵀ q^C_h) attend over the cached normalised latent ĉ and shared key k^R. Query t of
+  row b sees cache positions ``< past_lengths[b] + t + 1``, which serves single-token decode and
+  chunked prefill on top of history alike. It returns Σ_j p_j ĉ_j per head; the caller applies
+  W_UV.
+
+Both can report the per-head maximum of the scaled pre-softmax logits over the unmasked pairs
+(QK-Clip, architecture.md §9), accumulated in place into a caller-owned [H] tensor.
+
+Padded query positions (``t >= lengths[b]``) produce zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("sdpa", "reference")
+_backend = "sdpa"
+
+# Query rows per block when the SDPA path computes max logits separately (bounds memory).
+_MAX_LOGIT_CHUNK = 512
+
+
+def get_attention_backend() -> str:
+    """The backend :func:`causal_attention` uses when none is passed: ``"sdpa"`` or ``"reference"``."""
+    return _backend
+
+
+@contextlib.contextmanager
+def attention_backend(name: str) -> Iterator[None]:
+    """Temporarily switch the default backend of :func:`causal_attention` (test override).
+
+    Raises:
+        ValueError: ``name`` not in :data:`BACKENDS`.
+    """
+    global _backend
+    _check_backend(name)
+    old, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = old
+
+
+def _check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: must be one of {BACKENDS}")
+
+
+# ------------------------------------------------------------------------------- masks
+def _check_full_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"q, k, v: expected [B, H, T, K], [B, H, T, K], [B, H, T, V]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, _, T, _ = q.shape
+    if lengths is not None and cu_seqlens is not None:
+        raise ValueError("lengths and cu_seqlens: pass at most one (padded rows or packed documents)")
+    if lengths is not None:
+        if lengths.shape != (B,) or bool(((lengths < 0) | (lengths > T)).any()):
+            raise ValueError(f"lengths: expected [B={B}] values in [0, T={T}], got {lengths.tolist()}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed documents need a single row (B=1), got B={B}")
+        cu = cu_seqlens
+        if (
+            cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T
+            or bool((cu[1:] < cu[:-1]).any())
+        ):
+            raise ValueError(f"cu_seqlens: expected non-decreasing [N+1] from 0 to T={T}, got {cu.tolist()}")
+
+
+def _segment_ids(cu_seqlens: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
+    """[T] document index of every packed position."""
+    pos = torch.arange(T, device=device)
+    return torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.long)[1:], pos, right=True)
+
+
+def _full_mask(T: int, cu_seqlens: torch.Tensor | None, device: torch.device, rows: slice = slice(None)) -> torch.Tensor:
+    """[t, T] bool, True where query i may see key j: j <= i, and the same document if packed.
+
+    Right padding needs no key mask: a valid query i < lengths[b] only sees keys j <= i, which
+    are valid too.
+    """
+    i = torch.arange(T, device=device)[rows]
+    j = torch.arange(T, device=device)
+    mask = j[None, :] <= i[:, None]
+    if cu_seqlens is not None:
+        seg = _segment_ids(cu_seqlens, T, device)
+        mask = mask & (seg[rows][:, None] == seg[None, :])
+    return mask
+
+
+def _query_valid(lengths: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """[B, T] bool, True for real (not padded) query positions; None when nothing is padded."""
+    if lengths is None:
+        return None
+    return torch.arange(T, device=device)[None, :] < lengths.to(device)[:, None]
+
+
+def _update_max(max_logits_out: torch.Tensor, per_head: torch.Tensor) -> None:
+    """In-place running max into the caller's [H] buffer; gradients never flow into it."""
+    if max_logits_out.shape != per_head.shape:
+        raise ValueError(f"max_logits_out: expected shape {tuple(per_head.shape)} (H), got {tuple(max_logits_out.shape)}")
+    with torch.no_grad():
+        torch.maximum(max_logits_out, per_head.detach().to(max_logits_out.dtype), out=max_logits_out)
+
+
+# --------------------------------------------------------------------- full causal form
+def causal_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_logits_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain masked softmax attention (the readable ground truth of :func:`causal_attention`).
+
+    Args:
+        q, k: [B, H, T, K]; v: [B, H, T, V]; any float dtype (logits and softmax in fp32).
+        scale: multiplies q·k (MLA: (qk_nope + qk_rope)^-0.5).
+        lengths: [B] int64 valid tokens per row (right padding) or None.
+        cu_seqlens: [N+1] int64 document starts of a packed row (B = 1) or None.
+        max_logits_out: [H] float, updated in place with the max scaled logit over valid pairs.
+    Returns:
+        [B, H, T, V] in ``q.dtype``; zero at padded query positions.
+    Raises:
+        ValueError: bad shapes, lengths or cu_seqlens (named).
+    """
+    _check_full_args(q, k, v, lengths, cu_seqlens)
+    B, H, T, _ = q.shape
+    logits = torch.einsum("bhik,bhjk->bhij", q.float(), k.float()) * scale
+    causal = _full_mask(T, cu_seqlens, q.device)
+    qvalid = _query_valid(lengths, B, T, q.device)
+    if max_logits_out is not None:
+        valid = causal if qvalid is None else causal & qvalid[:, None, :, None]
+        _update_max(max_logits_out, logits.masked_fill(~valid, float("-inf")).amax(dim=(0, 2, 3)))
+    # Every row keeps its diagonal, so no row is fully masked; padded rows are zeroed below.
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    out = torch.einsum("bhij,bhjv->bhiv", probs, v.float())
+    if qvalid is not None:
+        out = out * qvalid[:, None, :, None]
+    return out.to(q.dtype)
+
+
+def _max_logits_chunked(
+    q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None, qvalid: torch.Tensor | None
+) -> torch.Tensor:
+    """[H] max scaled logit over valid pairs, computed in query blocks so memory stays O(T·chunk)."""
+    B, H, T, _ = q.shape
+    best = torch.full((H,), float("-inf"), device=q.device, dtype=torch.float32)
+    with torch.no_grad():
+        kf = k.float()
+        for start in range(0, T, _MAX_LOGIT_CHUNK):
+            rows = slice(start, min(T, start + _MAX_LOGIT_CHUNK))
+            logits = torch.einsum("bhik,bhjk->bhij", q[:, :, rows].float(), kf) * scale
+            mask = _full_mask(T, cu_seqlens, q.device, rows)[None, None]
+            if qvalid is not None:
+                mask = mask & qvalid[:, None, rows, None]
+            best = torch.maximum(best, logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+    return best
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_logits_out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention over a full sequence, via SDPA or the plain reference.
+
+    Args:
+        q, k: [B, H, T, K]; v: [B, H, T, V] (V may differ from K).
+        scale: multiplies q·k.
+        lengths: [B] int64 valid tokens per row (right padding) or None (all T valid).
+        cu_seqlens: [N+1] int64 packed document boundaries (B = 1, ``cu_seqlens[-1] == T``):
+            query i sees key j iff j <= i and both lie in the same document.
+        max_logits_out: [H] float, updated in place (running max) with the max scaled logit
+            over valid pairs; no gradient.
+        backend: ``"sdpa"`` or ``"reference"``; None = :func:`get_attention_backend`.
+    Returns:
+        [B, H, T, V] in ``q.dtype``; zero at padded query positions.
+    Raises:
+        ValueError: bad shapes, lengths, cu_seqlens or backend (named).
+    """
+    backend = backend or _backend
+    _check_backend(backend)
+    if backend == "reference":
+        return causal_attention_reference(
+            q, k, v, scale=scale, lengths=lengths, cu_seqlens=cu_seqlens, max_logits_out=max_logits_out
+        )
+    _check_full_args(q, k, v, lengths, cu_seqlens)
+    B, H, T, _ = q.shape
+    qvalid = _query_valid(lengths, B, T, q.device)
+    if cu_seqlens is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        mask = _full_mask(T, cu_seqlens, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if qvalid is not None:
+        out = out * qvalid[:, None, :, None].to(out.dtype)
+    if max_logits_out is not None:
+        _update_max(max_logits_out, _max_logits_chunked(q, k, scale, cu_seqlens, qvalid))
+    return out
+
+
+# --------------------------------------------------------------------- absorbed latent form
+def latent_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    past_lengths: torch.Tensor,
+    *,
+    scale: float,
+    lengths: torch.Tensor | None = None,
+    max_logits_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA attention of new queries over a latent cache (architecture.md §4, decode).
+
+    logit[b, h, t, j] = (q_latent[b,t,h]·latent[b,j] + q_rope[b,t,h]·k_rope[b,j]) * scale, visible
+    iff ``j < past_lengths[b] + t + 1`` and t is a valid query (``t < lengths[b]``). The cache
+    must already hold the new tokens at ``past_lengths[b] + t``.
+
+    Args:
+        q_latent: [B, T, H, C] queries absorbed into the latent space (W_UK,hᵀ q^C_h).
+        q_rope: [B, T, H, R] the per-head "rope" query slice (never rotated).
+        latent: [B, S, C] normalised latent cache; k_rope: [B, S, R] shared key slice.
+        past_lengths: [B] int64 positions cached before this call's tokens.
+        scale: multiplies the logit.
+        lengths: [B] int64 valid new tokens per row, or None (all T).
+        max_logits_out: [H] float, updated in place with the max scaled logit over visible pairs.
+    Returns:
+        [B, T, H, C] in ``q_latent.dtype``: Σ_j p_j latent[b, j] per head (zero for padded queries).
+    Raises:
+        ValueError: shapes disagree, or a query would see beyond the cache (S too small).
+    """
+    B, T, H, C = q_latent.shape
+    S, R = latent.shape[1], k_rope.shape[-1]
+    if q_rope.shape != (B, T, H, R) or latent.shape != (B, S, C) or k_rope.shape != (B, S, R):
+        raise ValueError(
+            f"q_latent, q_rope, latent, k_rope: expected [B,T,H,C], [B,T,H,R], [B,S,C], [B,S,R]; got "
+            f"{tuple(q_latent.shape)}, {tuple(q_rope.shape)}, {tuple(latent.shape)}, {tuple(k_rope.shape)}"
+        )
+    if past_lengths.shape != (B,):
+        raise ValueError(f"past_lengths: expected shape [B={B}], got {tuple(past_lengths.shape)}")
+    dev = q_latent.device
+    t = torch.arange(T, device=dev)
+    lens = torch.full((B,), T, device=dev, dtype=torch.long) if lengths is None else lengths.to(dev)
+    qvalid = t[None, :] < lens[:, None]  # [B, T]
+    limit = past_lengths.to(dev)[:, None] + t[None, :] + 1  # [B, T] visible prefix length
+    if bool((limit.masked_fill(~qvalid, 0) > S).any()):
+        raise ValueError(f"past_lengths + lengths exceed the cache length S={S}: {(past_lengths + lens).tolist()}")
+    visible = (torch.arange(S, device=dev)[None, None, :] < limit[:, :, None]) & qvalid[:, :, None]  # [B, T, S]
+    visible = visible[:, None]  # [B, 1, T, S]
+
+    logits = (
+        torch.einsum("bthc,bsc->bhts", q_latent, latent.to(q_latent.dtype))
+        + torch.einsum("bthr,bsr->bhts", q_rope, k_rope.to(q_rope.dtype))
+    ).float() * scale
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if max_logits_out is not None:
+        _update_max(max_logits_out, logits.amax(dim=(0, 2, 3)))
+    # Rows with nothing visible (padded queries) would be all -inf -> NaN; they output zero.
+    probs = torch.softmax(logits, dim=-1).masked_fill(~visible, 0.0)
+    return torch.einsum("bhts,bsc->bthc", probs.to(q_latent.dtype), latent.to(q_latent.dtype))

@@ -1,0 +1,100 @@
+"""The one entry point for Kimi Delta Attention: backend choice lives here and nowhere else.
+
+Shape legend: B batch rows, T tokens, H heads, K key dim, V value dim, N packed documents,
+NC number of chunks.
+
+Today every call goes to the readable fp32 references in :mod:`openk3.ops.kda_reference`. A fast
+path (FLA ``chunk_kda`` / ``fused_recurrent_kda``, FlashKDA) plugs in by registering a backend with
+the same semantic signature (pre-activated gate, sigmoid beta, state [B, H, K, V]) and being chosen
+in :func:`_select_backend`; callers never change. Tests force a backend with :func:`use_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+from openk3.ops import kda_reference
+
+MODES = ("chunk", "recurrent")
+
+# backend name -> {mode -> function with the kda_reference signature}
+_BACKENDS: dict[str, dict[str, Callable]] = {
+    "reference": {"chunk": kda_reference.kda_chunk, "recurrent": kda_reference.kda_recurrent},
+}
+_forced: str | None = None
+
+
+def register_backend(name: str, chunk: Callable, recurrent: Callable) -> None:
+    """Add a backend; both callables take the :func:`kda` arguments (minus ``mode``/``backend``)."""
+    _BACKENDS[name] = {"chunk": chunk, "recurrent": recurrent}
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force ``name`` for every :func:`kda` call inside the ``with`` block (test override).
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    global _forced
+    if name not in _BACKENDS:
+        raise ValueError(f"backend={name!r}: unknown; known: {sorted(_BACKENDS)}")
+    previous, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def _select_backend(q: torch.Tensor) -> str:
+    """Automatic choice. Only the reference exists today; a kernel backend would be picked here
+    when importable and ``q`` lives on a supported device."""
+    return _forced or "reference"
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    mode: str = "chunk",
+    *,
+    chunk_size: int = 64,
+    output_chunk_states: bool = False,
+    backend: str | None = None,
+):
+    """Kimi Delta Attention over a (right-padded or packed) batch.
+
+    Args:
+        q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log-decay (gate applied).
+        beta: [B, T, H] in (0, 1). scale: query scale (K ** -0.5).
+        initial_state: [B, H, K, V] fp32 ([N, H, K, V] with ``cu_seqlens``); None = zeros.
+        lengths: [B] valid tokens per row; positions past it leave the state unchanged, output 0.
+        cu_seqlens: [N+1] packed document offsets (B == 1), state restarts per document.
+        mode: ``"chunk"`` (chunkwise-parallel, prefill/training) or ``"recurrent"`` (token loop,
+            decode); both compute the same function.
+        chunk_size, output_chunk_states: see :func:`openk3.ops.kda_reference.kda_chunk`.
+        backend: force a backend by name (default: the automatic choice).
+    Returns:
+        (o [B, T, H, V], final_state [B or N, H, K, V] fp32) and, with ``output_chunk_states``,
+        chunk_states [B or N, NC, H, K, V] fp32 (state after each chunk of ``chunk_size`` tokens).
+    Raises:
+        ValueError: unknown mode or backend, or invalid tensors (from the backend).
+    Source: architecture.md §3.2-§3.5.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: must be one of {MODES}")
+    name = backend or _select_backend(q)
+    if name not in _BACKENDS:
+        raise ValueError(f"backend={name!r}: unknown; known: {sorted(_BACKENDS)}")
+    fn = _BACKENDS[name][mode]
+    return fn(q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens,
+              chunk_size=chunk_size, output_chunk_states=output_chunk_states)

@@ -1,0 +1,251 @@
+"""Tokenizer: the Kimi BPE table and ids (spec k3-chat-format.md §1), text/markup separation,
+UTF-8-safe incremental decoding, trained byte-level BPEs, save/load round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from openk3.chat_format import chat_template, encode_request
+from openk3.tokenizer import (
+    K3_SPECIAL_TOKENS,
+    IncrementalDecoder,
+    Tokenizer,
+    _split_runs,
+    load_tokenizer,
+)
+from tests.conftest import shared_path
+
+SPECIAL_STRINGS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOS]", "[BOS]", "<|media_pad|>",
+                   "<|kimi_image_placeholder|>", "<|reserved_token_163600|>", "<osagent_mode>", "[PAD]"]
+HYP = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def kimi() -> Tokenizer:
+    return load_tokenizer(shared_path("kimi-tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Tokenizer:
+    """A tiny byte-level BPE trained here with the K3 special strings, saved and loaded back."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=list(K3_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ["The quick brown fox jumps over the lazy dog. 你好，世界！ Café naïve 🍜 12345."] * 50
+    corpus += [f"message role user assistant think response tools call argument {i}" for i in range(200)]
+    bpe.train_from_iterator(corpus, trainer)
+    d = tmp_path_factory.mktemp("trained")
+    Tokenizer.from_bpe(bpe).save_pretrained(d)
+    return load_tokenizer(d)
+
+
+# ----------------------------------------------------------------------------- Kimi BPE table
+
+def test_kimi_special_table(kimi):
+    """Spec §1.1: 163,584 ranks + 256 slots; named slots; reserved naming; chat attributes."""
+    assert kimi.vocab_size == 163840 and kimi.backend == "tiktoken"
+    expected = {"[BOS]": 163584, "[EOS]": 163585, "<|end_of_msg|>": 163586, "<|open|>": 163587,
+                "<|close|>": 163588, "<|sep|>": 163589, "[start_header_id]": 163590, "[end_header_id]": 163591,
+                "[EOT]": 163593, "<|media_begin|>": 163602, "<|media_content|>": 163603, "<|media_end|>": 163604,
+                "<|media_pad|>": 163605, "<osagent_mode>": 163649, "[UNK]": 163838, "[PAD]": 163839}
+    for s, i in expected.items():
+        assert kimi.special_id(s) == i
+    assert kimi.special_id("<|reserved_token_163592|>") == 163592
+    assert len(kimi.special_tokens) == 256 and kimi.special_ids == frozenset(range(163584, 163840))
+    assert (kimi.end_of_msg_id, kimi.open_id, kimi.close_id, kimi.sep_id, kimi.media_pad_id) == (
+        163586, 163587, 163588, 163589, 163605)
+    assert (kimi.bos_id, kimi.eos_id, kimi.pad_id, kimi.unk_id) == (163584, 163585, 163839, 163838)
+    assert kimi.stop_token_ids == (163586, 163585)
+    with pytest.raises(ValueError, match="<\\|im_end\\|>"):
+        kimi.special_id("<|im_end|>")
+
+
+@pytest.mark.parametrize("text, ids", [
+    # api.md §8.1 sanity ids (same tiktoken.model) and spec §1.3's frequently seen ids.
+    ("Hello world", [19180, 2695]), ("Hello, world!", [19180, 11, 2695, 0]), ("你好世界", [33845, 2243]),
+    ("1234567890", [6694, 12972, 16242, 15]), ("中文English混合", [16717, 44372, 13935]),
+    ("message", [2778]), ("think", [39964]), ("response", [12092]), ("tools", [25385]), (" role", [6244]),
+    ('="', [878]), ('"', [1]), ("assistant", [69702]), ("system", [14062]), ("tool", [20960]),
+])
+def test_known_ids(kimi, text, ids):
+    assert kimi.encode_text(text) == ids
+    assert kimi.decode(ids) == text
+
+
+def test_markup_strings_in_text_are_plain_tokens(kimi):
+    """Spec §1.3: markup spelled in text is BPE text; decode restores it exactly."""
+    for s in SPECIAL_STRINGS:
+        ids = kimi.encode_text(f"x {s} y{s}")
+        assert not set(ids) & kimi.special_ids and len(ids) > 3
+        assert kimi.decode(ids) == f"x {s} y{s}"
+    assert kimi.decode([163587, 2778, 163589]) == "<|open|>message<|sep|>"
+    assert kimi.decode([163587, 2778, 163586], skip_special_tokens=True) == "message"
+
+
+_texty = st.text(st.characters(codec="utf-8"), max_size=60)
+_with_markup = st.lists(_texty | st.sampled_from(SPECIAL_STRINGS), max_size=8).map("".join)
+
+
+@HYP
+@given(_with_markup)
+def test_property_text_never_yields_special_ids(text):
+    tok = _kimi_cached()
+    ids = tok.encode_text(text)
+    assert not any(i in tok.special_ids for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_encode_text_rejects_non_str(kimi):
+    with pytest.raises(TypeError):
+        kimi.encode_text(b"bytes")  # type: ignore[arg-type]
+
+
+@HYP
+@given(st.text(st.sampled_from(" \t\nab"), max_size=80), st.integers(1, 6))
+def test_split_runs_bounds_runs(s, max_run):
+    """Long-input guard (spec §1.2): pieces rejoin to the input and no piece has a same-class run > max."""
+    pieces = list(_split_runs(s, max_run))
+    assert "".join(pieces) == s
+    for p in pieces:
+        run, prev = 0, None
+        for ch in p:
+            run = run + 1 if prev is not None and ch.isspace() == prev else 1
+            prev = ch.isspace()
+            assert run <= max_run
+
+
+def test_long_whitespace_run_round_trips(kimi):
+    s = "a" + " " * 30000 + "b" + "x" * 26000
+    assert kimi.decode(kimi.encode_text(s)) == s
+
+
+# ----------------------------------------------------------------------------- streaming decode
+
+_KIMI = None
+
+
+def _kimi_cached() -> Tokenizer:
+    global _KIMI
+    if _KIMI is None:
+        _KIMI = load_tokenizer(shared_path("kimi-tokenizer"))
+    return _KIMI
+
+
+@st.composite
+def _streams(draw):
+    """Token streams mixing real text (emoji / CJK split across tokens), arbitrary ordinary ids
+    (many are partial UTF-8 sequences), and special ids; plus arbitrary chunk boundaries."""
+    tok = _kimi_cached()
+    pieces = draw(st.lists(st.one_of(
+        st.text(st.characters(codec="utf-8"), max_size=12).map(tok.encode_text),
+        st.lists(st.integers(0, 163583), min_size=1, max_size=3),
+        st.lists(st.sampled_from(sorted(tok.special_ids)), min_size=1, max_size=2),
+    ), max_size=8))
+    ids = [i for p in pieces for i in p]
+    cuts = sorted(set(draw(st.lists(st.integers(0, len(ids)), max_size=6))))
+    return ids, cuts
+
+
+@HYP
+@given(_streams(), st.booleans())
+def test_property_incremental_decoder(stream, skip):
+    """Deltas are always a prefix of the one-shot decode (so no replacement char the full stream
+    lacks, no broken character), and deltas + flush equal it exactly, for any chunking."""
+    tok = _kimi_cached()
+    ids, cuts = stream
+    full = tok.decode(ids, skip_special_tokens=skip)
+    dec = IncrementalDecoder(tok, skip_special_tokens=skip)
+    emitted = ""
+    bounds = [0, *cuts, len(ids)]
+    for a, b in zip(bounds, bounds[1:]):
+        emitted += dec.feed(ids[a:b])
+        assert full.startswith(emitted)
+    # token by token as well
+    dec2, one = IncrementalDecoder(tok, skip_special_tokens=skip), ""
+    for i in ids:
+        one += dec2.feed(i)
+        assert full.startswith(one)
+    assert emitted + dec.flush() == full and one + dec2.flush() == full
+
+
+def test_incremental_decoder_holds_partial_character(kimi):
+    """An emoji whose 4 bytes arrive over several single-byte ids appears only once complete."""
+    byte_ids = [kimi._b.enc.encode_single_token(bytes([b])) for b in "🍜".encode()]
+    dec = IncrementalDecoder(kimi)
+    outs = [dec.feed(i) for i in byte_ids]
+    assert outs == ["", "", "", "🍜"] and dec.pending_bytes == b""
+    assert dec.feed(byte_ids[:2]) == "" and dec.pending_bytes == "🍜".encode()[:2]
+    assert dec.flush() == "\ufffd" and dec.feed(kimi.encode_text("ok")) == "ok"
+
+
+def test_decode_rejects_out_of_range(kimi):
+    with pytest.raises(ValueError, match="163840"):
+        kimi.decode([163840])
+    with pytest.raises(ValueError, match="-1"):
+        IncrementalDecoder(kimi).feed([-1])
+
+
+# ----------------------------------------------------------------------------- save / load
+
+def test_kimi_save_pretrained_round_trip(kimi, tmp_path):
+    paths = kimi.save_pretrained(tmp_path)
+    assert {p.name for p in paths} == {"tiktoken.model", "tokenizer_config.json", "chat_template.jinja"}
+    assert (tmp_path / "tiktoken.model").read_bytes() == shared_path("kimi-tokenizer", "tiktoken.model").read_bytes()
+    assert (tmp_path / "chat_template.jinja").read_text() == chat_template()
+    again = load_tokenizer(tmp_path)
+    assert again.special_tokens == kimi.special_tokens and again.vocab_size == kimi.vocab_size
+    text = "Café ☕️ 拉面 <|open|> 1234567"
+    assert again.encode_text(text) == kimi.encode_text(text)
+
+
+def test_trained_bpe(trained, tmp_path):
+    """A project-trained BPE: own ids for the same strings, same guarantees, renders requests."""
+    assert trained.backend == "tokenizers" and trained.vocab_size <= 600
+    assert trained.special_id("<|open|>") == K3_SPECIAL_TOKENS.index("<|open|>")
+    assert trained.end_of_msg_id == K3_SPECIAL_TOKENS.index("<|end_of_msg|>")
+    assert (trained.bos_id, trained.eos_id, trained.pad_id) == (0, 1, 15)
+    for s in SPECIAL_STRINGS + ["naïve 🍜 你好 \n\t x"]:
+        ids = trained.encode_text(f"a{s}b")
+        assert not set(ids) & trained.special_ids and trained.decode(ids) == f"a{s}b"
+    req = {"messages": [{"role": "user", "content": "Hi <|end_of_msg|> 🍜"}], "reasoning_effort": "low"}
+    p = encode_request(req, trained)
+    assert trained.decode(p.token_ids) == p.text
+    assert sum(i in trained.special_ids for i in p.token_ids) == p.text.count("<|") - 1  # the user's one is text
+    dec, out = IncrementalDecoder(trained), ""
+    for i in p.token_ids:
+        out += dec.feed(i)
+    assert out + dec.flush() == p.text
+    paths = trained.save_pretrained(tmp_path)
+    assert {p.name for p in paths} == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["added_tokens_decoder"]["3"] == {"content": "<|open|>", "lstrip": False, "normalized": False,
+                                                   "rstrip": False, "single_word": False, "special": False}
+    assert load_tokenizer(tmp_path).encode_text("quick fox") == trained.encode_text("quick fox")
+
+
+def test_load_errors(tmp_path, kimi):
+    with pytest.raises(ValueError, match="not a directory"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(ValueError, match="neither tiktoken.model nor tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tiktoken.model").write_bytes(b"IQ== 0\nIg== 1\n")
+    with pytest.raises(ValueError, match="tokenizer_config.json is required"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"2": {"content": "<|open|>"}}}))
+    with pytest.raises(ValueError, match="'<\\|end_of_msg\\|>' is missing"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"999": {"content": "x"}}}))
+    with pytest.raises(ValueError, match="outside the special slots"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tiktoken.model").write_bytes(b"IQ== 0\nIg== 5\n")
+    with pytest.raises(ValueError, match="ranks must be exactly"):
+        load_tokenizer(tmp_path)

@@ -1,0 +1,157 @@
+"""openk3.ops.attention: full causal form (SDPA and reference) and the absorbed latent form,
+each against naive per-query loops written here from the definitions (float64)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from openk3.ops.attention import (
+    attention_backend,
+    causal_attention,
+    causal_attention_reference,
+    get_attention_backend,
+    latent_attention,
+)
+from tests.conftest import assert_close
+
+BACKENDS = ("sdpa", "reference")
+
+
+def naive_attention(q, k, v, scale, visible):
+    """Per (b, h, i): softmax over the keys j with visible(b, i, j); zeros if none. float64.
+
+    Also returns the per-head max logit over visible pairs."""
+    B, H, T, _ = q.shape
+    out = torch.zeros(B, H, T, v.shape[-1], dtype=torch.float64)
+    best = torch.full((H,), -math.inf, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                js = [j for j in range(k.shape[2]) if visible(b, i, j)]
+                if not js:
+                    continue
+                logit = torch.stack([q[b, h, i].double() @ k[b, h, j].double() for j in js]) * scale
+                best[h] = max(best[h], logit.max())
+                p = torch.softmax(logit, 0)
+                out[b, h, i] = sum(p[n] * v[b, h, j].double() for n, j in enumerate(js))
+    return out, best
+
+
+def _qkv(B=2, H=3, T=7, K=6, V=5):
+    return torch.randn(B, H, T, K), torch.randn(B, H, T, K), torch.randn(B, H, T, V)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_matches_naive_with_padding(backend):
+    q, k, v = _qkv()
+    lengths = torch.tensor([7, 4])
+    ml = torch.full((3,), -math.inf)
+    out = causal_attention(q, k, v, scale=0.3, lengths=lengths, max_logits_out=ml, backend=backend)
+    want, best = naive_attention(q, k, v, 0.3, lambda b, i, j: j <= i and i < lengths[b])
+    assert_close(out, want, atol=1e-5, what="causal attention, padded rows")
+    assert bool((out[1, :, 4:] == 0).all()), "padded query positions must be zero"
+    assert_close(ml, best, atol=1e-5, what="max logits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cu_seqlens_packed_equals_separate_documents(backend):
+    H, K, V = 2, 4, 3
+    cu = torch.tensor([0, 3, 3, 8, 11])  # includes an empty document
+    T = int(cu[-1])
+    q, k, v = torch.randn(1, H, T, K), torch.randn(1, H, T, K), torch.randn(1, H, T, V)
+    ml = torch.full((H,), -math.inf)
+    packed = causal_attention(q, k, v, scale=0.5, cu_seqlens=cu, max_logits_out=ml, backend=backend)
+    best = torch.full((H,), -math.inf)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if e == s:
+            continue
+        ml_doc = torch.full((H,), -math.inf)
+        sep = causal_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale=0.5, max_logits_out=ml_doc, backend=backend)
+        assert_close(packed[:, :, s:e], sep, atol=1e-6, what=f"document [{s}, {e})")
+        best = torch.maximum(best, ml_doc)
+    assert_close(ml, best, atol=1e-6, what="packed max logits")
+    seg = torch.searchsorted(cu[1:], torch.arange(T), right=True)
+    want, _ = naive_attention(q, k, v, 0.5, lambda b, i, j: j <= i and seg[i] == seg[j])
+    assert_close(packed, want, atol=1e-5, what="block-diagonal causal vs naive")
+
+
+def test_sdpa_equals_reference_and_override():
+    q, k, v = _qkv(T=33)
+    a = causal_attention(q, k, v, scale=0.2, backend="sdpa")
+    b = causal_attention_reference(q, k, v, scale=0.2)
+    assert_close(a, b, atol=1e-6, what="sdpa vs reference")
+    assert get_attention_backend() == "sdpa"
+    with attention_backend("reference"):
+        assert get_attention_backend() == "reference"
+    assert get_attention_backend() == "sdpa"
+
+
+def test_max_logits_is_running_max_and_chunked(monkeypatch):
+    import openk3.ops.attention as attn
+
+    monkeypatch.setattr(attn, "_MAX_LOGIT_CHUNK", 4)  # several query blocks
+    q, k, v = _qkv(T=11)
+    _, best = naive_attention(q, k, v, 0.7, lambda b, i, j: j <= i)
+    ml = torch.tensor([-math.inf, 1e9, -math.inf])  # the second head's larger value must survive
+    causal_attention(q, k, v, scale=0.7, max_logits_out=ml, backend="sdpa")
+    assert ml[1] == 1e9
+    assert_close(ml[[0, 2]], best[[0, 2]], atol=1e-5, what="chunked max logits")
+
+
+def test_full_bad_inputs():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="backend"):
+        causal_attention(q, k, v, scale=1.0, backend="flash9")
+    with pytest.raises(ValueError, match="lengths"):
+        causal_attention(q, k, v, scale=1.0, lengths=torch.tensor([8, 1]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        causal_attention(q, k, v, scale=1.0, cu_seqlens=torch.tensor([0, 7]))  # B = 2
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        causal_attention(q[:1], k[:1], v[:1], scale=1.0, cu_seqlens=torch.tensor([0, 5]))  # does not end at T
+    with pytest.raises(ValueError, match="q, k, v"):
+        causal_attention(q, k[:, :, :3], v, scale=1.0)
+    with pytest.raises(ValueError, match="max_logits_out"):
+        causal_attention(q, k, v, scale=1.0, max_logits_out=torch.zeros(5))
+
+
+def test_latent_attention_matches_naive():
+    B, T, H, C, R, S = 3, 4, 2, 5, 3, 12
+    ql, qr = torch.randn(B, T, H, C), torch.randn(B, T, H, R)
+    lat, kr = torch.randn(B, S, C), torch.randn(B, S, R)
+    past, lengths = torch.tensor([0, 5, 8]), torch.tensor([4, 1, 3])
+    ml = torch.full((H,), -math.inf)
+    out = latent_attention(ql, qr, lat, kr, past, scale=0.4, lengths=lengths, max_logits_out=ml)
+    # Expressed as ordinary attention: key = [latent | k_rope], value = latent.
+    q = torch.cat([ql, qr], -1).transpose(1, 2)
+    k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
+    v = lat[:, None].expand(B, H, S, C)
+    want, best = naive_attention(q, k, v, 0.4, lambda b, t, j: t < lengths[b] and j < past[b] + t + 1)
+    assert_close(out, want.transpose(1, 2), atol=1e-5, what="latent attention")
+    assert_close(ml, best, atol=1e-5, what="latent max logits")
+    assert bool((out[1, 1:] == 0).all()) and bool((out[2, 3:] == 0).all()), "padded queries must be zero"
+
+
+def test_latent_attention_ignores_stale_cache_entries():
+    B, T, H, C, R, S = 1, 2, 2, 4, 2, 8
+    ql, qr = torch.randn(B, T, H, C), torch.randn(B, T, H, R)
+    lat, kr = torch.randn(B, S, C), torch.randn(B, S, R)
+    past = torch.tensor([3])
+    a = latent_attention(ql, qr, lat, kr, past, scale=1.0)
+    lat2, kr2 = lat.clone(), kr.clone()
+    lat2[:, 5:], kr2[:, 5:] = 1e4, -1e4  # beyond past + T: never visible
+    b = latent_attention(ql, qr, lat2, kr2, past, scale=1.0)
+    assert torch.equal(a, b)
+
+
+def test_latent_attention_overflow_and_shapes():
+    ql, qr = torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 2)
+    lat, kr = torch.randn(1, 5, 4), torch.randn(1, 5, 2)
+    with pytest.raises(ValueError, match="exceed"):
+        latent_attention(ql, qr, lat, kr, torch.tensor([3]), scale=1.0)
+    with pytest.raises(ValueError, match="past_lengths"):
+        latent_attention(ql, qr, lat, kr, torch.tensor([0, 0]), scale=1.0)
+    with pytest.raises(ValueError, match="q_latent"):
+        latent_attention(ql, qr[..., :1], lat, kr, torch.tensor([0]), scale=1.0)

@@ -1,0 +1,201 @@
+"""Whole-model invariants on the tiny presets: cache paths equal the full forward, padding and
+packing are exact, checkpoints round-trip bit-exactly, parameter counts match the K3 report."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from openk3.checkpoint import read_safetensors
+from openk3.params import count_parameters
+from openk3.pretrained import build_model, load_pretrained
+from openk3.config import preset
+from safetensors.torch import save_file
+from tests.conftest import assert_close
+
+PRESETS = ["k3-test-tiny", "k3-test-tiny-noqlora", "kimi-linear-tiny"]
+
+
+def sharp(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Perturb every tensor so that no branch is trivially near zero (AttnRes queries, router
+    bias, norms): the standard init makes many comparisons vacuous."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point():
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith(("A_log", "dt_bias")):
+                p.add_(0.5 * noise)
+            elif p.ndim == 1 or name.endswith("_res_proj.weight"):
+                p.add_(0.2 * noise)
+            else:
+                p.add_(noise * max(p.std().item(), 0.02) * 4)
+    return model
+
+
+def greedy_full(model, ids, n):
+    seq = ids
+    for _ in range(n):
+        nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    return seq[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("init", ["standard", "sharp"])
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(name, init):
+    model = build_model(preset(name), seed=1)
+    if init == "sharp":
+        sharp(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 70))
+    full = model(ids).logits
+    cache = model.new_cache(2, 80)
+    pre = model(ids[:, :50], cache).logits
+    steps = [model(ids[:, t:t + 1], cache).logits for t in range(50, 70)]
+    got = torch.cat([pre] + steps, 1)
+    assert_close(got, full, atol=1e-3, what=f"{name} prefill+decode")
+    assert torch.equal(got.argmax(-1), full.argmax(-1))
+    assert cache.lengths.tolist() == [70, 70]
+
+
+@torch.no_grad()
+def test_greedy_decode_through_cache_matches_full_argmax():
+    model = sharp(build_model(preset("k3-test-tiny"), seed=2))
+    ids = torch.randint(0, 512, (1, 9))
+    want = greedy_full(model, ids, 8)
+    cache = model.new_cache(1, 32)
+    logits = model(ids, cache).logits[:, -1]
+    got = []
+    for _ in range(8):
+        nxt = logits.argmax(-1, keepdim=True)
+        got.append(nxt)
+        logits = model(nxt, cache).logits[:, -1]
+    assert torch.equal(torch.cat(got, 1), want)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@torch.no_grad()
+def test_chunked_prefill_with_history_and_padding(name):
+    model = sharp(build_model(preset(name), seed=3))
+    lens = [37, 70, 5]
+    ids = torch.randint(0, 512, (3, 70))
+    cache = model.new_cache(3, 80)
+    outs = []
+    for start in range(0, 70, 30):  # chunks of 30 with history in the cache, ragged rows
+        chunk = ids[:, start:start + 30]
+        valid = torch.tensor([max(0, min(l - start, chunk.shape[1])) for l in lens])
+        outs.append(model(chunk, cache, lengths=valid).logits)
+    got = torch.cat(outs, 1)
+    assert cache.lengths.tolist() == lens
+    for b, l in enumerate(lens):
+        alone = model(ids[b:b + 1, :l]).logits[0]
+        assert_close(got[b, :l], alone, atol=1e-4, what=f"{name} row {b}")
+    # the padded rows then decode correctly from their own length
+    nxt = torch.randint(0, 512, (3, 1))
+    step = model(nxt, cache).logits[:, -1]
+    for b, l in enumerate(lens):
+        alone = model(torch.cat([ids[b:b + 1, :l], nxt[b:b + 1]], 1)).logits[0, -1]
+        assert_close(step[b], alone, atol=1e-4, what=f"{name} row {b} decode after padding")
+
+
+@pytest.mark.parametrize("name", ["k3-test-tiny", "kimi-linear-tiny"])
+@torch.no_grad()
+def test_packed_documents_equal_separate_forwards(name):
+    model = sharp(build_model(preset(name), seed=4))
+    docs = [torch.randint(0, 512, (1, n)) for n in (17, 70, 9)]
+    packed = torch.cat(docs, 1)
+    cu = torch.tensor([0, 17, 87, 96])
+    got = model(packed, cu_seqlens=cu).logits[0]
+    want = torch.cat([model(d).logits[0] for d in docs])
+    assert_close(got, want, atol=1e-4, what="packed vs separate")
+
+
+def test_loss_and_backward():
+    model = build_model(preset("k3-test-tiny"), seed=5)
+    ids = torch.randint(0, 512, (2, 20))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    out = model(ids, labels=labels)
+    ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert_close(out.loss, ref, atol=1e-6, what="loss")
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert grads["model.layers.3.self_attn.kv_b_proj.weight"].abs().sum() > 0
+    assert grads["model.layers.1.block_sparse_moe.experts.w1"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_save_load_round_trip_is_bit_exact(name, tmp_path):
+    model = sharp(build_model(preset(name), seed=6))
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "sharded", max_shard_bytes=40_000)
+    ids = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        want = model(ids).logits
+    for sub in ("one", "sharded"):
+        back = load_pretrained(tmp_path / sub)
+        sd, sd2 = model.state_dict(), back.state_dict()
+        assert sd.keys() == sd2.keys()
+        assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+        with torch.no_grad():
+            assert torch.equal(back(ids).logits, want)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert not (tmp_path / "sharded" / "model.safetensors").exists()
+
+
+def test_k3_wrapper_writes_official_names(tmp_path):
+    cfg = preset("k3-test-tiny").as_k3_wrapper()
+    model = build_model(cfg)
+    model.save_pretrained(tmp_path)
+    names = set(read_safetensors(str(tmp_path)))
+    assert "language_model.lm_head.weight" in names
+    assert "language_model.model.layers.1.block_sparse_moe.experts.7.w2.weight" in names
+    assert "language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias" in names
+    assert "language_model.model.layers.0.self_attn.q_conv1d.weight" in names
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "kimi_k3"
+
+
+def test_bad_checkpoints_name_the_tensor(tmp_path):
+    model = build_model(preset("k3-test-tiny"))
+    model.save_pretrained(tmp_path)
+    tensors = read_safetensors(str(tmp_path))
+    gone = dict(tensors)
+    del gone["model.layers.3.self_attn.kv_b_proj.weight"]
+    save_file(gone, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.3\.self_attn\.kv_b_proj\.weight"):
+        load_pretrained(tmp_path)
+    bad = dict(tensors)
+    bad["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: shape \(3, 3\)"):
+        load_pretrained(tmp_path)
+    expert = dict(tensors)
+    del expert["model.layers.2.block_sparse_moe.experts.5.w3.weight"]
+    save_file(expert, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts\.5\.w3\.weight"):
+        load_pretrained(tmp_path)
+    extra = dict(tensors)
+    extra["model.layers.0.self_attn.surprise.weight"] = torch.zeros(1)
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.self_attn.surprise"):
+        load_pretrained(tmp_path)
+
+
+def test_parameter_counts_of_the_released_config():
+    counts = count_parameters(preset("kimi-k3"))
+    assert counts["total"] == 2_779_484_476_000
+    assert counts["active"] == 104_189_612_640
+
+
+def test_cli_info_json():
+    out = subprocess.run([sys.executable, "-m", "openk3.cli", "info", "--config", "kimi-k3", "--json"],
+                         capture_output=True, text=True, check=True)
+    d = json.loads(out.stdout)
+    assert (d["total"], d["active"]) == (2_779_484_476_000, 104_189_612_640)
+    bad = subprocess.run([sys.executable, "-m", "openk3.cli", "info", "--config", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "nope" in bad.stderr
