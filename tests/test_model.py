@@ -124,7 +124,10 @@ def test_loss_and_backward():
     assert_close(out.loss, ref, atol=1e-6, what="loss")
     out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    # layer 0's mixer AttnRes site exists in the checkpoint but is never used (architecture.md §2)
+    unused = {"model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"}
+    assert {n for n, g in grads.items() if g is None} == unused
+    assert all(torch.isfinite(g).all() for n, g in grads.items() if n not in unused)
     assert grads["model.layers.3.self_attn.kv_b_proj.weight"].abs().sum() > 0
     assert grads["model.layers.1.block_sparse_moe.experts.w1"].abs().sum() > 0
 

@@ -125,8 +125,6 @@ class ParsedMessage:
         return msg
 
 
-
-
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -275,8 +273,6 @@ class OutputParser:
             # an unterminated earlier tag is malformed: dropped, never shown as text
             self._tag, self._tag_is_close = bytearray(), tid == ids.close
         elif tid == ids.sep:
-            if self._tag is None:
-                self._on_text('<|sep|>', out)
             if self._tag is not None:
                 raw, self._tag = self._tag, None
                 self._on_tag(self._tag_is_close, raw, out)

@@ -215,6 +215,8 @@ class AttnResState:
         if self.site_queries is None:
             sources = self.blocks if partial is None else self.blocks + [partial]
             return depth_mix(sources, norm_w, proj_w, self.eps)
+        if row not in self._stat_rows:
+            raise ValueError(f"layer_idx={row // 2}: beyond the {self._num_layers()} layers site_queries describe")
         i = self._stat_rows[row]
         st = self._stats
         if partial is None:

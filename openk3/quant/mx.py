@@ -21,6 +21,8 @@ Numerics (every step is exact apart from the element rounding itself):
     * Elements: RNE(x / X) in the element format (ties to the even code), saturated to +-6 / +-448.
       x / X is exact in fp32 because X is a power of two. The sign bit is ``signbit(x)``, so -0.0 and
       negatives that round to zero encode as -0 (E2M1 code 8), as torchao and compressed-tensors do.
+      MXFP4 elements are returned as uint8 codes 0..15; MXFP8 elements as ``torch.float8_e4m3fn``
+      (``.view(torch.uint8)`` is the OCP E4M3 byte).
     * Non-finite input: a block holding a NaN or +-Inf gets s = 255 (NaN) and zero element codes, so it
       dequantizes to NaN. E8M0, E2M1 and E4M3FN have no Inf, so NaN is the only outcome that does not
       turn an Inf into a made-up finite number (microxcaling does the same: exponent overflow -> NaN).
@@ -181,9 +183,10 @@ def quantize_mxfp4(
     axis, scales, v = _scaled_blocks(x, block, axis, E2M1_EMAX, E2M1_MAX, scale_mode, "quantize_mxfp4")
     mag = v.abs()
     mids = torch.tensor(_E2M1_MIDPOINTS, dtype=mag.dtype, device=mag.device)
-    idx = torch.bucketize(mag, mids)  # mag == mids[k] lands on k, the lower neighbour
-    tie_to_odd = (idx < len(_E2M1_MIDPOINTS)) & (mag == mids[idx.clamp(max=len(_E2M1_MIDPOINTS) - 1)]) & (idx % 2 == 1)
-    idx = idx + tie_to_odd.to(idx.dtype)  # magnitudes above 5 land on 7 (= 6): saturation
+    idx = torch.bucketize(mag, mids)  # mag == mids[k] -> k (lower neighbour); mag > 5 -> 7 (6.0, saturation)
+    last = len(_E2M1_MIDPOINTS) - 1
+    tie_to_odd = (idx <= last) & (mag == mids[idx.clamp(max=last)]) & (idx % 2 == 1)
+    idx = idx + tie_to_odd.to(idx.dtype)  # an odd code is an odd mantissa: ties move up to the even one
     codes = (idx | (torch.signbit(v).to(idx.dtype) << 3)).to(torch.uint8)
     return _from_blocks(codes, axis), scales.movedim(-1, axis)
 
@@ -243,7 +246,9 @@ def unpack_mxfp4(packed: torch.Tensor) -> torch.Tensor:
         ValueError: non-uint8 or 0-dim input.
     """
     if packed.dtype != torch.uint8 or packed.dim() == 0:
-        raise ValueError(f"unpack_mxfp4: packed must be a uint8 tensor with >= 1 dim, got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(
+            f"unpack_mxfp4: packed must be a uint8 tensor with >= 1 dim, got {packed.dtype} {tuple(packed.shape)}"
+        )
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 

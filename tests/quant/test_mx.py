@@ -1,9 +1,10 @@
 """openk3.quant.mx: MXFP4 / MXFP8 against an independent float64 OCP MX v1.0 oracle (always) and torchao's
-``to_mx`` (when installed), pack layout, error handling, the straight-through estimator, the packed
+``to_mx`` (test-only dependency, torchao==0.18.0; skipped when absent), pack layout, error handling, the straight-through estimator, the packed
 linear reference. Spec: architecture.md §10, k3-release-notes.md §1.9."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -81,6 +82,7 @@ def _f32(v: float) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float64).float()
 
 
+@functools.lru_cache(maxsize=None)
 def adversarial() -> torch.Tensor:
     """[R, 32] fp32, one block per row: zeros, every power-of-two block max (subnormal to 2^127), maxima
     just below / at / above 6*2^e, 8*2^e and 448*2^e, exact rounding ties, subnormal blocks, NaN / Inf."""
@@ -127,10 +129,17 @@ def adversarial() -> torch.Tensor:
     return torch.stack(rows)
 
 
-def random_cases() -> list[torch.Tensor]:
+@functools.lru_cache(maxsize=None)
+def random_cases() -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(2)
     heavy = torch.randn(32, 256, generator=g) * torch.exp(4 * torch.randn(32, 256, generator=g))
-    return [torch.randn(64, 256, generator=g), heavy, torch.randn(8, 3, 64, generator=g) * 1e-3]
+    return torch.randn(64, 256, generator=g), heavy, torch.randn(8, 3, 64, generator=g) * 1e-3
+
+
+@functools.lru_cache(maxsize=None)
+def ours_on_cases(fmt: str, mode: str) -> tuple:
+    """(x, ours(x)) for every test tensor, shared by the oracle and torchao tests (inputs are not mutated)."""
+    return tuple((x, ours(x, fmt, mode)) for x in (adversarial(), *random_cases()))
 
 
 # --------------------------------------------------------------------------- oracle parity
@@ -139,8 +148,7 @@ def random_cases() -> list[torch.Tensor]:
 @pytest.mark.parametrize("fmt", list(FMT))
 @pytest.mark.parametrize("mode", MODES)
 def test_matches_float64_oracle(fmt, mode):
-    for x in [adversarial(), *random_cases()]:
-        c, s, v = ours(x, fmt, mode)
+    for x, (c, s, v) in ours_on_cases(fmt, mode):
         oc, os_, ov = oracle(x, fmt, mode)
         assert torch.equal(s, os_), f"{fmt}/{mode}: scales differ in {(s != os_).sum().item()} blocks"
         assert torch.equal(c, oc), f"{fmt}/{mode}: codes differ in {(c != oc).sum().item()} elements"
@@ -215,8 +223,7 @@ def _torchao_deviations(x: torch.Tensor, scales: torch.Tensor, fmt: str, mode: s
 @pytest.mark.parametrize("fmt", list(FMT))
 @pytest.mark.parametrize("mode", MODES)
 def test_matches_torchao(fmt, mode):
-    for x in [adversarial(), *random_cases()]:
-        c, s, v = ours(x, fmt, mode)
+    for x, (c, s, v) in ours_on_cases(fmt, mode):
         tc, ts, tv, _ = _torchao(x, fmt, mode)
         inf_block, tiny, log2_rounded = _torchao_deviations(x, s, fmt, mode)
         same_scale = ~inf_block & ~log2_rounded

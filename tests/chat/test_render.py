@@ -1,0 +1,296 @@
+"""K3 renderer (spec k3-chat-format.md §2-§12): the fixture cases exactly, option precedence,
+partial prefill, images, markup safety, malformed requests, the training loss mask."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from openk3.chat_format import encode_request, render_assistant_output, render_training
+from openk3.tokenizer import load_tokenizer
+from tests.conftest import shared_path
+
+_TOK = None
+
+
+def tok():
+    """The official Kimi BPE, loaded once (shared by fixtures and hypothesis tests)."""
+    global _TOK
+    if _TOK is None:
+        _TOK = load_tokenizer(shared_path("kimi-tokenizer"))
+    return _TOK
+
+
+def _cases():
+    path = shared_path("fixtures", "k3-chat-format", "cases.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+try:
+    CASES = _cases()
+except BaseException:  # noqa: BLE001 - shared/ absent: the parametrized tests skip via the fixture below
+    CASES = []
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return tok()
+
+
+def _case(case_id):
+    return next(c for c in CASES if c["id"] == case_id)
+
+
+# ----------------------------------------------------------------------------- fixture parity
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_fixture_case(kimi, case):
+    p = encode_request(copy.deepcopy(case["request"]), kimi)
+    assert p.text == case["rendered_text"]
+    assert p.token_ids == case["token_ids"] and p.num_tokens == case["num_tokens"]
+    assert p.pending_tokens == case["pending_tokens"]
+    assert p.prompt_tokens == case["prompt_tokens"]
+    assert p.image_slots == case["image_slots"]
+    assert all(p.token_ids[i] == kimi.media_pad_id for i in p.image_slots)
+    stub = case["generation_stub"]
+    assert (p.channel if p.pending_tokens else None) == (None if stub is None else stub[8:-7])
+    if case["image_slots"]:
+        assert p.prompt_tokens_excluding_images == case["prompt_tokens_excluding_images"]
+    else:
+        # Every markup id in the prompt corresponds to a markup spelling; user text contributes none.
+        assert kimi.decode(p.token_ids) == p.text
+        q = encode_request(copy.deepcopy(case["request"]), kimi, omit_empty_history_think=True)
+        assert q.prompt_tokens == case["prompt_tokens_without_empty_history_think"]
+
+
+def test_fixture_file_present():
+    assert len(_cases()) == 56
+
+
+def test_kvv_anchors(kimi):
+    """Spec §12: the KVV README example counts 99; the groundtruth payload 545 / 539 (switch)."""
+    assert encode_request(_case("assistant_only_hello")["request"], kimi).prompt_tokens == 99
+    req = _case("kvv_groundtruth_539")["request"]
+    assert encode_request(req, kimi).prompt_tokens == 545
+    assert encode_request(req, kimi, omit_empty_history_think=True).prompt_tokens == 539
+
+
+# ----------------------------------------------------------------------------- options
+
+def _effort_line(p):
+    marker = "Now the system is invoked with `thinking_effort="
+    return p.text.split(marker)[1].split("`")[0] if marker in p.text else None
+
+
+@pytest.mark.parametrize("extra, thinking, effort", [
+    ({}, True, "max"),
+    ({"reasoning_effort": "low"}, True, "low"),
+    ({"reasoning_effort": "low", "thinking": {"type": "enabled", "effort": "high"}}, True, "high"),
+    ({"thinking": {"effort": "high"}, "chat_template_kwargs": {"thinking_effort": "medium"}}, True, "medium"),
+    ({"reasoning_effort": "none"}, False, None),
+    ({"thinking": {"type": "disabled"}, "reasoning_effort": "high"}, False, None),
+    ({"chat_template_kwargs": {"thinking": False}}, False, None),
+])
+def test_thinking_and_effort_precedence(kimi, extra, thinking, effort):
+    p = encode_request({"messages": [{"role": "user", "content": "hi"}], **extra}, kimi)
+    assert p.thinking is thinking and p.thinking_effort == effort and _effort_line(p) == effort
+    assert p.channel == ("think" if thinking else "response")
+    assert p.token_ids[-3:] == [kimi.open_id, kimi.encode_text("think" if thinking else "response")[0], kimi.sep_id]
+
+
+def test_tool_choice_needs_a_tool(kimi):
+    """§9: none/required render only with a declared tool (request-level or dynamic)."""
+    msgs = [{"role": "user", "content": "hi"}]
+    assert "tool-choice" not in encode_request({"messages": msgs, "tool_choice": "none"}, kimi).text
+    dyn = [{"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "f"}}]}] + msgs
+    p = encode_request({"messages": dyn, "tool_choice": "none"}, kimi)
+    assert "MUST NOT call any tools" in p.text and p.tool_choice == "none" and p.tool_names == ("f",)
+
+
+def test_canonical_json_key_order(kimi):
+    """§7: code-point key order at every depth (uppercase first, `maxItems` before `maximum`)."""
+    params = {"type": "object", "properties": {"alpha": {"maximum": 3, "maxItems": 2}, "Zeta": {}}}
+    p = encode_request({"messages": [{"role": "user", "content": "x"}],
+                        "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]}, kimi)
+    assert '"properties":{"Zeta":{},"alpha":{"maxItems":2,"maximum":3}}' in p.text
+
+
+def test_arguments_string_and_object_render_identically(kimi):
+    def req(args):
+        return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]}]}
+    obj = {"b": [1, {"z": None}], "a": "line\n\"q\"", "n": -0.5, "t": True}
+    a = encode_request(req(json.dumps(obj)), kimi)
+    assert a.token_ids == encode_request(req(obj), kimi).token_ids
+    assert ('<|open|>argument key="b" type="array"<|sep|>[1, {"z": null}]<|close|>argument<|sep|>'
+            '<|open|>argument key="a" type="string"<|sep|>line\n"q"<|close|>argument<|sep|>'
+            '<|open|>argument key="n" type="number"<|sep|>-0.5<|close|>argument<|sep|>'
+            '<|open|>argument key="t" type="boolean"<|sep|>true<|close|>argument<|sep|>') in a.text
+    for empty in ("", "  ", "{}", None):
+        assert '<|open|>call tool="f" index="1"<|sep|><|close|>call<|sep|>' in encode_request(req(empty), kimi).text
+
+
+# ----------------------------------------------------------------------------- partial prefill, images
+
+def test_partial_variants(kimi):
+    base = [{"role": "user", "content": "go"}]
+    think = encode_request({"messages": base + [
+        {"role": "assistant", "content": "", "reasoning_content": "Step 1", "partial": True}]}, kimi)
+    assert think.text.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>Step 1')
+    assert think.channel == "think" and think.pending_tokens == 0 and think.prompt_tokens == think.num_tokens
+    named = encode_request({"messages": base + [
+        {"role": "assistant", "name": "Dr. K", "content": "", "partial": True}]}, kimi)
+    assert named.text.endswith('<|open|>message role="assistant" name="Dr. K"<|sep|><|open|>think<|sep|>')
+    assert named.pending_tokens == 3 and named.prompt_tokens == named.num_tokens - 3 and named.partial
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls"):
+        encode_request({"messages": base + [{"role": "assistant", "partial": True, "tool_calls": [
+            {"id": "a", "function": {"name": "f", "arguments": "{}"}}]}]}, kimi)
+
+
+def test_images(kimi):
+    parts = [{"type": "image_url", "image_url": {"url": "data:a"}}, {"type": "text", "text": "and"},
+             {"type": "image", "image": "data:b"}]
+    p = encode_request({"messages": [{"role": "user", "content": parts}]}, kimi)
+    assert len(p.image_slots) == 2 and [p.token_ids[i] for i in p.image_slots] == [kimi.media_pad_id] * 2
+    assert p.images == [parts[0], parts[2]] and p.prompt_tokens is None
+    assert p.text.count("<|kimi_image_placeholder|>") == 2
+    assert p.prompt_tokens_with_images([10, 20]) == p.num_tokens - 3 - 2 + 30
+    with pytest.raises(ValueError, match="image_tokens"):
+        p.prompt_tokens_with_images([10])
+
+
+# ----------------------------------------------------------------------------- markup safety
+
+_hostile = st.lists(st.text(max_size=20) | st.sampled_from(
+    ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|media_pad|>", '"', "&", "&quot;"]), max_size=6).map("".join)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_hostile)
+def test_property_user_text_never_adds_markup(text):
+    """Wherever client text goes (content, name, reasoning, argument key and value, tool result),
+    the markup ids are the same as for a neutral text: text can never produce a special id."""
+    def req(t):
+        return {"messages": [
+            {"role": "user", "name": t or "n", "content": t},
+            {"role": "assistant", "content": t, "reasoning_content": t, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {t: t, "k": [t]}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": t}]}]}
+    k = tok()
+    marks = [i for i in encode_request(req(text), k).token_ids if i in k.special_ids]
+    assert marks == [i for i in encode_request(req("x"), k).token_ids if i in k.special_ids]
+
+
+# ----------------------------------------------------------------------------- malformed requests
+
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+_CALL = {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function",
+                                                           "function": {"name": "f", "arguments": "{}"}}]}
+_U = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("request_, field", [
+    ({"messages": [_U, _CALL, {"role": "tool", "tool_call_id": "zzz", "content": "r"}]}, r"messages\[2\]\.tool_call_id"),
+    ({"messages": [_U, {"role": "tool", "content": "r"}]}, r"messages\[1\]\.tool_call_id"),
+    ({"messages": [_U, {"role": "wizard", "content": "x"}]}, r"messages\[1\]\.role.*wizard"),
+    ({"messages": [{"content": "x"}]}, r"messages\[0\]\.role"),
+    ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"arguments": "{}"}}]}]},
+     r"messages\[1\]\.tool_calls\[0\]\.function\.name"),
+    ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
+    ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": 5}}]}]},
+     r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
+    ({"messages": [_U, {"role": "assistant", "tool_calls": {"id": "a"}}]}, r"messages\[1\]\.tool_calls"),
+    ({"messages": [_U], "reasoning_effort": "extreme"}, r"reasoning_effort.*extreme"),
+    ({"messages": [_U], "thinking": {"effort": "huge"}}, r"thinking\.effort.*huge"),
+    ({"messages": [_U], "thinking": True}, r"^thinking"),
+    ({"messages": [_U], "thinking": {"type": "sometimes"}}, r"thinking\.type"),
+    ({"messages": [_U], "tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, r"tool_choice"),
+    ({"messages": [_U], "tool_choice": "always"}, r"tool_choice.*always"),
+    ({"messages": [_U], "response_format": {"type": "yaml"}}, r"response_format\.type"),
+    ({"messages": [_U], "tools": _TOOLS + _TOOLS}, r"tools.*duplicate"),
+    ({"messages": [_U], "tools": {"f": 1}}, r"^tools"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "v"}]}]},
+     r"messages\[0\]\.content\[0\]\.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, r"messages\[0\]\.content\[0\]\.text"),
+    ({"messages": [{"role": "user", "content": 7}]}, r"messages\[0\]\.content"),
+    ({"messages": [{"role": "user", "name": 3, "content": "x"}]}, r"messages\[0\]\.name"),
+    ({"messages": [_U, {"role": "assistant", "content": "", "reasoning_content": ["x"]}]},
+     r"messages\[1\]\.reasoning_content"),
+    ({"messages": ["hello"]}, r"messages\[0\]"),
+    ({"messages": []}, r"^messages"),
+    ({}, r"^messages"),
+])
+def test_malformed_requests(kimi, request_, field):
+    with pytest.raises(ValueError, match=field):
+        encode_request(request_, kimi)
+
+
+# ----------------------------------------------------------------------------- training and output
+
+def _reference_mask(tk, ids):
+    """Independent scan: after each assistant message opening (a tag that decodes to
+    `message role="assistant"...`) and its 3-id channel stub, mark through the next <|end_of_msg|>."""
+    mask, i = [0] * len(ids), 0
+    while i < len(ids):
+        if ids[i] == tk.open_id:
+            j = ids.index(tk.sep_id, i)
+            if tk.decode(ids[i + 1:j]).startswith('message role="assistant"'):
+                assert ids[j + 1] == tk.open_id and ids[j + 3] == tk.sep_id
+                end = ids.index(tk.end_of_msg_id, j + 4)
+                mask[j + 4:end + 1] = [1] * (end - j - 3)
+                i = end
+        i += 1
+    return mask
+
+
+TRAIN_CASES = [c for c in CASES if c["server_convention"] is None]
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=[c["id"] for c in TRAIN_CASES])
+def test_training_mask(kimi, case):
+    req = copy.deepcopy(case["request"])
+    ex = render_training(req, kimi)
+    assert ex.token_ids == encode_request(req, kimi, add_generation_prompt=False).token_ids
+    assert ex.token_ids == case["token_ids"][:-10]  # minus the assistant opening (7) and the stub (3)
+    assert ex.loss_mask == _reference_mask(kimi, ex.token_ids)
+    # Each masked span is exactly what the model generates for that assistant message.
+    thinking = encode_request(req, kimi).thinking
+    spans, start = [], None
+    for i, m in enumerate(ex.loss_mask + [0]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            spans.append(ex.token_ids[start:i])
+            start = None
+    assistants = [m for m in req["messages"] if m["role"] == "assistant"]
+    assert spans == [render_assistant_output(m, kimi, thinking=thinking) for m in assistants]
+    last = render_training(req, kimi, train_on="last").loss_mask
+    assert sum(last) == (len(spans[-1]) if spans else 0) and all(a >= b for a, b in zip(ex.loss_mask, last))
+
+
+def test_training_rejects(kimi):
+    with pytest.raises(ValueError, match="train_on"):
+        render_training([_U], kimi, train_on="first")
+    with pytest.raises(ValueError, match=r"messages\[1\]\.partial"):
+        render_training([_U, {"role": "assistant", "content": "x", "partial": True}], kimi)
+
+
+def test_render_assistant_output_shape(kimi):
+    msg = {"role": "assistant", "reasoning_content": "r", "content": "c", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "a.b-c_d", "arguments": '{"k": 1}'}}]}
+    on = render_assistant_output(msg, kimi)
+    off = render_assistant_output(msg, kimi, thinking=False)
+    assert kimi.decode(on) == ('r<|close|>think<|sep|><|open|>response<|sep|>c<|close|>response<|sep|>'
+                               '<|open|>tools<|sep|><|open|>call tool="a.b-c_d" index="1"<|sep|>'
+                               '<|open|>argument key="k" type="number"<|sep|>1<|close|>argument<|sep|>'
+                               '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+    assert kimi.decode(off) == kimi.decode(on).split("<|open|>response<|sep|>", 1)[1]
+    with pytest.raises(ValueError, match=r"message\.role"):
+        render_assistant_output({"role": "user", "content": "x"}, kimi)
+    with pytest.raises(ValueError, match=r"message\.tool_calls\[0\]\.function\.name"):
+        render_assistant_output({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, kimi)
