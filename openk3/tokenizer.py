@@ -35,8 +35,10 @@ import tiktoken
 KIMI_PAT_STR = "|".join(
     [
         r"[\p{Han}]+",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
         r"\p{N}{1,3}",
         r" ?[^\s\p{L}\p{N}]+[\r\n]*",
         r"\s*[\r\n]+",
@@ -63,8 +65,6 @@ K3_SPECIAL_TOKENS = (
 )
 # In the official tokenizer_config the tag markers are `"special": false` (spec §1.1).
 _NOT_SPECIAL_FLAG = {OPEN, CLOSE, SEP}
-_REQUIRED = {"end_of_msg_id": END_OF_MSG, "open_id": OPEN, "close_id": CLOSE, "sep_id": SEP, "media_pad_id": MEDIA_PAD}
-_OPTIONAL = {"media_begin_id": MEDIA_BEGIN, "media_content_id": MEDIA_CONTENT, "media_end_id": MEDIA_END}
 
 # Moonshot's encoder feeds tiktoken at most 400k characters at a time and cuts runs of more than
 # 25k whitespace / non-whitespace characters (spec §1.2); both cuts can change ids at the seam,
@@ -170,6 +170,9 @@ class _ByteLevelBPEBackend:
         self.plain = HFTokenizer.from_str(json.dumps(spec))
         self.special = dict(special)
         self.n_vocab = full.get_vocab_size(with_added_tokens=True)
+        for tok, i in self.special.items():
+            if not 0 <= i < self.n_vocab:
+                raise ValueError(f"tokenizer: special token {tok!r} has id {i} outside [0, {self.n_vocab})")
         to_byte = _byte_level_alphabet()
         self.token_bytes: list[bytes] = [b""] * self.n_vocab
         for tok, i in full.get_vocab(with_added_tokens=True).items():
@@ -218,20 +221,32 @@ class Tokenizer:
         self.special_tokens: dict[str, int] = dict(backend.special)
         self.special_ids = frozenset(self.special_tokens.values())
         self._special_by_id = {i: s for s, i in self.special_tokens.items()}
-        for attr, tok in _REQUIRED.items():
-            if tok not in self.special_tokens:
-                raise ValueError(f"tokenizer: required special token {tok!r} is missing")
-            setattr(self, attr, self.special_tokens[tok])
-        for attr, tok in _OPTIONAL.items():
-            setattr(self, attr, self.special_tokens.get(tok))
-        for attr in ("bos", "eos", "pad", "unk"):
-            name = config.get(f"{attr}_token")
-            if isinstance(name, dict):
-                name = name.get("content")
-            if name is not None and name not in self.special_tokens:
-                raise ValueError(f"tokenizer_config.json: {attr}_token {name!r} is not a special token")
-            setattr(self, f"{attr}_id", self.special_tokens.get(name) if name is not None else None)
+        missing = [t for t in (END_OF_MSG, OPEN, CLOSE, SEP, MEDIA_PAD) if t not in self.special_tokens]
+        if missing:
+            raise ValueError(f"tokenizer: required special token {missing[0]!r} is missing")
+        self.end_of_msg_id: int = self.special_tokens[END_OF_MSG]
+        self.open_id: int = self.special_tokens[OPEN]
+        self.close_id: int = self.special_tokens[CLOSE]
+        self.sep_id: int = self.special_tokens[SEP]
+        self.media_pad_id: int = self.special_tokens[MEDIA_PAD]
+        self.media_begin_id: int | None = self.special_tokens.get(MEDIA_BEGIN)
+        self.media_content_id: int | None = self.special_tokens.get(MEDIA_CONTENT)
+        self.media_end_id: int | None = self.special_tokens.get(MEDIA_END)
+        self.bos_id: int | None = self._config_token("bos_token")
+        self.eos_id: int | None = self._config_token("eos_token")
+        self.pad_id: int | None = self._config_token("pad_token")
+        self.unk_id: int | None = self._config_token("unk_token")
         self._cache: dict[str, list[int]] = {}
+
+    def _config_token(self, key: str) -> int | None:
+        name = self.config.get(key)
+        if isinstance(name, dict):  # HF AddedToken serialisation
+            name = name.get("content")
+        if name is None:
+            return None
+        if name not in self.special_tokens:
+            raise ValueError(f"tokenizer_config.json: {key} {name!r} is not a special token")
+        return self.special_tokens[name]
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -268,6 +283,7 @@ class Tokenizer:
 
         Raises:
             TypeError: `text` is not a str.
+            RuntimeError: a trained BPE whose merges spell a special-token string (unusable vocab).
         """
         if not isinstance(text, str):
             raise TypeError(f"encode_text: text must be str, got {type(text).__name__}")
@@ -377,11 +393,14 @@ class IncrementalDecoder:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, ids: int | Iterable[int]) -> str:
-        """Add one id or a sequence of ids; return the newly complete text (possibly "").
+        """Add one id or a sequence of ids (ints, a list, a numpy array or a torch tensor of shape
+        [] or [T]); return the newly complete text (possibly "").
 
         Raises:
             ValueError: an id outside the vocabulary.
         """
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
         ids = [ids] if isinstance(ids, int) else list(ids)
         if self.skip_special_tokens:
             ids = [i for i in ids if i not in self.tokenizer.special_ids]
@@ -429,7 +448,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         added[int(k)] = content
     if (d / "tiktoken.model").exists():
         if not cfg_file.exists():
-            raise ValueError(f"load_tokenizer: {cfg_file} is required next to tiktoken.model (it names the special slots)")
+            raise ValueError(f"load_tokenizer: {cfg_file} is required next to tiktoken.model "
+                             "(it names the special slots)")
         return Tokenizer(_TiktokenBackend(d / "tiktoken.model", added), config)
     if (d / "tokenizer.json").exists():
         text = (d / "tokenizer.json").read_text(encoding="utf-8")

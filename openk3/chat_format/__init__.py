@@ -8,7 +8,9 @@ Public entry points (``../shared/spec/k3-chat-format.md``):
 * :func:`render_assistant_output`: the ids a model generates for an assistant message (the output
   parser's round-trip partner);
 * :func:`template_variables`, :func:`chat_template`, :func:`render_template`: the project's Jinja
-  chat template (``template.jinja``), whose text equals :attr:`Prompt.text`.
+  chat template (``template.jinja``), whose text equals :attr:`Prompt.text`;
+* :class:`OutputParser`: generated ids -> typed events and the final message
+  (``OutputParser(tok, start_channel=prompt.channel, tool_index_start=prompt.history_tool_calls)``).
 """
 
 from openk3.chat_format.render import (
@@ -20,10 +22,16 @@ from openk3.chat_format.render import (
     render_assistant_output,
     render_training,
 )
+from openk3.chat_format.parser import OutputParser, ParsedMessage
 from openk3.chat_format.template import chat_template, render_template, template_variables
+from openk3.chat_format.tool_ids import make_tool_call_id, next_tool_call_index
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "OutputParser",
+    "ParsedMessage",
+    "make_tool_call_id",
+    "next_tool_call_index",
     "Prompt",
     "TrainingExample",
     "canonical_json",

@@ -216,7 +216,8 @@ def _render(request: dict, tok: Tokenizer, add_generation_prompt: bool, omit_emp
             raise ValueError(f"messages[{messages[-1].index}].partial: not allowed in training rendering")
         partial = messages.pop()
         if partial.calls:
-            raise ValueError(f"messages[{partial.index}].tool_calls: a partial assistant message cannot carry tool calls")
+            raise ValueError(f"messages[{partial.index}].tool_calls: a partial assistant message cannot carry "
+                             "tool calls")
 
     b = _Builder(tok)
     if opts.tools:

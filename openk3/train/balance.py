@@ -176,12 +176,34 @@ class QuantileBalancer:
         all_reduce_balancers_([self], group)
 
     @torch.no_grad()
-    def step(self, bias: torch.Tensor) -> torch.Tensor:
-        """End of step: the next bias from the pooled histogram, then reset for the next step.
+    def quantiles(self) -> torch.Tensor:
+        """The uncentred estimate b_hat [E] fp64 from the counts so far (report App. D).
 
-        ``b_hat_j = b_min - 1 + (beta_j + clip((q - c_j) / h_j, 0, 1)) * w`` where beta_j is the
-        first bin whose cumulative count reaches ceil(q), c_j the count below it and h_j the
-        count in it (q = m k / E, m = tokens counted); then mean-centred (and EMA'd if enabled).
+        ``b_hat_j = b_min - 1 + (beta_j + clip((q - c_j) / h_j, 0, 1)) * w``: beta_j is the first
+        bin whose cumulative count reaches ceil(q), c_j the count below it, h_j the count in it,
+        q = m k / E with m the tokens counted (each expert's histogram counts every token once).
+        The q-th smallest required bias lies in bin beta_j, so the error is at most w.
+
+        Raises:
+            ValueError: no token has been counted this step.
+        """
+        counts = self.counts.long()
+        m = counts[0].sum()
+        if self._bias is None or int(m) == 0:
+            raise ValueError("QuantileBalancer.quantiles: no tokens observed this step")
+        q = m.double() * self.top_k / self.num_experts
+        cum = counts.cumsum(1)
+        target_bin = (cum < q.ceil()).sum(1).clamp_(max=self.num_bins - 1)  # [E]
+        in_bin = counts.gather(1, target_bin[:, None])[:, 0]
+        below = cum.gather(1, target_bin[:, None])[:, 0] - in_bin
+        frac = ((q - below) / in_bin.clamp(min=1)).clamp(0.0, 1.0) if self.interpolate else torch.zeros_like(q)
+        lo, width = self._range(self._bias.double())
+        return lo + (target_bin.double() + frac) * width
+
+    @torch.no_grad()
+    def step(self, bias: torch.Tensor) -> torch.Tensor:
+        """End of step: the next bias (mean-centred :meth:`quantiles`, EMA'd if enabled), then
+        reset for the next step. Call after the step's last forward (and the all-reduce).
 
         Args:
             bias: [E] the bias the step was routed with.
@@ -189,7 +211,7 @@ class QuantileBalancer:
             The next bias [E] fp32 on ``bias``'s device; ``bias`` itself (as fp32) if no token
             was counted this step (on any rank, after the all-reduce).
         Sets ``last_stats``: ``loads`` [E] int64 (this step, pooled), ``tokens`` m, ``target``
-        q, ``max_over_mean``, ``min_over_mean``, ``bin_width``.
+            q, ``max_over_mean``, ``min_over_mean``, ``bin_width``.
         Raises:
             ValueError: ``bias`` differs from the bias of the step's first :meth:`observe`.
         """
@@ -201,19 +223,11 @@ class QuantileBalancer:
         elif not torch.equal(b, self._bias):
             raise ValueError("bias: changed during the step; QB needs one fixed bias per step "
                              "(apply the new bias only after step())")
-        counts = self.counts.long()
-        m = counts[0].sum()
-        if int(m) == 0:
+        m = int(self.counts[0].sum())
+        if m == 0:
             self.last_stats, self._bias = {}, None
             return bias.detach().float().clone()
-        q = m.double() * self.top_k / self.num_experts
-        cum = counts.cumsum(1)
-        target_bin = (cum < q.ceil()).sum(1).clamp_(max=self.num_bins - 1)  # [E]
-        in_bin = counts.gather(1, target_bin[:, None])[:, 0]
-        below = cum.gather(1, target_bin[:, None])[:, 0] - in_bin
-        frac = ((q - below) / in_bin.clamp(min=1)).clamp(0.0, 1.0) if self.interpolate else torch.zeros_like(q)
-        lo, width = self._range(self._bias.double())
-        b_hat = lo + (target_bin.double() + frac) * width
+        b_hat = self.quantiles()
         new = b_hat - b_hat.mean()
         if self.ema is not None:
             self._ema_bias = new if self._ema_bias is None else self.ema * self._ema_bias.to(new) + (1 - self.ema) * new
@@ -222,11 +236,11 @@ class QuantileBalancer:
         mean_load = loads.double().mean().clamp(min=1e-12)
         self.last_stats = {
             "loads": loads,
-            "tokens": int(m),
-            "target": float(q),
+            "tokens": m,
+            "target": m * self.top_k / self.num_experts,
             "max_over_mean": float(loads.max() / mean_load),
             "min_over_mean": float(loads.min() / mean_load),
-            "bin_width": float(width),
+            "bin_width": float(self._range(self._bias.double())[1]),
         }
         self.counts.zero_()
         self.loads.zero_()

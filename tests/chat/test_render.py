@@ -165,8 +165,8 @@ def test_images(kimi):
 
 # ----------------------------------------------------------------------------- markup safety
 
-_hostile = st.lists(st.text(max_size=20) | st.sampled_from(
-    ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|media_pad|>", '"', "&", "&quot;"]), max_size=6).map("".join)
+_MARKUPISH = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|media_pad|>", '"', "&", "&quot;"]
+_hostile = st.lists(st.text(max_size=20) | st.sampled_from(_MARKUPISH), max_size=6).map("".join)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -194,13 +194,15 @@ _U = {"role": "user", "content": "hi"}
 
 
 @pytest.mark.parametrize("request_, field", [
-    ({"messages": [_U, _CALL, {"role": "tool", "tool_call_id": "zzz", "content": "r"}]}, r"messages\[2\]\.tool_call_id"),
+    ({"messages": [_U, _CALL, {"role": "tool", "tool_call_id": "zzz", "content": "r"}]},
+     r"messages\[2\]\.tool_call_id"),
     ({"messages": [_U, {"role": "tool", "content": "r"}]}, r"messages\[1\]\.tool_call_id"),
     ({"messages": [_U, {"role": "wizard", "content": "x"}]}, r"messages\[1\]\.role.*wizard"),
     ({"messages": [{"content": "x"}]}, r"messages\[0\]\.role"),
     ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"arguments": "{}"}}]}]},
      r"messages\[1\]\.tool_calls\[0\]\.function\.name"),
-    ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "[1]"}}]}]},
+    ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f",
+                                                                                    "arguments": "[1]"}}]}]},
      r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
     ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": 5}}]}]},
      r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
@@ -209,7 +211,8 @@ _U = {"role": "user", "content": "hi"}
     ({"messages": [_U], "thinking": {"effort": "huge"}}, r"thinking\.effort.*huge"),
     ({"messages": [_U], "thinking": True}, r"^thinking"),
     ({"messages": [_U], "thinking": {"type": "sometimes"}}, r"thinking\.type"),
-    ({"messages": [_U], "tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, r"tool_choice"),
+    ({"messages": [_U], "tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     r"tool_choice"),
     ({"messages": [_U], "tool_choice": "always"}, r"tool_choice.*always"),
     ({"messages": [_U], "response_format": {"type": "yaml"}}, r"response_format\.type"),
     ({"messages": [_U], "tools": _TOOLS + _TOOLS}, r"tools.*duplicate"),

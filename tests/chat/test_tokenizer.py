@@ -240,7 +240,8 @@ def test_load_errors(tmp_path, kimi):
     (tmp_path / "tiktoken.model").write_bytes(b"IQ== 0\nIg== 1\n")
     with pytest.raises(ValueError, match="tokenizer_config.json is required"):
         load_tokenizer(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"2": {"content": "<|open|>"}}}))
+    only_open = {"added_tokens_decoder": {"2": {"content": "<|open|>"}}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(only_open))
     with pytest.raises(ValueError, match="'<\\|end_of_msg\\|>' is missing"):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"999": {"content": "x"}}}))
