@@ -129,7 +129,7 @@ class QuantileBalancer:
         self.last_stats: dict = {}
 
     def _range(self, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lower edge ``b_min - 1`` and bin width ``(b_max - b_min + 2) / B`` (0-dim, fp32)."""
+        """Lower edge ``b_min - 1`` and bin width ``(b_max - b_min + 2) / B`` (0-dim, bias dtype)."""
         return bias.min() - 1.0, (bias.max() - bias.min() + 2.0) / self.num_bins
 
     @torch.no_grad()
