@@ -41,3 +41,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+_KIMI_TOKENIZER = None
+
+
+def kimi_tokenizer():
+    """The official Kimi BPE from ../shared, loaded once per session (hypothesis tests cannot take
+    function-scoped fixtures, so this is a plain cached function)."""
+    global _KIMI_TOKENIZER
+    if _KIMI_TOKENIZER is None:
+        from openk3.tokenizer import load_tokenizer
+
+        _KIMI_TOKENIZER = load_tokenizer(shared_path("kimi-tokenizer"))
+    return _KIMI_TOKENIZER

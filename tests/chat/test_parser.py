@@ -25,18 +25,9 @@ from openk3.chat_format.parser import (
     ToolCallStart,
 )
 from openk3.chat_format.tool_ids import make_tool_call_id, next_tool_call_index, parse_tool_call_id
-from openk3.tokenizer import load_tokenizer
-from tests.conftest import shared_path
+from tests.conftest import kimi_tokenizer, shared_path
 
-_TOK = None
-
-
-def tok():
-    """The official Kimi BPE, loaded once (hypothesis tests cannot take function-scoped fixtures)."""
-    global _TOK
-    if _TOK is None:
-        _TOK = load_tokenizer(shared_path("kimi-tokenizer"))
-    return _TOK
+tok = kimi_tokenizer
 
 
 def ids_of(*parts):

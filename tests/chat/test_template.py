@@ -12,17 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openk3.chat_format import chat_template, encode_request, render_template, template_variables
-from openk3.tokenizer import load_tokenizer
-from tests.conftest import shared_path
+from tests.conftest import kimi_tokenizer, shared_path
 
-_TOK = None
-
-
-def tok():
-    global _TOK
-    if _TOK is None:
-        _TOK = load_tokenizer(shared_path("kimi-tokenizer"))
-    return _TOK
+tok = kimi_tokenizer
 
 
 try:
