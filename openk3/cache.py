@@ -2,7 +2,8 @@
 
 Shape legend: B batch rows, T tokens, P KDA projection width (H*K), H heads, K key dim,
 V value dim, W-1 conv tail length (short_conv_kernel_size - 1), S cache capacity in tokens,
-C MLA latent width (kv_lora_rank), R MLA shared key width (qk_rope_head_dim).
+C MLA latent width (kv_lora_rank), R MLA shared key width (qk_rope_head_dim), N slots of a state
+pool, NB physical blocks of a paged pool, L tokens per block, MB block-table width.
 
 * KDA keeps a constant-size state per sequence: the last ``W-1`` pre-conv inputs of q, k and v,
   and the fp32 recurrent state S[K, V] per head (architecture.md §3.5). Layout here is
@@ -12,6 +13,17 @@ C MLA latent width (kv_lora_rank), R MLA shared key width (qk_rope_head_dim).
 
 The model never allocates state on its modules; :class:`HybridCache` holds one entry per layer
 and the per-row number of tokens already cached.
+
+Layers talk to a cache entry through a small interface, so an engine can keep its state in pools:
+
+* KDA: ``conv`` / ``recurrent`` (read the incoming state) and ``store(conv, recurrent)`` (write the
+  outgoing one). :class:`KDALayerState` owns dense tensors; :class:`SlotKDAState` is a view of rows
+  ``slots`` of a per-layer slot pool (gathered on read, scattered on store).
+* MLA: ``batch_size``, ``capacity``, ``write(rows, cols, latent, k_rope)`` and ``read(used)``.
+  :class:`MLALayerCache` owns a dense [B, S, *] buffer; :class:`PagedMLACache` addresses a paged
+  block pool through per-row block tables (token position p of row b lives in physical block
+  ``block_tables[b, p // L]`` at offset ``p % L``). Reads gather the visible prefix of one layer
+  only, so the transient copy is one layer's history, never the whole model's.
 """
 
 from __future__ import annotations
@@ -47,6 +59,40 @@ class KDALayerState:
     def index_select(self, rows: torch.Tensor) -> "KDALayerState":
         return KDALayerState(self.conv[rows], self.recurrent[rows])
 
+    def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Overwrite the state in place: conv [B, 3, P, W-1], recurrent [B, H, K, V] (cast as needed)."""
+        self.conv.copy_(conv)
+        self.recurrent.copy_(recurrent)
+
+
+@dataclass
+class SlotKDAState:
+    """Rows ``slots`` of a per-layer KDA slot pool, presented as a layer state.
+
+    Attributes:
+        conv_pool: [N, 3, P, W-1] pre-conv tails of every slot; model dtype.
+        recurrent_pool: [N, H, K, V] fp32 recurrent states of every slot.
+        slots: [B] int64 pool rows of this batch (distinct).
+    ``conv`` / ``recurrent`` return gathered copies [B, ...]; :meth:`store` scatters back.
+    """
+
+    conv_pool: torch.Tensor
+    recurrent_pool: torch.Tensor
+    slots: torch.Tensor
+
+    @property
+    def conv(self) -> torch.Tensor:
+        return self.conv_pool.index_select(0, self.slots)
+
+    @property
+    def recurrent(self) -> torch.Tensor:
+        return self.recurrent_pool.index_select(0, self.slots)
+
+    def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Scatter conv [B, 3, P, W-1] and recurrent [B, H, K, V] into rows ``slots`` of the pools."""
+        self.conv_pool.index_copy_(0, self.slots, conv.to(self.conv_pool.dtype))
+        self.recurrent_pool.index_copy_(0, self.slots, recurrent.to(self.recurrent_pool.dtype))
+
 
 @dataclass
 class MLALayerCache:
@@ -73,13 +119,76 @@ class MLALayerCache:
     def capacity(self) -> int:
         return self.latent.shape[1]
 
+    @property
+    def batch_size(self) -> int:
+        return self.latent.shape[0]
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Store latent [M, C] and k_rope [M, R] of M tokens at (row, position) pairs ``rows``/``cols`` [M]."""
+        self.latent[rows, cols] = latent.to(self.latent.dtype)
+        self.k_rope[rows, cols] = k_rope.to(self.k_rope.dtype)
+
+    def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``[0, used)`` of every row: (latent [B, used, C], k_rope [B, used, R])."""
+        return self.latent[:, :used], self.k_rope[:, :used]
+
+
+@dataclass
+class PagedMLACache:
+    """One MLA layer's view of a paged latent pool through per-row block tables.
+
+    Attributes:
+        latent_pool: [NB, L, C] normalised latent of every physical block; model dtype.
+        k_rope_pool: [NB, L, R] shared key slice of every physical block.
+        block_tables: [B, MB] int64 physical block of each logical block of each row; entries
+            past a row's last allocated block may hold any valid block id (never read unmasked).
+    Capacity per row is MB * L tokens. Blocks shared between rows (prefix cache) must only be
+    read: writers address positions at or after their row's ``past_lengths``, which the engine
+    keeps in private blocks.
+    """
+
+    latent_pool: torch.Tensor
+    k_rope_pool: torch.Tensor
+    block_tables: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.latent_pool.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.block_tables.shape[1] * self.block_size
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_tables.shape[0]
+
+    def _flat_index(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        L = self.block_size
+        return self.block_tables[rows, cols // L] * L + cols % L
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Store latent [M, C] and k_rope [M, R] of M tokens at (row, position) pairs ``rows``/``cols`` [M]."""
+        idx = self._flat_index(rows, cols)
+        self.latent_pool.view(-1, self.latent_pool.shape[-1])[idx] = latent.to(self.latent_pool.dtype)
+        self.k_rope_pool.view(-1, self.k_rope_pool.shape[-1])[idx] = k_rope.to(self.k_rope_pool.dtype)
+
+    def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather positions ``[0, used)`` of every row: (latent [B, used, C], k_rope [B, used, R])."""
+        B = self.batch_size
+        pos = torch.arange(used, device=self.block_tables.device)
+        idx = self._flat_index(torch.arange(B, device=pos.device)[:, None], pos[None, :])  # [B, used]
+        return (self.latent_pool.view(-1, self.latent_pool.shape[-1])[idx],
+                self.k_rope_pool.view(-1, self.k_rope_pool.shape[-1])[idx])
+
 
 @dataclass
 class HybridCache:
     """One state per decoder layer plus per-row cached lengths.
 
     Attributes:
-        layers: ``KDALayerState`` for KDA layers, ``MLALayerCache`` for MLA layers.
+        layers: ``KDALayerState`` (or ``SlotKDAState``) for KDA layers, ``MLALayerCache`` (or
+            ``PagedMLACache``) for MLA layers.
         lengths: [B] int64, tokens already processed per row (before the current forward).
     """
 

@@ -11,6 +11,14 @@ are:
 * KDA ``A_log``: openk3 holds one value per head [H]; Kimi Linear files store [1, 1, H, 1] and
   the K3 release pads it with zeros to ``head_dim``; both are read, [H] (K3) / [1,1,H,1] (Kimi
   Linear) is written.
+* MXFP4 experts (k3-release-notes.md §1.9): a quantized file stores each routed expert weight as
+  ``experts.{e}.w1.weight_packed`` uint8 [O, K/2] + ``.weight_scale`` uint8 [O, K/32] and carries
+  the compressed-tensors ``quantization_config`` in its text config. The format is recognised by
+  the tensor suffixes (as the release notes advise; its ignore regexes do not describe the file
+  exactly). Each expert is converted to what the model holds: dense ``experts.w1`` (exact
+  dequantization) or packed ``experts.w1.weight_packed`` / ``.weight_scale`` stacks
+  (:class:`openk3.quant.packed.PackedExperts`; dense file tensors are then quantized on load).
+  Any other ``X.weight_packed`` + ``X.weight_scale`` pair is dequantized into ``X.weight``.
 
 Loading checks every tensor's presence and shape against the config and names the first bad
 tensor; nothing is unpickled (safetensors only). Writes are atomic: files go to a temporary
@@ -19,6 +27,7 @@ directory first and are moved into place one by one with ``os.replace``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -31,6 +40,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from openk3.config import K3Config
+from openk3.quant.mx import mxfp4_weight_from_packed, mxfp4_weight_to_packed
+from openk3.quant.packed import compressed_tensors_config
+from openk3.quant.qat import QuantScheme, resolve_scheme
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,7 +50,12 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 _EXPERT_KEYS = ("w1", "w2", "w3")
 _STACKED = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
-_PER_EXPERT = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+_STACKED_PACKED = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])\.(?P<s>weight_packed|weight_scale)$")
+_PER_EXPERT = re.compile(
+    r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<s>weight|weight_packed|weight_scale)$"
+)
+_PACKED_PAIR = ("weight_packed", "weight_scale")
+_MXFP4_FORMAT = "mxfp4-pack-quantized"
 # Tensors of the multimodal wrapper that the text model does not own (vision issue).
 _FOREIGN_PREFIXES = ("vision_tower.", "mm_projector.")
 
@@ -47,22 +64,64 @@ def _prefix(config: K3Config) -> str:
     return "language_model." if config.wrapper is not None else ""
 
 
-def to_hf_state_dict(state_dict: dict[str, torch.Tensor], config: K3Config) -> "OrderedDict[str, torch.Tensor]":
+def quantized_config(config: K3Config, quantization: str | QuantScheme | None) -> K3Config:
+    """A copy of ``config`` whose text config carries the ``quantization_config`` of the scheme
+    (:func:`openk3.quant.packed.compressed_tensors_config`), or none for ``quantization=None``."""
+    scheme = resolve_scheme(quantization)
+    cfg = copy.deepcopy(config)
+    if cfg.wrapper is not None:
+        cfg.wrapper.pop("quantization_config", None)  # the release keeps it in text_config only
+    if scheme is None:
+        cfg.extra_text_config.pop("quantization_config", None)
+    else:
+        cfg.extra_text_config["quantization_config"] = compressed_tensors_config(scheme)
+    return cfg
+
+
+def to_hf_state_dict(
+    state_dict: dict[str, torch.Tensor], config: K3Config, quantization: str | QuantScheme | None = None
+) -> "OrderedDict[str, torch.Tensor]":
     """openk3 ``state_dict`` -> official tensor names and layouts.
 
     Args:
-        state_dict: from ``K3ForCausalLM.state_dict()``.
+        state_dict: from ``K3ForCausalLM.state_dict()`` (dense ``experts.w1`` stacks and/or packed
+            ``experts.w1.weight_packed`` / ``.weight_scale`` stacks).
         config: decides the ``language_model.`` prefix and the ``A_log`` layout.
+        quantization: None writes routed experts as float ``experts.{e}.wN.weight`` (packed stacks
+            are dequantized exactly); "mxfp4" writes ``weight_packed`` uint8 [O, K/2] +
+            ``weight_scale`` uint8 [O, K/32] per expert (dense stacks quantized from their values).
     Returns:
         Ordered mapping official name -> tensor (expert stacks split into per-expert views).
+    Raises:
+        ValueError: unknown quantization, or expert widths that are not multiples of 32.
     """
+    scheme = resolve_scheme(quantization)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     pre = _prefix(config)
+    if scheme is not None and any(_STACKED.match(n) for n in state_dict):
+        scheme.check_expert_widths(config.moe_latent_size, config.moe_intermediate_size)
+
+    def put_experts(m: re.Match, dense: torch.Tensor | None, packed: tuple | None) -> None:
+        base = f"{pre}{m['pre']}"
+        if scheme is None:
+            dense = dense if dense is not None else mxfp4_weight_from_packed(*packed)
+            for e in range(dense.shape[0]):
+                out[f"{base}.{e}.{m['w']}.weight"] = dense[e]
+            return
+        packed = packed if packed is not None else mxfp4_weight_to_packed(dense.detach(), scheme.scale_mode)
+        for e in range(packed[0].shape[0]):
+            for suffix, t in zip(_PACKED_PAIR, packed):
+                out[f"{base}.{e}.{m['w']}.{suffix}"] = t[e]
+
     for name, t in state_dict.items():
         m = _STACKED.match(name)
         if m:
-            for e in range(t.shape[0]):
-                out[f"{pre}{m['pre']}.{e}.{m['w']}.weight"] = t[e]
+            put_experts(m, t, None)
+            continue
+        m = _STACKED_PACKED.match(name)
+        if m:
+            if m["s"] == "weight_packed":  # its weight_scale is written with it
+                put_experts(m, None, (t, state_dict[f"{m['pre']}.{m['w']}.weight_scale"]))
             continue
         if name.endswith("self_attn.A_log") and not config.is_k3:
             t = t.reshape(1, 1, -1, 1)
@@ -79,20 +138,95 @@ def _a_log_from_file(name: str, t: torch.Tensor, heads: int) -> torch.Tensor:
     raise ValueError(f"checkpoint tensor {name}: shape {tuple(t.shape)} does not hold {heads} per-head values")
 
 
+def _check_quantization_config(config: K3Config) -> None:
+    for where, d in (("text_config", config.extra_text_config), ("config", config.wrapper or {})):
+        qc = d.get("quantization_config")
+        if qc is None:
+            continue
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        fmt = qc.get("format") if isinstance(qc, dict) else None
+        if method != "compressed-tensors" or fmt != _MXFP4_FORMAT:
+            raise ValueError(
+                f"{where}.quantization_config: quant_method={method!r}, format={fmt!r}; only compressed-tensors "
+                f"{_MXFP4_FORMAT!r} (the K3 release) is supported"
+            )
+
+
+def _file_name(pre: str, key: str, expert: int | str = "N", suffix: str | None = None) -> str:
+    """Official name of openk3 tensor ``key`` (for an expert stack: of one expert's tensor)."""
+    m = _STACKED.match(key)
+    if m:
+        return f"{pre}{m['pre']}.{expert}.{m['w']}.{suffix or 'weight'}"
+    m = _STACKED_PACKED.match(key)
+    if m:
+        return f"{pre}{m['pre']}.{expert}.{m['w']}.{m['s']}"
+    return pre + key
+
+
+def _expert_stack(pre: str, key: str, parts: dict[int, dict[str, torch.Tensor]], expected: dict,
+                  float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One layer's per-expert tensors -> the stack(s) the model holds (dense or packed)."""
+    packed_target = f"{key}.weight_packed" in expected
+    shape = expected.get(f"{key}.weight_packed" if packed_target else key)
+    n = shape[0] if shape is not None else len(parts)
+    file_suffix = "weight_packed" if any("weight_packed" in p for p in parts.values()) else "weight"
+    missing = [e for e in range(n) if e not in parts]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor {_file_name(pre, key, missing[0], file_suffix)}")
+    extra = sorted(set(parts) - set(range(n)))
+    if extra:
+        raise ValueError(f"checkpoint has unexpected tensor {_file_name(pre, key, extra[0], file_suffix)}")
+    dense, packed, scale = [], [], []
+    for e in range(n):
+        part = parts[e]
+        if "weight" in part and len(part) > 1:
+            raise ValueError(f"checkpoint has both {_file_name(pre, key, e)} and its packed form")
+        if "weight" not in part:
+            lost = [s for s in _PACKED_PAIR if s not in part]
+            if lost:
+                raise ValueError(f"checkpoint is missing tensor {_file_name(pre, key, e, lost[0])}")
+        if packed_target:
+            p, s = (part["weight_packed"], part["weight_scale"]) if "weight" not in part else \
+                mxfp4_weight_to_packed(part["weight"])
+            packed.append(p)
+            scale.append(s)
+        else:
+            w = part.get("weight")
+            dense.append(w if w is not None else mxfp4_weight_from_packed(part["weight_packed"], part["weight_scale"],
+                                                                          float_dtype))
+    groups = {"weight_packed": packed, "weight_scale": scale} if packed_target else {None: dense}
+    out = {}
+    for suffix, ts in groups.items():
+        shapes = {tuple(t.shape) for t in ts}
+        if len(shapes) > 1:
+            raise ValueError(f"checkpoint experts under {pre}{key}: per-expert shapes differ: {sorted(shapes)}")
+        out[key if suffix is None else f"{key}.{suffix}"] = torch.stack(ts)
+    return out
+
+
 def from_hf_state_dict(
     tensors: dict[str, torch.Tensor], config: K3Config, expected: dict[str, torch.Size]
 ) -> dict[str, torch.Tensor]:
     """Official names -> openk3 ``state_dict``, checking presence and shape of every tensor.
 
+    Routed experts are converted to the representation ``expected`` asks for: a dense stack
+    ``experts.wN`` (packed files are dequantized exactly, into the dtype of ``embed_tokens``) or
+    packed stacks ``experts.wN.weight_packed`` / ``.weight_scale`` (dense files are quantized, FLOOR).
+
     Args:
         tensors: official name -> tensor (as read from the files).
-        config: the checkpoint's config.
+        config: the checkpoint's config (its ``quantization_config``, if any, must be MXFP4).
         expected: openk3 name -> shape, from a model built for ``config``.
     Raises:
-        ValueError: a missing, unexpected or mis-shaped tensor (named in the message).
+        ValueError: a missing, unexpected or mis-shaped tensor (named in the message), or an
+            unsupported ``quantization_config``.
     """
+    _check_quantization_config(config)
     pre = _prefix(config)
-    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    embed = tensors.get(f"{pre}model.embed_tokens.weight")
+    float_dtype = embed.dtype if embed is not None and embed.is_floating_point() else torch.float32
+    stacks: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.startswith(_FOREIGN_PREFIXES):
@@ -102,39 +236,35 @@ def from_hf_state_dict(
         local = name[len(pre):]
         m = _PER_EXPERT.match(local)
         if m:
-            stacks.setdefault(f"{m['pre']}.{m['w']}", {})[int(m["e"])] = t
+            stacks.setdefault(f"{m['pre']}.{m['w']}", {}).setdefault(int(m["e"]), {})[m["s"]] = t
+            continue
+        base, _, suffix = local.rpartition(".")
+        if suffix in _PACKED_PAIR:
+            pairs.setdefault(base, {})[suffix] = t
             continue
         if local.endswith("self_attn.A_log"):
             t = _a_log_from_file(name, t, config.linear_num_heads)
         out[local] = t
+    for base, pair in pairs.items():  # a packed tensor outside the routed experts: dequantize it
+        lost = [s for s in _PACKED_PAIR if s not in pair]
+        if lost:
+            raise ValueError(f"checkpoint is missing tensor {pre}{base}.{lost[0]}")
+        if f"{base}.weight" in out:
+            raise ValueError(f"checkpoint has both {pre}{base}.weight and its packed form")
+        out[f"{base}.weight"] = mxfp4_weight_from_packed(pair["weight_packed"], pair["weight_scale"], float_dtype)
     for key, parts in stacks.items():
-        n = expected[key][0] if key in expected else len(parts)
-        missing = [e for e in range(n) if e not in parts]
-        if missing:
-            m = _STACKED.match(key)
-            raise ValueError(f"checkpoint is missing tensor {pre}{m['pre']}.{missing[0]}.{m['w']}.weight")
-        extra = sorted(set(parts) - set(range(n)))
-        if extra:
-            m = _STACKED.match(key)
-            raise ValueError(f"checkpoint has unexpected tensor {pre}{m['pre']}.{extra[0]}.{m['w']}.weight")
-        shapes = {tuple(p.shape) for p in parts.values()}
-        if len(shapes) != 1:
-            raise ValueError(f"checkpoint experts under {pre}{key}: per-expert shapes differ: {sorted(shapes)}")
-        out[key] = torch.stack([parts[e] for e in range(n)])
+        out.update(_expert_stack(pre, key, parts, expected, float_dtype))
     for key, shape in expected.items():
         if key not in out:
-            m = _STACKED.match(key)
-            hf = f"{pre}{m['pre']}.0.{m['w']}.weight" if m else pre + key
-            raise ValueError(f"checkpoint is missing tensor {hf} (expected shape {tuple(shape)})")
+            raise ValueError(f"checkpoint is missing tensor {_file_name(pre, key, 0)} (expected shape {tuple(shape)})")
         if tuple(out[key].shape) != tuple(shape):
-            m = _STACKED.match(key)
-            hf = f"{pre}{m['pre']}.N.{m['w']}.weight" if m else pre + key
-            got = tuple(out[key].shape[1:]) if m else tuple(out[key].shape)
-            want = tuple(shape[1:]) if m else tuple(shape)
-            raise ValueError(f"checkpoint tensor {hf}: shape {got} does not match the config ({want})")
+            stacked = bool(_STACKED.match(key) or _STACKED_PACKED.match(key))
+            got = tuple(out[key].shape[1:]) if stacked else tuple(out[key].shape)
+            want = tuple(shape[1:]) if stacked else tuple(shape)
+            raise ValueError(f"checkpoint tensor {_file_name(pre, key)}: shape {got} does not match the config ({want})")
     unexpected = sorted(set(out) - set(expected))
     if unexpected:
-        raise ValueError(f"checkpoint has unexpected tensor {pre}{unexpected[0]}")
+        raise ValueError(f"checkpoint has unexpected tensor {_file_name(pre, unexpected[0])}")
     return out
 
 

@@ -37,13 +37,25 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        from openk3.server.app import main as serve_main  # noqa: F401  (lands with the server issue)
-    except ImportError:
-        print("openk3 serve: the Kimi-compatible server is not implemented yet (issue 5: the API server; "
-              "issue 8: the shipped default model). Nothing to serve.", file=sys.stderr)
-        return 2
+    from openk3.server.app import main as serve_main
+
     return serve_main(args)
+
+
+def _cmd_cost(args: argparse.Namespace) -> int:
+    from openk3.cost import main as cost_main
+
+    return cost_main(args)
+
+
+def _bytes(text: str) -> int:
+    """``8G``, ``512M``, ``1.5GiB`` or plain bytes -> int (for --cache-memory)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 8G, 512M)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,11 +68,31 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
 
-    serve = sub.add_parser("serve", help="Kimi-compatible API server")
-    serve.add_argument("model", nargs="?")
+    serve = sub.add_parser("serve", help="Kimi-compatible API server (OpenAI + Anthropic surfaces)")
+    serve.add_argument("model", nargs="?", help="checkpoint directory (default: the shipped default model)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at startup)")
+    serve.add_argument("--api-key", help="require this key (Bearer or x-api-key); default $OPENK3_API_KEY")
+    serve.add_argument("--served-model-name", help="model id clients send (default: the directory name)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
+    serve.add_argument("--cache-memory", type=_bytes, help="bytes for the KV/KDA cache pools, e.g. 8G")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
+    serve.add_argument("--max-waiting", type=int, help="admission queue bound; beyond it requests get 429")
+    serve.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by memory)")
     serve.set_defaults(func=_cmd_serve)
+
+    cost = sub.add_parser("cost", help="price a workload or a running server's recorded usage")
+    cost.add_argument("files", nargs="*", help="JSON / JSONL files of responses or usage objects ('-' = stdin)")
+    cost.add_argument("--url", help="a running openk3 server: price its recorded usage (from /metrics)")
+    cost.add_argument("--prompt-tokens", type=int, default=0, help="add this many prompt tokens")
+    cost.add_argument("--cached-tokens", type=int, default=0, help="... of which served from cache")
+    cost.add_argument("--completion-tokens", type=int, default=0, help="add this many output tokens")
+    cost.add_argument("--price-cache-hit", type=float, help="USD per 1M cache-hit input tokens (default 0.30)")
+    cost.add_argument("--price-input", type=float, help="USD per 1M cache-miss input tokens (default 3.00)")
+    cost.add_argument("--price-output", type=float, help="USD per 1M output tokens (default 15.00)")
+    cost.add_argument("--prices", help="JSON file with any of cache_hit / input / output (USD per 1M)")
+    cost.add_argument("--json", action="store_true", help="machine-readable output")
+    cost.set_defaults(func=_cmd_cost)
     return p
 
 

@@ -134,8 +134,9 @@ class KimiDeltaAttention(nn.Module):
 
         Args:
             x: [B, T, D] normed layer input (model dtype).
-            cache: incoming per-row state (conv [B, 3, P, W-1], recurrent [B, H, K, K] fp32);
-                UPDATED IN PLACE with the state after each row's valid tokens. None = start from
+            cache: incoming per-row state (conv [B, 3, P, W-1], recurrent [B, H, K, K] fp32): a
+                ``KDALayerState`` or the engine's pooled ``SlotKDAState``; UPDATED IN PLACE (its
+                ``store``) with the state after each row's valid tokens. None = start from
                 zeros and keep nothing. With ``cu_seqlens`` it holds one row per document.
             lengths: [B] valid (non-padding) tokens per row in this call, right padding;
                 None = all T. Padded positions leave the state unchanged and output zeros.
@@ -159,26 +160,29 @@ class KimiDeltaAttention(nn.Module):
         rows, doc_lengths = unpack_documents(x, cu_seqlens)
         return pack_documents(self._forward_rows(rows, cache, doc_lengths, mode), doc_lengths)
 
-    def _check_state(self, cache: KDALayerState, B: int) -> None:
+    def _check_state(self, conv: torch.Tensor, recurrent: torch.Tensor, B: int) -> None:
         P, W, H, K = self.proj_dim, self.conv_size, self.num_heads, self.head_dim
-        if tuple(cache.conv.shape) != (B, 3, P, W - 1):
-            raise ValueError(f"cache.conv: expected [B={B}, 3, P={P}, W-1={W - 1}], got {tuple(cache.conv.shape)}")
-        if tuple(cache.recurrent.shape) != (B, H, K, K):
-            raise ValueError(f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(cache.recurrent.shape)}")
+        if tuple(conv.shape) != (B, 3, P, W - 1):
+            raise ValueError(f"cache.conv: expected [B={B}, 3, P={P}, W-1={W - 1}], got {tuple(conv.shape)}")
+        if tuple(recurrent.shape) != (B, H, K, K):
+            raise ValueError(f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(recurrent.shape)}")
 
     def _forward_rows(self, x: torch.Tensor, cache: KDALayerState | None, lengths: torch.Tensor | None,
                       mode: str) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
+        conv0 = rec0 = None
         if cache is not None:
-            self._check_state(cache, B)
+            # Read once: a pooled state (SlotKDAState) gathers on every access.
+            conv0, rec0 = cache.conv, cache.recurrent
+            self._check_state(conv0, rec0, B)
         if lengths is not None:
             if lengths.shape != (B,):
                 raise ValueError(f"lengths: expected shape [B={B}], got {tuple(lengths.shape)}")
             if bool(((lengths < 0) | (lengths > T)).any()):
                 raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
 
-        tails = cache.conv.unbind(1) if cache is not None else (None, None, None)
+        tails = conv0.unbind(1) if cache is not None else (None, None, None)
         mixed, new_tails = [], []
         for proj, conv, tail in zip((self.q_proj, self.k_proj, self.v_proj),
                                     (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
@@ -202,11 +206,10 @@ class KimiDeltaAttention(nn.Module):
             g = kda_gate_softplus(z, self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
 
-        o, state = kda(q, k, v, g, beta, K ** -0.5, None if cache is None else cache.recurrent,
+        o, state = kda(q, k, v, g, beta, K ** -0.5, rec0,
                        lengths, mode=mode)
         if cache is not None:
-            cache.conv.copy_(torch.stack(new_tails, dim=1))
-            cache.recurrent.copy_(state)
+            cache.store(torch.stack(new_tails, dim=1), state)
 
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         out = self.o_norm(o, gate.reshape(B, T, H, K))  # fp32 [B, T, H, K]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.cache import MLALayerCache
+from openk3.cache import MLALayerCache, PagedMLACache
 from openk3.config import K3Config
 from openk3.layers.norm import RMSNorm
 from openk3.ops.attention import causal_attention, latent_attention
@@ -115,7 +115,7 @@ class GatedMLA(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: MLALayerCache | None = None,
+        cache: MLALayerCache | PagedMLACache | None = None,
         *,
         lengths: torch.Tensor | None = None,
         past_lengths: torch.Tensor | None = None,
@@ -126,7 +126,8 @@ class GatedMLA(nn.Module):
 
         Args:
             x: [B, T, D] the RMSNorm'd layer input (``input_layernorm`` output).
-            cache: caller-owned latent cache, updated in place: the valid new tokens' ĉ and k^R are
+            cache: caller-owned latent cache (``MLALayerCache`` or the engine's paged
+                ``PagedMLACache``), updated in place: the valid new tokens' ĉ and k^R are
                 written at positions ``past_lengths[b] .. past_lengths[b] + lengths[b] - 1``.
                 None = full causal form over x alone (expanded k/v, SDPA).
             lengths: [B] int64 valid tokens per row (right padding) or None (all T). Outputs at
@@ -177,15 +178,15 @@ class GatedMLA(nn.Module):
     def _forward_cached(
         self,
         x: torch.Tensor,
-        cache: MLALayerCache,
+        cache: MLALayerCache | PagedMLACache,
         lengths: torch.Tensor | None,
         past_lengths: torch.Tensor | None,
         max_logits_out: torch.Tensor | None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         dev = x.device
-        if cache.latent.shape[0] != B:
-            raise ValueError(f"cache: holds {cache.latent.shape[0]} rows, x has B={B}")
+        if cache.batch_size != B:
+            raise ValueError(f"cache: holds {cache.batch_size} rows, x has B={B}")
         lens = torch.full((B,), T, dtype=torch.long, device=dev) if lengths is None else lengths.to(dev, torch.long)
         past = torch.zeros(B, dtype=torch.long, device=dev) if past_lengths is None else past_lengths.to(dev, torch.long)
         if lens.shape != (B,) or bool(((lens < 0) | (lens > T)).any()):
@@ -205,14 +206,14 @@ class GatedMLA(nn.Module):
         valid = t[None, :] < lens[:, None]  # [B, T]
         rows = torch.arange(B, device=dev)[:, None].expand(B, T)[valid]
         cols = (past[:, None] + t[None, :])[valid]
-        cache.latent[rows, cols] = latent[valid].to(cache.latent.dtype)
-        cache.k_rope[rows, cols] = k_rope[valid].to(cache.k_rope.dtype)
+        cache.write(rows, cols, latent[valid], k_rope[valid])
 
         w_uk, w_uv = self._kv_b_heads()
         q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
         # Nothing beyond the furthest write is visible to any query, so read only that prefix.
+        cached_latent, cached_k_rope = cache.read(used)
         ctx = latent_attention(
-            q_latent, q_rope, cache.latent[:, :used], cache.k_rope[:, :used], past,
+            q_latent, q_rope, cached_latent, cached_k_rope, past,
             scale=self.scaling, lengths=lens, max_logits_out=max_logits_out,
         )
         o = torch.einsum("bthc,hvc->bthv", ctx, w_uv.to(ctx.dtype))

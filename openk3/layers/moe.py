@@ -172,7 +172,14 @@ class Experts(nn.Module):
     Parameters ``w1`` [E, F, L] (gate), ``w3`` [E, F, L] (up), ``w2`` [E, L, F] (down): the
     checkpoint's per-expert ``experts.{e}.w{1,2,3}.weight`` stacked along dim 0 (the checkpoint
     adapter splits/stacks them).
+
+    ``qat``: None (default) or a :class:`openk3.quant.qat.QuantScheme`; when set, every GEMM uses
+    fake-quantized weights (MXFP4 along its K) and inputs (MXFP8) with straight-through gradients
+    (architecture.md §10). Switch it with :func:`openk3.quant.qat.model_qat`. Inference from packed
+    weights uses :class:`openk3.quant.packed.PackedExperts` instead of this module.
     """
+
+    qat = None  # class default: QAT off; model_qat sets an instance attribute
 
     def __init__(self, config: K3Config) -> None:
         super().__init__()
@@ -196,11 +203,17 @@ class Experts(nn.Module):
         """z: [N, L]; topk_idx, topk_weight: [N, k] -> [N, L] fp32 weighted sum of expert outputs.
 
         See :func:`openk3.ops.grouped_mm.routed_experts` (errors, backends)."""
-        return routed_experts(z, topk_idx, topk_weight, self.w1, self.w3, self.w2, self.act, backend=backend)
+        q = self.qat
+        if q is None:
+            return routed_experts(z, topk_idx, topk_weight, self.w1, self.w3, self.w2, self.act, backend=backend)
+        w1, w3, w2 = (q.fake_quant_weight(w) for w in (self.w1, self.w3, self.w2))
+        return routed_experts(z, topk_idx, topk_weight, w1, w3, w2, self.act, backend=backend,
+                              input_quant=q.input_quant)
 
     def extra_repr(self) -> str:
         e, f, l = self.w1.shape
-        return f"experts={e}, width={l}, hidden={f}"
+        qat = f", qat={self.qat.name}" if self.qat is not None else ""
+        return f"experts={e}, width={l}, hidden={f}{qat}"
 
 
 class LatentMoE(nn.Module):

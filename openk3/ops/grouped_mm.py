@@ -26,6 +26,10 @@ from typing import Callable, Iterator
 import torch
 
 GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Fake-quantizer applied to each expert GEMM's input rows (QAT: MXFP8 along K), or None.
+InputQuant = Callable[[torch.Tensor], torch.Tensor] | None
+# ``(xs [A, L] rows sorted by expert, expert_sorted [A], counts [E]) -> ys [A, L]``.
+ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 BACKENDS = ("grouped_mm", "bmm", "loop")
 _forced_backend: str | None = None
@@ -116,15 +120,19 @@ def _sort_by_expert(topk_idx: torch.Tensor, num_experts: int):
     return order, expert_sorted, counts
 
 
-def _ffn_grouped_mm(xs, counts, w1, w3, w2, act):
-    """xs: [A, L] rows sorted by expert; counts: [E]. Returns [A, L]."""
+def _quant(t: torch.Tensor, input_quant: InputQuant) -> torch.Tensor:
+    return t if input_quant is None else input_quant(t)
+
+
+def _ffn_grouped_mm(xs, counts, w1, w3, w2, act, input_quant=None):
+    """xs: [A, L] rows sorted by expert (already input-quantized); counts: [E]. Returns [A, L]."""
     offs = torch.cumsum(counts, 0).to(torch.int32)
     gate = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)  # [A, F]
     up = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(act(gate, up), w2.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(_quant(act(gate, up), input_quant), w2.transpose(-2, -1), offs=offs)
 
 
-def _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act):
+def _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act, input_quant=None):
     """Same contract as :func:`_ffn_grouped_mm`, via a zero-padded [E, M, L] batch."""
     e, _, l = w1.shape
     starts = torch.cumsum(counts, 0) - counts
@@ -132,7 +140,31 @@ def _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act):
     m = int(counts.max().item()) if xs.shape[0] else 0
     buf = xs.new_zeros(e, m, l).index_put((expert_sorted, slot), xs)
     h = act(torch.bmm(buf, w1.transpose(1, 2)), torch.bmm(buf, w3.transpose(1, 2)))  # [E, M, F]
-    return torch.bmm(h, w2.transpose(1, 2))[expert_sorted, slot]
+    # padding rows are zero and stay zero under MX fake-quant (an all-zero block quantizes to 0)
+    return torch.bmm(_quant(h, input_quant), w2.transpose(1, 2))[expert_sorted, slot]
+
+
+def dispatch_combine(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int, ffn: ExpertFFN
+) -> torch.Tensor:
+    """Sort the N·k assignments by expert, run ``ffn`` on the sorted rows, restore (token, slot)
+    order and take the fp32 weighted sum over slots. Shared by every dense and packed backend.
+
+    Args:
+        x: [N, L]; topk_idx, topk_weight: [N, k]; num_experts: E.
+        ffn: ``(xs [A, L], expert_sorted [A] int64, counts [E] int64) -> ys [A, L]``.
+    Returns:
+        [N, L] float32 (float64 for float64 x).
+    """
+    n, k = topk_idx.shape
+    order, expert_sorted, counts = _sort_by_expert(topk_idx, num_experts)
+    xs = x[torch.div(order, k, rounding_mode="floor")]  # [A, L] token rows, grouped by expert
+    ys = ffn(xs, expert_sorted, counts)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    acc = _accum_dtype(x)
+    per_slot = ys[inverse].to(acc).view(n, k, ys.shape[1])  # back to (token, slot) order
+    return (per_slot * topk_weight.to(acc).unsqueeze(-1)).sum(1)
 
 
 def routed_experts(
@@ -144,6 +176,7 @@ def routed_experts(
     w2: torch.Tensor,
     act: GluActivation,
     backend: str | None = None,
+    input_quant: InputQuant = None,
 ) -> torch.Tensor:
     """Weighted sum of each token's routed GLU experts (the single entry point).
 
@@ -155,6 +188,9 @@ def routed_experts(
         w1, w3: [E, F, L] gate / up weights; w2: [E, L, F] down weights; same dtype as x.
         act: ``(gate [A, F], up [A, F]) -> [A, F]``, e.g. SiTU-GLU or SwiGLU.
         backend: None (automatic) or one of :data:`BACKENDS`.
+        input_quant: optional fake-quantizer applied to the input rows of every expert GEMM (x
+            before w1/w3, the GLU output before w2), e.g. MXFP8 QAT (:mod:`openk3.quant.qat`). It
+            must act row-wise along the last dim (so quantizing x before the gather is the same).
     Returns:
         [N, L] float32 (float64 for float64 x): ``Σ_j topk_weight[n, j] · E_{topk_idx[n, j]}(x[n])``.
         Differentiable w.r.t. x, topk_weight and the expert weights; deterministic on every backend
@@ -166,19 +202,15 @@ def routed_experts(
     _check_inputs(x, topk_idx, topk_weight, w1, w3, w2)
     name = _select_backend(x, w1, backend)
     if name == "loop":
-        return routed_experts_reference(x, topk_idx, topk_weight, w1, w3, w2, act)
-    n, k = topk_idx.shape
-    order, expert_sorted, counts = _sort_by_expert(topk_idx, w1.shape[0])
-    xs = x[torch.div(order, k, rounding_mode="floor")]  # [A, L] token rows, grouped by expert
+        return routed_experts_reference(x, topk_idx, topk_weight, w1, w3, w2, act, input_quant)
+    xq = _quant(x, input_quant)  # row-wise, so once per token rather than once per slot
     if name == "grouped_mm":
-        ys = _ffn_grouped_mm(xs, counts, w1, w3, w2, act)
+        def ffn(xs, expert_sorted, counts):
+            return _ffn_grouped_mm(xs, counts, w1, w3, w2, act, input_quant)
     else:
-        ys = _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    acc = _accum_dtype(x)
-    per_slot = ys[inverse].to(acc).view(n, k, x.shape[1])  # back to (token, slot) order
-    return (per_slot * topk_weight.to(acc).unsqueeze(-1)).sum(1)
+        def ffn(xs, expert_sorted, counts):
+            return _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act, input_quant)
+    return dispatch_combine(xq, topk_idx, topk_weight, w1.shape[0], ffn)
 
 
 def routed_experts_reference(
@@ -189,6 +221,7 @@ def routed_experts_reference(
     w3: torch.Tensor,
     w2: torch.Tensor,
     act: GluActivation,
+    input_quant: InputQuant = None,
 ) -> torch.Tensor:
     """Readable reference for :func:`routed_experts` (same contract): loop over experts, run each
     on the tokens that chose it, accumulate in fp32. For tests; never on the hot path."""
@@ -198,7 +231,7 @@ def routed_experts_reference(
         tok, slot = torch.nonzero(topk_idx == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        xe = x[tok]
-        ye = act(xe @ w1[e].T, xe @ w3[e].T) @ w2[e].T
+        xe = _quant(x[tok], input_quant)
+        ye = _quant(act(xe @ w1[e].T, xe @ w3[e].T), input_quant) @ w2[e].T
         out = out.index_add(0, tok, ye.to(out.dtype) * topk_weight[tok, slot].to(out.dtype).unsqueeze(-1))
     return out

@@ -1,0 +1,9 @@
+"""openk3 inference engine: continuous batching, paged MLA latent cache, KDA slots and a KDA-aware
+prefix cache (token ids only; see notes/engine_api.md for the contract)."""
+
+from openk3.engine.async_engine import AsyncEngine
+from openk3.engine.engine import Engine, EngineConfig, EngineOverloaded, RequestOutput, Usage
+from openk3.engine.sampling import SamplingParams, TokenLogprob
+
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineOverloaded", "RequestOutput", "SamplingParams",
+           "TokenLogprob", "Usage"]

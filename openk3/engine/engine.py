@@ -1,0 +1,422 @@
+"""The inference engine: continuous batching over a paged MLA latent pool, KDA state slots and a
+KDA-aware prefix cache. Token ids in, token ids out (engine API contract, notes/engine_api.md).
+
+Shape legend: B rows of one batched forward, T tokens per row (right padded), V vocabulary,
+MB block-table width, L block size.
+
+One :meth:`Engine.step`:
+
+1. the :class:`~openk3.engine.scheduler.Scheduler` admits waiting requests (FCFS, memory
+   reserved up front) and plans the step;
+2. all single-token rows (decodes) run as **one** batched forward in the recurrent KDA mode;
+3. prefill pieces run as batched forwards (chunked KDA form), split at snapshot boundaries;
+4. every request whose known tokens are now all computed is sampled in one batched
+   sampler call (constraint masks, temperature, top-k/top-p, per-request generators);
+5. new tokens are checked against stop ids / stop strings / constraint completion / max_tokens,
+   finished requests release their slot and blocks immediately, and computed full blocks and KDA
+   snapshots are published to the prefix cache.
+
+The model runs unchanged: each forward gets a :class:`~openk3.cache.HybridCache` whose entries are
+pool views (:class:`~openk3.cache.SlotKDAState` rows of the slot pool,
+:class:`~openk3.cache.PagedMLACache` block tables into the latent pool).
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
+from openk3.config import KDA
+from openk3.engine.kv_pool import MLABlockPool, SlotPool, SnapshotPool, cache_layout
+from openk3.engine.planner import sequence_bytes
+from openk3.engine.prefix_cache import PrefixCache, extend_keys
+from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
+from openk3.engine.scheduler import Request, Scheduler
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (``EngineConfig.max_waiting``); the server answers 429."""
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings (contract fields first; the last four are openk3 additions with defaults).
+
+    Attributes:
+        max_num_seqs: most requests running at once (also the number of KDA slots wanted).
+        cache_memory: bytes for MLA blocks + KDA slots + prefix snapshots; None = 90% of free GPU
+            memory on CUDA, else room for ``max_num_seqs`` sequences of min(max_model_len, 32768)
+            tokens plus the snapshot share.
+        block_size: L, tokens per MLA latent block and per prefix-hash block.
+        max_model_len: longest prompt + output; default ``max_position_embeddings``, always capped
+            by the block pool's capacity.
+        enable_prefix_cache: reuse prompt prefixes across requests.
+        prefill_chunk: token budget of one step (decodes count one each).
+        max_waiting: admission queue bound (:class:`EngineOverloaded` beyond it).
+        chunked_prefill: split long prompts across steps (False: a prompt is computed whole).
+        snapshot_interval: KDA snapshot spacing in tokens (multiple of L); None = the smallest
+            multiple of L that is >= 512 (K3 hashes 512-token blocks, architecture.md §3.5).
+        snapshot_fraction: share of ``cache_memory`` for KDA snapshots (prefix cache on only).
+        seed: seeds the generators of requests without their own seed (None = global torch RNG).
+    """
+
+    max_num_seqs: int = 16
+    cache_memory: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    prefill_chunk: int = 512
+    max_waiting: int = 256
+    chunked_prefill: bool = True
+    snapshot_interval: int | None = None
+    snapshot_fraction: float = 0.25
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field."""
+        for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_waiting"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+        if self.cache_memory is not None and (not isinstance(self.cache_memory, int) or self.cache_memory < 1):
+            raise ValueError(f"cache_memory={self.cache_memory!r}: must be a positive number of bytes")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r}: must be an integer >= 2")
+        si = self.snapshot_interval
+        if si is not None and (not isinstance(si, int) or si < self.block_size or si % self.block_size):
+            raise ValueError(f"snapshot_interval={si!r}: must be a positive multiple of block_size={self.block_size}")
+        if not 0 <= self.snapshot_fraction < 1:
+            raise ValueError(f"snapshot_fraction={self.snapshot_fraction!r}: must lie in [0, 1)")
+
+
+@dataclass
+class Usage:
+    """Token counts of one request: prompt, prompt tokens served from the prefix cache, generated
+    (stop token included)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        new_token_ids: tokens returned by this step (0 or 1; a stop token is never returned).
+        finish_reason: "stop" | "length" | "abort" | None.
+        usage: counts so far.
+        logprobs: one :class:`~openk3.engine.sampling.TokenLogprob` per returned token, when asked.
+        stop_reason: what stopped it: the stop token id, the matched stop string (the server cuts
+            the text there), "constraint" (grammar complete or rejected), or None.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    usage: Usage
+    logprobs: list | None = None
+    stop_reason: Any = None
+
+
+class Engine:
+    """Continuous-batching engine around a :class:`~openk3.model.K3ForCausalLM`.
+
+    Args:
+        model: the model (its device and dtype are the cache's).
+        config: :class:`EngineConfig`.
+        detokenize: ``list[int] -> str``, needed for stop strings.
+        on_logits: optional ``(request_id, logits [V] fp32) -> None`` called for every sampled row
+            (tests and debugging).
+    Raises:
+        ValueError: bad config, or a ``cache_memory`` too small for one sequence.
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, *, detokenize: Callable | None = None,
+                 on_logits: Callable | None = None) -> None:
+        self.model = model.eval()
+        self.config = cfg = config or EngineConfig()
+        cfg.validate()
+        mc = model.config
+        self.model_config = mc
+        w = model.lm_head.weight
+        self.device, self.dtype = w.device, w.dtype
+        self.vocab_size = mc.vocab_size
+        self.detokenize = detokenize
+        self.on_logits = on_logits
+        L = cfg.block_size
+        interval = cfg.snapshot_interval or L * -(-512 // L)
+        frac = cfg.snapshot_fraction if cfg.enable_prefix_cache else 0.0
+        memory = cfg.cache_memory if cfg.cache_memory is not None else self._default_cache_memory(frac)
+        self.layout = cache_layout(mc, memory, block_size=L, max_num_seqs=cfg.max_num_seqs,
+                                   snapshot_fraction=frac, dtype=self.dtype)
+        lay = self.layout
+        self.blocks = MLABlockPool(mc, lay.num_blocks, L, self.device, self.dtype)
+        self.slots = SlotPool(mc, lay.num_slots, self.device, self.dtype)
+        self.snapshots = SnapshotPool(mc, lay.num_snapshots, L, self.device, self.dtype)
+        self.prefix = PrefixCache(self.blocks, self.snapshots, L, interval, cfg.enable_prefix_cache)
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
+                                 lay.num_blocks * L)
+        self.scheduler = Scheduler(self.blocks, self.slots, self.prefix, max_num_seqs=min(cfg.max_num_seqs, lay.num_slots),
+                                   prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill, block_size=L)
+        self._kda_index = {}
+        self._mla_index = {}
+        for l, t in enumerate(mc.layer_types):
+            index = self._kda_index if t == KDA else self._mla_index
+            index[l] = len(index)
+        self._requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._arrival = itertools.count()
+        self._seeds = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+
+    def _default_cache_memory(self, frac: float) -> int:
+        cfg, mc = self.config, self.model.config
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        tokens = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, 32768)
+        return int(cfg.max_num_seqs * sequence_bytes(mc, tokens, self.dtype) / (1 - frac))
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, constraint=None) -> int:
+        """Validate a request without queueing it; returns its effective max_tokens.
+
+        Raises:
+            ValueError: empty prompt, ids outside the vocabulary, bad params, stop strings without
+                ``detokenize``, or a prompt that can never fit (>= max_model_len).
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError("prompt_ids: must be a non-empty list of token ids")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.detokenize is None:
+            raise ValueError("params.stop: stop strings need Engine(..., detokenize=fn)")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_ids: {len(prompt_ids)} tokens leave no room to generate within max_model_len="
+                f"{self.max_model_len} (the model's limit and the cache capacity of "
+                f"{self.layout.num_blocks} blocks x {self.layout.block_size} tokens)"
+            )
+        if constraint is not None and not callable(getattr(constraint, "allowed_tokens", None)):
+            raise ValueError("constraint: needs allowed_tokens(), accept(token_id) and is_finished()")
+        return min(params.max_tokens, self.max_model_len - len(prompt_ids))
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, constraint=None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Raises:
+            ValueError: see :meth:`check_request`; a request id already in use.
+            EngineOverloaded: the waiting queue holds ``max_waiting`` requests.
+        """
+        params = params or SamplingParams()
+        max_tokens = self.check_request(prompt_ids, params, constraint)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._requests:
+            raise ValueError(f"request_id={rid!r}: already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests waiting (max_waiting="
+                                   f"{self.config.max_waiting})")
+        req = Request(rid, list(prompt_ids), params, constraint, next(self._arrival), max_tokens,
+                      tokens=list(prompt_ids))
+        if not params.greedy:
+            seed = params.seed
+            if seed is None and self._seeds is not None:
+                seed = int(torch.randint(0, 2**62, (), generator=self._seeds))
+            req.generator = make_generator(seed, self.device)
+        self._requests[rid] = req
+        self.scheduler.waiting.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now: its slot, blocks and reservation are released before returning; the
+        next :meth:`step` reports it with ``finish_reason="abort"``. Unknown ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.release(req)
+        req.finished, req.finish_reason = True, "abort"
+        self._pending.append(RequestOutput(request_id, [], True, "abort", self._usage(req)))
+
+    def abort_all(self) -> None:
+        """:meth:`abort` every queued and running request."""
+        for rid in list(self._requests):
+            self.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that got a token or finished."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        rows: list[tuple[Request, torch.Tensor]] = []
+        if plan.decode:
+            items = [(r, r.num_computed, r.num_computed + 1) for r in plan.decode]
+            logits = self._forward(items, [True] * len(items))
+            for i, r in enumerate(plan.decode):
+                self._computed(r, logits[i])
+                rows.append((r, logits[i]))
+        for rnd in plan.prefill:
+            need = [e == len(r.tokens) for r, _, e in rnd]
+            logits = self._forward(rnd, need)
+            j = 0
+            for (r, _, _), nd in zip(rnd, need):
+                row = logits[j] if nd else None
+                j += nd
+                self._computed(r, row)
+                if nd:
+                    rows.append((r, row))
+        for r in plan.ready:
+            rows.append((r, r.pending_logits))
+            r.pending_logits = None
+        if rows:
+            outputs += self._sample(rows)
+        return outputs
+
+    def _forward(self, items: list[tuple[Request, int, int]], need: list[bool]) -> torch.Tensor | None:
+        """One batched forward of rows (request, start, end); returns logits [sum(need), V] fp32 at
+        the last valid position of the rows flagged in ``need``."""
+        dev = self.device
+        B = len(items)
+        T = max(e - s for _, s, e in items)
+        for r, _, e in items:
+            self.scheduler.ensure_blocks(r, e)
+        ids = torch.tensor([r.tokens[s:e] + [0] * (T - (e - s)) for r, s, e in items], dtype=torch.long, device=dev)
+        lens = torch.tensor([e - s for _, s, e in items], dtype=torch.long, device=dev)
+        MB = max(len(r.blocks) for r, _, _ in items)
+        tables = torch.tensor([r.blocks + [0] * (MB - len(r.blocks)) for r, _, _ in items], dtype=torch.long, device=dev)
+        slots = torch.tensor([r.slot for r, _, _ in items], dtype=torch.long, device=dev)
+        layers = []
+        for l in range(len(self.model_config.layer_types)):
+            if l in self._kda_index:
+                i = self._kda_index[l]
+                layers.append(SlotKDAState(self.slots.conv[i], self.slots.recurrent[i], slots))
+            else:
+                i = self._mla_index[l]
+                layers.append(PagedMLACache(self.blocks.latent[i], self.blocks.k_rope[i], tables))
+        past = torch.tensor([s for _, s, _ in items], dtype=torch.long, device=dev)
+        cache = HybridCache(layers=layers, lengths=past)
+        full = all(e - s == T for _, s, e in items)
+        hidden = self.model.model(ids, cache, lengths=None if full else lens)
+        for r, _, e in items:
+            r.num_computed = e
+        rows = [i for i in range(B) if need[i]]
+        if not rows:
+            return None
+        idx = torch.tensor(rows, device=dev)
+        h = hidden[idx, lens[idx] - 1]
+        return self.model.lm_head(h).float()
+
+    def _computed(self, r: Request, logits: torch.Tensor | None) -> None:
+        """Publish newly full blocks and take the snapshots due at ``r.num_computed``."""
+        if not self.prefix.enabled:
+            return
+        L = self.layout.block_size
+        extend_keys(r.keys, r.tokens, L)
+        r.published = self.prefix.publish_blocks(r.keys, r.blocks, r.num_computed // L, r.published)
+        p = r.num_computed
+        if p == len(r.prompt) and logits is not None:
+            self.prefix.save(r.tokens, r.keys, p, self.slots, r.slot, r.blocks, logits)
+        elif p % self.prefix.interval == 0:
+            self.prefix.save(r.tokens, r.keys, p, self.slots, r.slot, r.blocks)
+
+    # ------------------------------------------------------------------ sampling and stopping
+    def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:
+        reqs = [r for r, _ in rows]
+        logits = torch.stack([x for _, x in rows]).to(self.device)
+        if self.on_logits is not None:
+            for r, x in rows:
+                self.on_logits(r.request_id, x)
+        masks: list[torch.Tensor | None] = [None] * len(reqs)
+        outputs: list[RequestOutput] = []
+        dead = set()
+        for i, r in enumerate(reqs):
+            if r.constraint is not None:
+                m = constraint_mask(r.constraint.allowed_tokens(), self.vocab_size, self.device)
+                if not bool(m.any()):
+                    dead.add(i)
+                    m = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
+                masks[i] = m
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], masks)
+        lps = top_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
+        for i, (r, tok) in enumerate(zip(reqs, tokens.tolist())):
+            if i in dead:  # the grammar allows nothing more: nothing valid can be generated
+                outputs.append(self._finish(r, [], "abort", "constraint", None))
+            else:
+                outputs.append(self._accept(r, tok, lps[i]))
+        return outputs
+
+    def _accept(self, r: Request, tok: int, lp) -> RequestOutput:
+        r.completion_tokens += 1
+        if r.constraint is not None and not r.constraint.accept(tok):
+            return self._finish(r, [], "abort", "constraint", None)
+        if tok in r.params.stop_token_ids:
+            return self._finish(r, [], "stop", tok, None)
+        r.output.append(tok)
+        r.tokens.append(tok)
+        new, lps = [tok], ([lp] if lp is not None else None)
+        stop = self._stop_string(r)
+        if stop is not None:
+            return self._finish(r, new, "stop", stop, lps)
+        if r.constraint is not None and r.constraint.is_finished():
+            return self._finish(r, new, "stop", "constraint", lps)
+        if r.completion_tokens >= r.max_tokens:
+            return self._finish(r, new, "length", None, lps)
+        return RequestOutput(r.request_id, new, False, None, self._usage(r), lps)
+
+    def _stop_string(self, r: Request) -> str | None:
+        stops = r.params.stop
+        if not stops:
+            return None
+        # A match completed by this token lies within the last few tokens: every token decodes to
+        # at least one character except pieces of a multi-byte character, hence the margin.
+        window = r.output[-(2 * max(len(s) for s in stops) + 8):]
+        text = self.detokenize(window)
+        for s in stops:
+            if s in text:
+                return s
+        return None
+
+    def _finish(self, r: Request, new: list[int], reason: str, stop_reason, lps) -> RequestOutput:
+        if reason in ("stop", "length") and self.prefix.enabled and r.slot is not None:
+            # Sequence-end snapshot: a follow-up turn that extends this conversation resumes here.
+            extend_keys(r.keys, r.tokens, self.layout.block_size)
+            self.prefix.save(r.tokens, r.keys, r.num_computed, self.slots, r.slot, r.blocks)
+        self.scheduler.release(r)
+        self._requests.pop(r.request_id, None)
+        r.finished, r.finish_reason, r.stop_reason = True, reason, stop_reason
+        return RequestOutput(r.request_id, new, True, reason, self._usage(r), lps, stop_reason)
+
+    def _usage(self, r: Request) -> Usage:
+        return Usage(len(r.prompt), r.cached_tokens, r.completion_tokens)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        """Pool occupancy, prefix-cache counters per pool, queue lengths, memory layout."""
+        b, s, n, lay = self.blocks, self.slots, self.snapshots, self.layout
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "max_model_len": self.max_model_len,
+            "mla_blocks": {"total": b.num_blocks, "used": b.num_used, "cached": b.num_evictable,
+                           "free": b.num_free, "reserved": b.reserved, "evictions": b.evictions},
+            "kda_slots": {"total": s.n, "used": s.num_used, "free": s.num_free},
+            "kda_snapshots": {"total": n.n, "used": n.num_used, "free": n.num_free, "evictions": n.evictions},
+            "prefix_cache": self.prefix.stats(),
+            "memory": {"block_bytes": lay.block_bytes, "slot_bytes": lay.slot_bytes,
+                       "snapshot_bytes": lay.snapshot_bytes, "total": lay.total_bytes},
+        }

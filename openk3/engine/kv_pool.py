@@ -1,0 +1,309 @@
+"""Decode-state memory of the engine: a paged MLA latent pool, a KDA slot pool and a KDA snapshot
+pool, sized from one memory budget with the planner's formulas.
+
+Shape legend: NB physical MLA blocks, L tokens per block (``block_size``), C latent width
+(``kv_lora_rank``), R shared key width (``qk_rope_head_dim``), M MLA layers, NK KDA layers,
+N slots (or snapshots), P KDA projection width, W conv kernel, H heads, K head dim, V vocabulary.
+
+* :class:`MLABlockPool` — latent [M, NB, L, C] + k_rope [M, NB, L, R] (model dtype). Blocks are
+  reference counted; a block that is registered in the prefix cache and no longer referenced is
+  *evictable* (kept, LRU order) until an allocation needs it. Admission reserves blocks up front
+  (``reserve``), so allocations never fail and nothing runs out of memory mid-generation.
+* :class:`KDAStatePool` — conv [NK, N, 3, P, W-1] (model dtype) + recurrent [NK, N, H, K, K] fp32:
+  one row per running request (the *slot*), or per snapshot.
+* :class:`SnapshotPool` — a :class:`KDAStatePool` plus, per entry, the MLA latents of up to L-1
+  tokens after the last full block and one fp32 logits row, indexed by prefix hash key with its
+  own LRU (performance.md §2.5: two pools, separate LRU).
+* :func:`cache_layout` — how many of each fit a budget (one formula set: :mod:`.planner`).
+
+All pools are zero-initialised: masked cache positions are multiplied by zero probabilities, and
+uninitialised memory could hold NaN (0 * NaN = NaN).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+
+from openk3.config import KDA, MLA, K3Config
+from openk3.engine.planner import kda_state_bytes, kv_bytes_per_token, snapshot_bytes
+
+
+# ----------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class CacheLayout:
+    """Pool sizes for one budget. Bytes are exact: the pools allocate exactly these tensors."""
+
+    block_size: int
+    num_blocks: int
+    num_slots: int
+    num_snapshots: int
+    block_bytes: int
+    slot_bytes: int
+    snapshot_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+                + self.num_snapshots * self.snapshot_bytes)
+
+
+def cache_layout(config: K3Config, cache_memory: int, *, block_size: int, max_num_seqs: int,
+                 snapshot_fraction: float, dtype: torch.dtype) -> CacheLayout:
+    """Split ``cache_memory`` bytes into snapshots, KDA slots and MLA blocks.
+
+    Rule: snapshots get ``snapshot_fraction`` of the budget (0 disables them); of the rest, KDA
+    slots take ``max_num_seqs`` states when that leaves at least half for MLA blocks, otherwise
+    half the rest (at least one slot); MLA blocks take what remains.
+
+    Raises:
+        ValueError: the budget cannot hold one KDA state and one MLA block.
+    """
+    block_b = block_size * kv_bytes_per_token(config, dtype)
+    slot_b = kda_state_bytes(config, dtype)["total"]
+    snap_b = snapshot_bytes(config, block_size, dtype)
+    n_snap = int(cache_memory * snapshot_fraction) // snap_b if snapshot_fraction > 0 else 0
+    rest = cache_memory - n_snap * snap_b
+    n_slots = max_num_seqs if max_num_seqs * slot_b <= rest // 2 else max(1, (rest // 2) // max(slot_b, 1))
+    n_slots = min(n_slots, max_num_seqs)
+    n_blocks = (rest - n_slots * slot_b) // block_b if block_b else 0
+    if n_blocks < 1 or rest < slot_b:
+        raise ValueError(
+            f"cache_memory={cache_memory}: too small for one KDA state ({slot_b} B) plus one MLA block of "
+            f"{block_size} tokens ({block_b} B)"
+        )
+    return CacheLayout(block_size, int(n_blocks), int(n_slots), int(n_snap), block_b, slot_b, snap_b)
+
+
+# ----------------------------------------------------------------------------- MLA blocks
+class MLABlockPool:
+    """Paged MLA latent storage with reference counts, prefix-cache keys and an evictable LRU.
+
+    Args:
+        config: reads layer_types, kv_lora_rank, qk_rope_head_dim.
+        num_blocks: NB; block_size: L.
+    Attributes:
+        latent: [M, NB, L, C]; k_rope: [M, NB, L, R] (``latent[j]`` is MLA layer j's pool).
+    """
+
+    def __init__(self, config: K3Config, num_blocks: int, block_size: int, device, dtype: torch.dtype) -> None:
+        n_mla = config.layer_types.count(MLA)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.latent = torch.zeros(n_mla, num_blocks, block_size, config.kv_lora_rank, device=device, dtype=dtype)
+        self.k_rope = torch.zeros(n_mla, num_blocks, block_size, config.qk_rope_head_dim, device=device, dtype=dtype)
+        self.refcount = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self.key_of: dict[int, bytes] = {}
+        self.block_of: dict[bytes, int] = {}
+        self.reserved = 0
+        self.evictions = 0
+
+    # counters
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free - self.num_evictable
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may still take: free + evictable - reserved."""
+        return self.num_free + self.num_evictable - self.reserved
+
+    @property
+    def nbytes(self) -> int:
+        return self.latent.nbytes + self.k_rope.nbytes
+
+    # reservations (admission control)
+    def reserve(self, n: int) -> None:
+        """Promise ``n`` future allocations. Raises RuntimeError when they are not available."""
+        if n > self.num_available:
+            raise RuntimeError(f"MLA pool: cannot reserve {n} blocks, {self.num_available} available")
+        self.reserved += n
+
+    def unreserve(self, n: int) -> None:
+        self.reserved -= n
+
+    # blocks
+    def allocate(self) -> int:
+        """Take a block (refcount 1) out of a reservation: a free one, else evict the LRU cached one."""
+        if self._free:
+            b = self._free.popleft()
+        elif self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            del self.block_of[self.key_of.pop(b)]
+            self.evictions += 1
+        else:
+            raise RuntimeError("MLA pool exhausted (allocation outside a reservation)")
+        self.reserved -= 1
+        self.refcount[b] = 1
+        return b
+
+    def incref(self, b: int) -> None:
+        if self.refcount[b] == 0:
+            del self._evictable[b]
+        self.refcount[b] += 1
+
+    def decref(self, b: int) -> None:
+        self.refcount[b] -= 1
+        if self.refcount[b] == 0:
+            if b in self.key_of:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
+
+    def register(self, b: int, key: bytes) -> bool:
+        """Publish block ``b`` (full, immutable) under prefix key ``key``; False if the key is taken."""
+        if key in self.block_of or b in self.key_of:
+            return False
+        self.key_of[b] = key
+        self.block_of[key] = b
+        return True
+
+    def lookup(self, key: bytes) -> int | None:
+        return self.block_of.get(key)
+
+
+# ----------------------------------------------------------------------------- KDA states
+class KDAStatePool:
+    """N rows of full-model KDA state.
+
+    Attributes:
+        conv: [NK, N, 3, P, W-1] model dtype; recurrent: [NK, N, H, K, K] fp32.
+    """
+
+    def __init__(self, config: K3Config, n: int, device, dtype: torch.dtype) -> None:
+        n_kda = config.layer_types.count(KDA)
+        P, W = config.linear_proj_dim, config.linear_conv_kernel_dim
+        H, K = config.linear_num_heads, config.linear_head_dim
+        self.n = n
+        self.conv = torch.zeros(n_kda, n, 3, P, W - 1, device=device, dtype=dtype)
+        self.recurrent = torch.zeros(n_kda, n, H, K, K, device=device, dtype=torch.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    def zero_(self, i: int) -> None:
+        self.conv[:, i].zero_()
+        self.recurrent[:, i].zero_()
+
+    def copy_row(self, dst: int, src_pool: "KDAStatePool", src: int) -> None:
+        """Row ``dst`` of this pool := row ``src`` of ``src_pool`` (all KDA layers)."""
+        self.conv[:, dst].copy_(src_pool.conv[:, src])
+        self.recurrent[:, dst].copy_(src_pool.recurrent[:, src])
+
+
+class SlotPool(KDAStatePool):
+    """KDA working state, one slot per running request; slots are zeroed on allocation."""
+
+    def __init__(self, config: K3Config, n: int, device, dtype: torch.dtype) -> None:
+        super().__init__(config, n, device, dtype)
+        self._free: deque[int] = deque(range(n))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.n - len(self._free)
+
+    def allocate(self) -> int:
+        """A zeroed slot. Raises RuntimeError when none is free (admission checks first)."""
+        if not self._free:
+            raise RuntimeError("KDA slot pool exhausted")
+        s = self._free.popleft()
+        self.zero_(s)
+        return s
+
+    def release(self, s: int) -> None:
+        self._free.append(s)
+
+
+@dataclass
+class Snapshot:
+    """Index entry of a stored snapshot: pool row, prefix length ``position``, how many latent
+    tail tokens (``position % L``) it carries, the key of the last full block before it (``parent``,
+    tail entries only) and whether it holds the logits after ``position``."""
+
+    row: int
+    position: int
+    tail_len: int
+    parent: bytes | None = None
+    has_logits: bool = False
+
+
+class SnapshotPool(KDAStatePool):
+    """KDA state snapshots at prefix boundaries, keyed by prefix hash, with their own LRU.
+
+    Attributes (besides the KDA state rows):
+        tail_latent: [M, N, L-1, C]; tail_k_rope: [M, N, L-1, R] MLA latents of the tokens after
+        the last full block (unaligned boundaries only); logits: [N, V] fp32.
+    """
+
+    def __init__(self, config: K3Config, n: int, block_size: int, device, dtype: torch.dtype) -> None:
+        super().__init__(config, n, device, dtype)
+        n_mla = config.layer_types.count(MLA)
+        t = max(block_size - 1, 0)
+        self.tail_latent = torch.zeros(n_mla, n, t, config.kv_lora_rank, device=device, dtype=dtype)
+        self.tail_k_rope = torch.zeros(n_mla, n, t, config.qk_rope_head_dim, device=device, dtype=dtype)
+        self.logits = torch.zeros(n, config.vocab_size, device=device, dtype=torch.float32)
+        self._free: deque[int] = deque(range(n))
+        self._index: OrderedDict[bytes, Snapshot] = OrderedDict()  # least recently used first
+        self._tails: dict[bytes, dict[int, bytes]] = {}  # parent key -> {tail length: key}
+        self.evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.tail_latent.nbytes + self.tail_k_rope.nbytes + self.logits.nbytes
+
+    @property
+    def num_used(self) -> int:
+        return len(self._index)
+
+    @property
+    def num_free(self) -> int:
+        return self.n - len(self._index)
+
+    def get(self, key: bytes, touch: bool = False) -> Snapshot | None:
+        """The entry under ``key`` (refreshing its LRU position only if ``touch``)."""
+        snap = self._index.get(key)
+        if snap is not None and touch:
+            self._index.move_to_end(key)
+        return snap
+
+    def tails_after(self, parent: bytes) -> dict[int, bytes]:
+        """{tail length: key} of the unaligned entries that continue the full-block prefix ``parent``."""
+        return self._tails.get(parent, {})
+
+    def put(self, key: bytes, position: int, tail_len: int, parent: bytes | None) -> Snapshot | None:
+        """A new entry (evicting the LRU one when full); the caller fills its row. None if n == 0."""
+        if self.n == 0:
+            return None
+        if self._free:
+            row = self._free.popleft()
+        else:
+            old_key, old = self._index.popitem(last=False)
+            row = old.row
+            self.evictions += 1
+            if old.parent is not None:
+                tails = self._tails[old.parent]
+                del tails[old.tail_len]
+                if not tails:
+                    del self._tails[old.parent]
+        snap = Snapshot(row, position, tail_len, parent)
+        self._index[key] = snap
+        if parent is not None:
+            self._tails.setdefault(parent, {})[tail_len] = key
+        return snap

@@ -1,0 +1,210 @@
+"""Continuous-batching scheduler: request state, FCFS admission with memory reservations, and the
+per-step plan (one batched decode + chunked prefill pieces under a shared token budget).
+
+Policy, per step:
+
+1. **Decode** every running request whose next forward is a single token (one batched forward).
+   Each costs one token of the step budget ``prefill_chunk``.
+2. **Prefill** the running requests with more than one token to compute, oldest first, in pieces
+   that fill the remaining budget (at least ``min(prefill_chunk, block_size)`` tokens per step
+   even when decodes use it all, so prompts always progress). Without chunked prefill a prompt is
+   computed whole in one step (the budget then only bounds how many prompts start together).
+3. **Admit** waiting requests in arrival order while the budget, ``max_num_seqs``, a free KDA slot
+   and the MLA blocks for the request's whole lifetime (prompt + max_tokens - 1 positions, less
+   prefix-shared blocks) are available. Admission is strict FCFS: if the head does not fit,
+   nobody behind it is admitted, so no request can starve; reserved blocks guarantee that a
+   running request never runs out of memory, so nothing is ever preempted.
+
+Prefill pieces are split at multiples of ``snapshot_interval`` when the prefix cache is on, so the
+KDA state can be snapshotted there (see :mod:`.prefix_cache`); pieces of one step run as
+"rounds" of batched forwards (round i = the i-th sub-piece of every prefilling request).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from openk3.engine.kv_pool import MLABlockPool, SlotPool
+from openk3.engine.prefix_cache import PrefixCache, extend_keys
+from openk3.engine.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request.
+
+    ``tokens`` = prompt + sampled tokens still to be fed (the stop token is never appended);
+    ``num_computed`` tokens of it are in the caches (KDA slot + MLA blocks).
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    constraint: Any
+    arrival: int
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    num_computed: int = 0
+    cached_tokens: int = 0
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    reserved: int = 0
+    keys: list[bytes] = field(default_factory=list)
+    published: int = 0
+    pending_logits: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to feed before the next sample."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+
+@dataclass
+class StepPlan:
+    """What one engine step runs: ``decode`` (one token each, one forward), ``prefill`` rounds of
+    (request, start, end) pieces, and ``ready`` requests sampled from stored logits (full hits)."""
+
+    decode: list = field(default_factory=list)
+    prefill: list = field(default_factory=list)
+    ready: list = field(default_factory=list)
+
+
+class Scheduler:
+    """Waiting queue, running set and the resources they hold.
+
+    Args:
+        blocks, slots: the MLA block pool and KDA slot pool; prefix: the prefix cache.
+        max_num_seqs: most running requests. prefill_chunk: step token budget.
+        chunked_prefill: split prompts across steps. block_size: L.
+    """
+
+    def __init__(self, blocks: MLABlockPool, slots: SlotPool, prefix: PrefixCache, *, max_num_seqs: int,
+                 prefill_chunk: int, chunked_prefill: bool, block_size: int) -> None:
+        self.blocks, self.slots, self.prefix = blocks, slots, prefix
+        self.max_num_seqs = max_num_seqs
+        self.budget = prefill_chunk
+        self.chunked = chunked_prefill
+        self.block_size = block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ------------------------------------------------------------------ resources
+    def blocks_needed(self, req: Request) -> int:
+        """MLA blocks a request writes over its life: positions 0 .. prompt + max_tokens - 2."""
+        return -(-(len(req.prompt) + req.max_tokens - 1) // self.block_size)
+
+    def _try_admit(self, req: Request) -> bool:
+        if self.slots.num_free == 0 or len(self.running) >= self.max_num_seqs:
+            return False
+        extend_keys(req.keys, req.prompt, self.block_size)
+        hit = self.prefix.match(req.prompt, req.keys)
+        need = self.blocks_needed(req) - len(hit.blocks)
+        revived = sum(1 for b in hit.blocks if self.blocks.refcount[b] == 0)  # leave the evictable set
+        if need > self.blocks.num_available - revived:
+            return False
+        for b in hit.blocks:
+            self.blocks.incref(b)
+        self.blocks.reserve(need)
+        req.reserved = need
+        req.blocks = list(hit.blocks)
+        req.slot = self.slots.allocate()
+        if hit.snapshot is not None:
+            tail = self.allocate_block(req) if hit.snapshot.tail_len else None
+            req.pending_logits = self.prefix.restore(hit, self.slots, req.slot, tail)
+        req.num_computed = req.cached_tokens = hit.length
+        req.published = len(hit.blocks)
+        self.prefix.commit(hit, len(req.prompt))
+        return True
+
+    def allocate_block(self, req: Request) -> int:
+        """Append one block to ``req``'s table, out of its reservation."""
+        b = self.blocks.allocate()
+        req.reserved -= 1
+        req.blocks.append(b)
+        return b
+
+    def ensure_blocks(self, req: Request, end: int) -> None:
+        """Make ``req``'s block table cover positions ``[0, end)``."""
+        while len(req.blocks) * self.block_size < end:
+            self.allocate_block(req)
+
+    def release(self, req: Request) -> None:
+        """Return every block reference, the unused reservation and the slot of ``req`` at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        for b in req.blocks:
+            self.blocks.decref(b)
+        req.blocks = []
+        self.blocks.unreserve(req.reserved)
+        req.reserved = 0
+        if req.slot is not None:
+            self.slots.release(req.slot)
+            req.slot = None
+        req.pending_logits = None
+
+    # ------------------------------------------------------------------ planning
+    def _pieces(self, req: Request, n: int) -> list[tuple[Request, int, int]]:
+        """Split ``req``'s next ``n`` tokens at snapshot boundaries (when the prefix cache is on)."""
+        start, end = req.num_computed, req.num_computed + n
+        if not self.prefix.enabled:
+            return [(req, start, end)]
+        step = self.prefix.interval
+        cuts = list(range((start // step + 1) * step, end, step))
+        bounds = [start] + cuts + [end]
+        return [(req, a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def schedule(self) -> StepPlan:
+        """Admit what fits and decide this step's work (see the module docstring)."""
+        plan = StepPlan()
+        plan.decode = [r for r in self.running if r.pending_logits is None and r.remaining == 1]
+        left = max(self.budget - len(plan.decode), min(self.budget, self.block_size))
+        pieces: list[list] = []
+        started = False
+
+        def take(r: Request) -> bool:
+            nonlocal left, started
+            if self.chunked:
+                n = min(r.remaining, left)
+                if n <= 0:
+                    return False
+            else:
+                n = r.remaining
+                if started and n > left:
+                    return False
+            pieces.append(self._pieces(r, n))
+            left -= n
+            started = True
+            return True
+
+        for r in self.running:
+            if r.pending_logits is None and r.remaining > 1 and not take(r):
+                break
+        while self.waiting and left > 0 and self._try_admit(self.waiting[0]):
+            r = self.waiting.popleft()
+            self.running.append(r)
+            if r.pending_logits is not None:
+                plan.ready.append(r)
+            elif r.remaining == 1:
+                plan.decode.append(r)
+                left -= 1
+            elif not take(r):
+                break
+        rounds = max((len(p) for p in pieces), default=0)
+        plan.prefill = [[p[i] for p in pieces if i < len(p)] for i in range(rounds)]
+        return plan

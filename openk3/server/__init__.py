@@ -1,0 +1,15 @@
+"""The Kimi-compatible API server (``openk3 serve``).
+
+* :mod:`openk3.server.protocol` — wire models (pydantic) and :class:`~openk3.server.protocol.APIError`;
+* :mod:`openk3.server.serving` — validation, rendering, generation events, OpenAI responses / SSE;
+* :mod:`openk3.server.anthropic` — ``/anthropic/v1/messages`` over the same core;
+* :mod:`openk3.server.metrics` — Prometheus metrics;
+* :mod:`openk3.server.app` — FastAPI app, guards, error mapping, ``main`` for the CLI.
+
+Contract: ``../shared/spec/api.md`` (with its §11 decisions) and ``../shared/spec/k3-chat-format.md``.
+"""
+
+from openk3.server.app import build_serving, create_app, default_model_path, main
+from openk3.server.serving import ChatServing, Limits, ModelInfo
+
+__all__ = ["ChatServing", "Limits", "ModelInfo", "build_serving", "create_app", "default_model_path", "main"]

@@ -1,0 +1,313 @@
+"""``POST /anthropic/v1/messages`` on the same serving core as chat completions.
+
+Source: ``../shared/spec/api.md`` §7 (Kimi's Anthropic-compatible surface; beyond the fields listed
+there, standard Anthropic Messages behaviour) and §3 (thinking blocks are preserved into the prompt).
+
+A Messages request is translated into a chat-completions body and goes through
+:meth:`ChatServing.prepare` (same rendering, validation, constraints and engine); the parser events
+are then written as Anthropic content blocks / SSE events. Mapping:
+
+* ``system`` (string or text blocks) -> a leading system message;
+* user ``text`` / ``image`` (base64 source -> data URL) blocks -> content parts; ``tool_result``
+  blocks -> ``tool`` messages (in block order, before the rest of that user turn);
+* assistant ``thinking`` blocks -> ``reasoning_content`` (concatenated), ``text`` -> content,
+  ``tool_use`` -> ``tool_calls`` (``input`` serialised); a final assistant message is a prefill and
+  is continued (partial mode, api.md §1.8);
+* ``tools`` (``input_schema``) -> function tools; ``tool_choice`` auto / any / none -> auto /
+  required / none (the named ``tool`` form is a 400, as on the OpenAI surface);
+* ``thinking: {"type": "disabled"}`` -> instant mode; ``budget_tokens`` accepted and ignored;
+  ``temperature`` / ``top_p`` / ``top_k`` accepted and ignored (K3 samples at fixed values);
+* usage: ``input_tokens`` = prompt tokens not served from cache, ``cache_read_input_tokens`` = cached,
+  ``cache_creation_input_tokens`` = 0 (Anthropic semantics: the three add up to the prompt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from openk3.chat_format.parser import (
+    ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+)
+from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
+from openk3.server.serving import ChatServing, Finished, Generation, Prepared
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _signature(thinking: str) -> str:
+    """An opaque signature for a thinking block (clients send it back unchanged; it is not checked)."""
+    return "openk3-" + hashlib.sha256(thinking.encode("utf-8")).hexdigest()[:32]
+
+
+def _image_part(block: dict, where: str) -> dict:
+    src = block.get("source") or {}
+    if src.get("type") == "base64":
+        return {"type": "image_url",
+                "image_url": {"url": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"}}
+    if src.get("type") == "url":
+        return {"type": "image_url", "image_url": {"url": str(src.get("url", ""))}}
+    raise bad_request(f"{where}.source.type: unsupported image source {src.get('type')!r} (base64)")
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    out = []
+    for j, b in enumerate(blocks or []):
+        if b.get("type") != "text":
+            raise bad_request(f"{where}[{j}].type: only text blocks are allowed here")
+        out.append(b.get("text") or "")
+    return "".join(out)
+
+
+def _tool_result_content(block: dict, where: str) -> Any:
+    content = block.get("content")
+    if content is None or isinstance(content, str):
+        return content if content else ("(error)" if block.get("is_error") else "(empty)")
+    parts = []
+    for j, b in enumerate(content):
+        if b.get("type") == "text":
+            parts.append({"type": "text", "text": b.get("text") or ""})
+        elif b.get("type") == "image":
+            parts.append(_image_part(b, f"{where}.content[{j}]"))
+        else:
+            raise bad_request(f"{where}.content[{j}].type: unsupported block type {b.get('type')!r}")
+    return parts or "(empty)"
+
+
+def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
+    """Translate an Anthropic Messages body into a chat-completions body (see the module docstring).
+
+    Raises:
+        APIError: 400 for an unsupported block or tool_choice, or an assistant ``tool_use`` turn
+            without its thinking block while thinking is on (api.md §3, Anthropic surface).
+    """
+    messages: list[dict] = []
+    system = req.get("system")
+    if system:
+        messages.append({"role": "system", "content": _text_of(system, "system")})
+    turns = req.get("messages") or []
+    for i, m in enumerate(turns):
+        where = f"messages[{i}]"
+        role, content = m.get("role"), m.get("content")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            continue
+        if role == "user":
+            parts: list[dict] = []
+            for j, b in enumerate(content):
+                kind = b.get("type")
+                if kind == "text":
+                    parts.append({"type": "text", "text": b.get("text") or ""})
+                elif kind == "image":
+                    parts.append(_image_part(b, f"{where}.content[{j}]"))
+                elif kind == "tool_result":
+                    messages.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                                     "content": _tool_result_content(b, f"{where}.content[{j}]")})
+                else:
+                    raise bad_request(f"{where}.content[{j}].type: unsupported block type {kind!r}")
+            if parts:
+                messages.append({"role": "user", "content": parts})
+            continue
+        text, reasoning, calls, saw_thinking = [], [], [], False
+        for j, b in enumerate(content):
+            kind = b.get("type")
+            if kind == "text":
+                text.append(b.get("text") or "")
+            elif kind == "thinking":
+                saw_thinking = True
+                reasoning.append(b.get("thinking") or "")
+            elif kind == "redacted_thinking":
+                saw_thinking = True
+            elif kind == "tool_use":
+                calls.append({"id": b.get("id"), "type": "function",
+                              "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {},
+                                                                                           ensure_ascii=False)}})
+            else:
+                raise bad_request(f"{where}.content[{j}].type: unsupported block type {kind!r}")
+        if thinking_on and calls and not saw_thinking:
+            raise bad_request(f"thinking is enabled but the thinking block is missing in assistant tool_use message "
+                              f"at index {i}")
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+        if saw_thinking:
+            msg["reasoning_content"] = "".join(reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        messages.append(msg)
+    if turns and turns[-1].get("role") == "assistant":
+        messages[-1]["partial"] = True  # Anthropic prefill: the final assistant turn is continued
+
+    body: dict[str, Any] = {"model": req.get("model"), "messages": messages,
+                            "max_completion_tokens": req.get("max_tokens")}
+    if req.get("tools"):
+        body["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                                           "parameters": t.get("input_schema") or {"type": "object"}}}
+                         for t in req["tools"]]
+    tc = req.get("tool_choice")
+    if tc:
+        kind = tc.get("type")
+        if kind == "tool":
+            raise bad_request("tool_choice: the named 'tool' form is not supported for this model; use auto, any or none")
+        if kind not in ("auto", "any", "none"):
+            raise bad_request(f"tool_choice.type: unsupported value {kind!r} (auto, any, none)")
+        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    if req.get("stop_sequences"):
+        body["stop"] = req["stop_sequences"]
+    if not thinking_on:
+        body["thinking"] = {"type": "disabled"}
+    if req.get("stream"):
+        body["stream"] = True
+    return body
+
+
+def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
+    """Validate an Anthropic body and prepare its generation; returns ``(prepared, chat_body)``.
+
+    Raises:
+        APIError: 404 unknown model, 400 invalid request.
+    """
+    serving.check_model(req.get("model"))
+    thinking = req.get("thinking")
+    thinking_on = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
+    body = to_chat_body(req, thinking_on)
+    try:
+        validated = ChatCompletionRequest.model_validate(body)
+    except ValueError as e:
+        raise bad_request(f"Invalid request: {e}") from None
+    prep = serving.prepare(body, validated)
+    prep.id = "msg_" + uuid.uuid4().hex
+    return prep, body
+
+
+def count_tokens(serving: ChatServing, req: dict) -> dict:
+    """``{"input_tokens": N}`` for ``/anthropic/v1/messages/count_tokens``."""
+    serving.check_model(req.get("model"))
+    thinking = req.get("thinking")
+    thinking_on = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
+    body = to_chat_body(dict(req, max_tokens=1), thinking_on)
+    return {"input_tokens": serving.count_tokens(body)}
+
+
+def _usage(usage: dict) -> dict:
+    cached = usage["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def _stop_reason(fin: Finished) -> str:
+    if fin.stop_sequence is not None and fin.finish_reason == "stop":
+        return "stop_sequence"
+    return STOP_REASONS.get(fin.finish_reason, "end_turn")
+
+
+def _tool_input(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {"_raw_arguments": arguments}
+    return value if isinstance(value, dict) else {"_value": value}
+
+
+async def complete(serving: ChatServing, prep: Prepared, gen: Generation) -> dict:
+    """Run to the end and build the Anthropic ``message`` object.
+
+    Raises:
+        APIError: 503 if the engine aborted the request.
+    """
+    reasoning, text, blocks = [], [], []
+    fin: Finished | None = None
+    async for ev in gen.events():
+        if isinstance(ev, ReasoningDelta):
+            reasoning.append(ev.text)
+        elif isinstance(ev, ContentDelta):
+            text.append(ev.text)
+        elif isinstance(ev, ToolCallEnd):
+            blocks.append({"type": "tool_use", "id": ev.id, "name": ev.name, "input": _tool_input(ev.arguments)})
+        elif isinstance(ev, Finished):
+            fin = ev
+    if fin is None or fin.finish_reason == "abort":
+        raise APIError(503, "the request was aborted (server shutting down)")
+    content: list[dict] = []
+    if gen.thinking_output:
+        thought = "".join(reasoning)
+        content.append({"type": "thinking", "thinking": thought, "signature": _signature(thought)})
+    if text:
+        content.append({"type": "text", "text": "".join(text)})
+    content.extend(blocks)
+    return {"id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": content,
+            "stop_reason": _stop_reason(fin), "stop_sequence": fin.stop_sequence, "usage": _usage(fin.usage)}
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def sse(serving: ChatServing, prep: Prepared, gen: Generation) -> AsyncIterator[str]:
+    """The standard Messages event sequence: message_start, ping, per block content_block_start /
+    content_block_delta (thinking_delta + signature_delta, text_delta, input_json_delta) /
+    content_block_stop, message_delta (stop_reason, usage), message_stop."""
+    start_usage = {"input_tokens": prep.prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
+                   "cache_creation_input_tokens": 0}
+    yield _event("message_start", {"type": "message_start", "message": {
+        "id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
+    yield _event("ping", {"type": "ping"})
+    index, open_kind, thought = -1, None, []
+
+    def close() -> list[str]:
+        nonlocal open_kind
+        out = []
+        if open_kind == "thinking":
+            out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                "type": "signature_delta", "signature": _signature("".join(thought))}}))
+        if open_kind is not None:
+            out.append(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
+        open_kind = None
+        return out
+
+    def open_block(kind: str, block: dict) -> list[str]:
+        nonlocal index, open_kind
+        out = close()
+        index += 1
+        open_kind = kind
+        out.append(_event("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}))
+        return out
+
+    async for ev in gen.events():
+        pieces: list[str] = []
+        if gen.thinking_output and index < 0 and not isinstance(ev, ReasoningDelta):
+            pieces += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        if isinstance(ev, ReasoningDelta):
+            if open_kind != "thinking":
+                pieces += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            thought.append(ev.text)
+            pieces.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                         "delta": {"type": "thinking_delta", "thinking": ev.text}}))
+        elif isinstance(ev, ContentDelta):
+            if open_kind != "text":
+                pieces += open_block("text", {"type": "text", "text": ""})
+            pieces.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                         "delta": {"type": "text_delta", "text": ev.text}}))
+        elif isinstance(ev, ToolCallStart):
+            pieces += open_block("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
+        elif isinstance(ev, ToolCallArgumentsDelta):
+            pieces.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                         "delta": {"type": "input_json_delta", "partial_json": ev.text}}))
+        elif isinstance(ev, ToolCallEnd):
+            pieces += close()
+        elif isinstance(ev, Finished):
+            if ev.finish_reason == "abort":
+                err = APIError(503, "the request was aborted (server shutting down)").anthropic_body()
+                yield "".join(pieces) + _event("error", err)
+                return
+            pieces += close()
+            pieces.append(_event("message_delta", {"type": "message_delta",
+                                                   "delta": {"stop_reason": _stop_reason(ev),
+                                                             "stop_sequence": ev.stop_sequence},
+                                                   "usage": _usage(ev.usage)}))
+            pieces.append(_event("message_stop", {"type": "message_stop"}))
+        if pieces:
+            yield "".join(pieces)

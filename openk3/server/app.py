@@ -1,0 +1,349 @@
+"""The FastAPI application, its guards and error mapping, and ``openk3 serve``.
+
+Routes (``../shared/spec/api.md`` §0.1): ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /v1/tokenizers/estimate-token-count``, ``POST /anthropic/v1/messages``,
+``POST /anthropic/v1/messages/count_tokens``, ``GET /health``, ``GET /metrics``.
+
+Guards, in order, as one ASGI middleware in front of the routes (api.md §11 validation order):
+the API key (``Authorization: Bearer`` or ``x-api-key``, compared in constant time; only ``/v1`` and
+``/anthropic`` are protected — ``/health`` and ``/metrics`` stay open for probes and scrapers),
+then the body size (``Content-Length`` first, then the bytes actually received) -> 413.
+
+Every error answers with the Kimi envelope ``{"error": {"message", "type"}}`` (the Anthropic one
+under ``/anthropic``); unexpected exceptions are logged and answered 500 without internals.
+A client that disconnects aborts its engine request (streaming: the response task is cancelled;
+non-streaming: a watcher on the connection). SIGTERM: uvicorn stops accepting connections and waits
+for in-flight responses; the lifespan then drains and stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import sys
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openk3.server import anthropic
+from openk3.server.metrics import CONTENT_TYPE, Metrics
+from openk3.server.protocol import (
+    AnthropicCountRequest, AnthropicMessagesRequest, APIError, ChatCompletion, ChatCompletionRequest, ErrorResponse,
+    ModelCard, ModelList, TokenCountRequest, TokenCountResponse,
+)
+from openk3.server.serving import ChatServing, Generation, Limits, ModelInfo
+
+log = logging.getLogger("openk3.server")
+
+_ENDPOINTS = {"/v1/chat/completions", "/v1/models", "/v1/tokenizers/estimate-token-count", "/anthropic/v1/messages",
+              "/anthropic/v1/messages/count_tokens", "/health", "/metrics"}
+_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+           413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
+
+
+def default_model_path() -> str | None:
+    """The checkpoint served when ``openk3 serve`` gets no MODEL: the default model shipped in the
+    package (issue 8). None until it exists."""
+    return None
+
+
+def _error_response(path: str, err: APIError) -> JSONResponse:
+    body = err.anthropic_body() if path.startswith("/anthropic") else err.kimi_body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+class Guard:
+    """ASGI middleware: request metrics, API key (401), body size (413); see the module docstring."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Metrics):
+        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        given = headers.get(b"x-api-key", b"")
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        return hmac.compare_digest(given, self.api_key.encode("utf-8"))
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        status_box = [500]
+
+        async def send_tracked(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status_box[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, send_tracked, path)
+        finally:
+            self.metrics.request(endpoint, status_box[0])
+
+    async def _guarded(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and path.startswith(("/v1", "/anthropic")) and not self._authorized(headers):
+            return await _error_response(path, APIError(401, "Invalid Authentication"))(scope, receive, send)
+        too_large = APIError(413, f"request body too large (limit {self.max_body} bytes)")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await _error_response(path, too_large)(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body:
+                return await _error_response(path, too_large)(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that always runs `on_close` (aborting the engine request) when the
+    response ends for any reason, including a client disconnect that cancels it mid-stream."""
+
+    def __init__(self, content: Any, on_close: Any, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _or_disconnect(request: Request, coro: Any) -> tuple[bool, Any]:
+    """Await `coro` unless the client goes away first; returns ``(completed, result)``. On a
+    disconnect `coro` is cancelled (``Generation`` cleanup then aborts the engine request)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        return False, None
+    return True, task.result()
+
+
+def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutdown: Any = None) -> FastAPI:
+    """The FastAPI app over a :class:`ChatServing`.
+
+    Args:
+        serving: the serving core (engine, tokenizer, model info, limits, metrics).
+        api_key: when set, ``/v1`` and ``/anthropic`` require it.
+        engine_shutdown: ``async (drain: bool) -> None`` run at shutdown (``AsyncEngine.shutdown``).
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if engine_shutdown is not None:
+            await engine_shutdown(drain=True)
+
+    app = FastAPI(title="openk3 Kimi-compatible API", version="0.1.0", lifespan=lifespan)
+    app.state.serving = serving
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        body = getattr(exc, "body", None)
+        if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] != serving.model.id:
+            return _error_response(request.url.path, APIError(404, f"Not found the model {body['model']} or "
+                                                                    "Permission denied"))
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = first.get("msg", "invalid request")
+        return _error_response(request.url.path, APIError(400, f"Invalid request: {loc}: {msg}" if loc else
+                                                               f"Invalid request: {msg}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        status = exc.status_code
+        message = {404: "Not found", 405: "Method not allowed"}.get(status, str(exc.detail))
+        return _error_response(request.url.path, APIError(status, message, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return _error_response(request.url.path, APIError(500, "Internal server error"))
+
+    async def _run(request: Request, prep: Any, complete: Any, stream: Any) -> Response:
+        gen = Generation(serving, prep)
+        started, _ = await _or_disconnect(request, gen.start())
+        if not started:
+            await gen.aclose()
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+        if prep.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-request-id": prep.id}
+            return _Stream(stream(prep, gen), gen.aclose, media_type="text/event-stream", headers=headers)
+        done, result = await _or_disconnect(request, complete(prep, gen))
+        if not done:
+            await gen.aclose()
+            return Response(status_code=499)
+        return JSONResponse(result, headers={"x-request-id": prep.id})
+
+    @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}, **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        raw = await request.json()
+        prep = serving.prepare(raw, body)
+        return await _run(request, prep, serving.complete, serving.sse)
+
+    @app.post("/v1/tokenizers/estimate-token-count", response_model=TokenCountResponse, responses=_ERRORS)
+    async def estimate_token_count(body: TokenCountRequest, request: Request) -> dict:
+        serving.check_model(body.model)
+        return {"data": {"total_tokens": serving.count_tokens(await request.json())}}
+
+    def _card() -> dict:
+        m = serving.model
+        return {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by,
+                "context_length": m.context_length, "supports_image_in": m.supports_image_in,
+                "supports_video_in": m.supports_video_in, "supports_reasoning": m.supports_reasoning}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model_id: str) -> dict:
+        serving.check_model(model_id)
+        return _card()
+
+    @app.post("/anthropic/v1/messages", response_model=None, responses=_ERRORS)
+    async def anthropic_messages(body: AnthropicMessagesRequest, request: Request) -> Response:
+        prep, _ = anthropic.prepare(serving, await request.json())
+        return await _run(request, prep, lambda p, g: anthropic.complete(serving, p, g),
+                          lambda p, g: anthropic.sse(serving, p, g))
+
+    @app.post("/anthropic/v1/messages/count_tokens", response_model=None, responses=_ERRORS)
+    async def anthropic_count_tokens(body: AnthropicCountRequest, request: Request) -> dict:
+        return anthropic.count_tokens(serving, await request.json())
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": serving.model.id}
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=serving.limits.max_body_bytes, metrics=serving.metrics)
+    return app
+
+
+def build_serving(model_path: str, *, served_model_name: str | None = None, max_num_seqs: int = 16,
+                  cache_memory: int | None = None, enable_prefix_cache: bool = True,
+                  max_waiting: int | None = None, max_model_len: int | None = None,
+                  limits: Limits = Limits()) -> tuple[ChatServing, Any]:
+    """Load a checkpoint directory (config + safetensors + tokenizer files) and start its engine.
+
+    Returns:
+        ``(serving, async_engine)``.
+    Raises:
+        FileNotFoundError / ValueError: from the checkpoint or tokenizer loaders.
+    """
+    import torch
+
+    from openk3.engine import AsyncEngine, Engine, EngineConfig
+    from openk3.pretrained import load_pretrained
+    from openk3.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    model = load_pretrained(model_path, dtype=torch.float32)
+    kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, "cache_memory": cache_memory,
+                              "enable_prefix_cache": enable_prefix_cache}
+    if max_waiting is not None:
+        kwargs["max_waiting"] = max_waiting
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    engine = Engine(model, EngineConfig(**kwargs),
+                    detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    context = int(getattr(engine, "max_model_len", None) or max_model_len or model.config.max_position_embeddings)
+    name = served_model_name or os.path.basename(os.path.normpath(model_path))
+    info = ModelInfo(id=name, context_length=context, supports_image_in=False, created=int(time.time()))
+    async_engine = AsyncEngine(engine)
+    serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits)
+    return serving, async_engine
+
+
+def main(args: Any) -> int:
+    """``openk3 serve``: load MODEL (or the shipped default), start the engine and serve HTTP until
+    SIGINT / SIGTERM. Prints one startup line with the URL and model id. Returns the exit status."""
+    import uvicorn
+
+    path = args.model or default_model_path()
+    if path is None:
+        print("openk3 serve: no MODEL given and no default model is shipped yet (issue 8); "
+              "run `openk3 serve CHECKPOINT_DIR` with a directory holding config.json, safetensors "
+              "and the tokenizer files", file=sys.stderr)
+        return 2
+    if not os.path.isdir(path):
+        print(f"openk3 serve: {path!r} is not a checkpoint directory", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("OPENK3_API_KEY") or None
+    try:
+        serving, async_engine = build_serving(
+            path, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+            cache_memory=args.cache_memory, enable_prefix_cache=not args.no_prefix_cache,
+            max_waiting=getattr(args, "max_waiting", None), max_model_len=getattr(args, "max_model_len", None))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"openk3 serve: cannot load {path!r}: {e}", file=sys.stderr)
+        return 2
+    app = create_app(serving, api_key=api_key, engine_shutdown=async_engine.shutdown)
+    model_id = serving.model.id
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and self.servers:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(f"openk3 serve: model {model_id} at http://{host}:{port}/v1 "
+                      f"(anthropic: http://{host}:{port}/anthropic)", flush=True)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=getattr(args, "drain_timeout", None) or 600)
+    _Server(config).run()
+    return 0

@@ -1,0 +1,349 @@
+"""Wire models of the Kimi-compatible API (pydantic) and the error type every route raises.
+
+Sources: ``../shared/spec/api.md`` §1 (chat request fields), §2 (response shapes), §6 (errors,
+token counting, models), §7 (Anthropic messages) and the §11 server decisions;
+``../shared/spec/k3-release-notes.md`` §2 (K3 platform contract).
+
+The request models are deliberately *permissive*: every model ignores unknown keys (the platform
+silently ignores them, api.md §1.1), and fields whose invalid values must produce a specific
+platform message (``thinking`` given as a bool, the fixed sampling parameters, ``tool_choice``)
+are typed loosely here and checked in :mod:`openk3.server.serving`, which owns the messages. The
+models exist for three reasons: typed validation with field-named 400s, the OpenAPI document
+(which the schemathesis fuzz run is generated from), and documentation. Handlers keep working on
+the original JSON dict, so nothing the client sent is lost or coerced before rendering.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --------------------------------------------------------------------------------------- errors
+
+# Kimi error ``type`` per HTTP status (api.md §6.1).
+KIMI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_authentication_error",
+    403: "permission_denied_error",
+    404: "resource_not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "engine_overloaded_error",
+    500: "server_error",
+    503: "engine_overloaded_error",
+}
+# Anthropic error ``type`` per HTTP status (the Anthropic SDK maps on status; types are for humans).
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    """An error answered with an HTTP status and the Kimi envelope ``{"error": {"message", "type"}}``
+    (or the Anthropic envelope on ``/anthropic``).
+
+    Args:
+        status: HTTP status code.
+        message: client-facing text (never internals).
+        type: error type; default from :data:`KIMI_ERROR_TYPES`.
+        headers: extra response headers (``Retry-After`` on 429).
+    """
+
+    def __init__(self, status: int, message: str, type: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.headers = dict(headers or {})
+
+    def kimi_body(self) -> dict:
+        """``{"error": {"message", "type"}}`` (api.md §6.1)."""
+        return {"error": {"message": self.message, "type": self.type or KIMI_ERROR_TYPES.get(self.status, "server_error")}}
+
+    def anthropic_body(self) -> dict:
+        """``{"type": "error", "error": {"type", "message"}}`` (api.md §7)."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def bad_request(message: str) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message)
+
+
+# ------------------------------------------------------------------------------- chat request
+
+
+class _Open(BaseModel):
+    """Base of request models: unknown keys are kept (and ignored), as the platform does."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ImageURL(_Open):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(_Open):
+    """``{"type": "text", "text"}`` or ``{"type": "image_url", "image_url": {"url"} | "<url>"}``."""
+
+    type: str = "text"
+    text: str | None = None
+    image_url: Union[ImageURL, str, None] = None
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: Union[str, dict[str, Any], None] = None
+
+
+class ToolCallIn(_Open):
+    id: str | None = None
+    type: str | None = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Open):
+    """``{"type": "function", "function": {"name", "description", "parameters", "strict"}}``."""
+
+    type: str = "function"
+    function: FunctionDef
+
+
+class ChatMessage(_Open):
+    """One message (api.md §1.2). ``tools`` makes a system message a dynamic tool declaration (K3);
+    ``partial`` on the last assistant message asks for prefill continuation (§1.8)."""
+
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    partial: bool | None = None
+    tools: list[Tool] | None = None
+
+
+class StreamOptions(_Open):
+    include_usage: bool | None = None
+
+
+class JSONSchemaFormat(_Open):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+
+class ChatCompletionRequest(_Open):
+    """``POST /v1/chat/completions`` body (api.md §1.1). ``thinking`` is an object
+    ``{type, keep, effort}``; it is typed loosely so that a bool gets the platform's message."""
+
+    model: str
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None
+    thinking: Union[dict[str, Any], bool, None] = None
+    reasoning_effort: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    user: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenCountRequest(_Open):
+    """``POST /v1/tokenizers/estimate-token-count`` body (api.md §6.2); same rendering rules as
+    completions (tools, thinking and response_format included when given)."""
+
+    model: str
+    messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    thinking: Union[dict[str, Any], bool, None] = None
+    reasoning_effort: str | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: ResponseFormat | None = None
+
+
+# ------------------------------------------------------------------------------ chat response
+# Response models document the OpenAPI output; handlers build plain dicts of the same shape.
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    """Moonshot puts ``cached_tokens`` at the top of ``usage``; the OpenAI location is mirrored
+    (api.md §11)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cached_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessageOut
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: dict | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    context_length: int
+    supports_image_in: bool
+    supports_video_in: bool
+    supports_reasoning: bool
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenCountData(BaseModel):
+    total_tokens: int
+
+
+class TokenCountResponse(BaseModel):
+    data: TokenCountData
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+
+
+class ErrorResponse(BaseModel):
+    """The Kimi error envelope (api.md §6.1)."""
+
+    error: ErrorDetail
+
+
+# -------------------------------------------------------------------------- anthropic request
+
+
+class AnthropicBlock(_Open):
+    """A content block: ``text``, ``image`` (``source``), ``tool_use``, ``tool_result``,
+    ``thinking`` / ``redacted_thinking``."""
+
+    type: str
+    text: str | None = None
+    source: dict[str, Any] | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: Union[str, list[dict[str, Any]], None] = None
+    is_error: bool | None = None
+    thinking: str | None = None
+    signature: str | None = None
+
+
+class AnthropicMessage(_Open):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[AnthropicBlock]]
+
+
+class AnthropicTool(_Open):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class AnthropicMessagesRequest(_Open):
+    """``POST /anthropic/v1/messages`` body (api.md §7)."""
+
+    model: str
+    max_tokens: int
+    messages: list[AnthropicMessage]
+    system: Union[str, list[AnthropicBlock], None] = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class AnthropicCountRequest(_Open):
+    """``POST /anthropic/v1/messages/count_tokens`` body."""
+
+    model: str
+    messages: list[AnthropicMessage]
+    system: Union[str, list[AnthropicBlock], None] = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None

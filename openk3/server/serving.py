@@ -1,0 +1,628 @@
+"""The serving core: a chat request -> prompt ids -> engine -> parsed events -> responses.
+
+One :class:`ChatServing` per server. :meth:`ChatServing.prepare` validates a chat-completions body
+in the platform's order (``../shared/spec/api.md`` §11: model 404 -> thinking object -> fixed
+sampling parameters §1.5 -> tools / tool_choice §1.7 -> reasoning_content in tool-call history §3
+-> rendering -> images -> token window §1.4), renders it with
+:func:`openk3.chat_format.encode_request` and builds the engine request (sampling parameters and
+the output constraint). :class:`Generation` drives the engine and the
+:class:`~openk3.chat_format.OutputParser` and yields typed events; :mod:`openk3.server.chat` is not
+needed: the OpenAI response / SSE formatting lives at the bottom of this file and the Anthropic one
+in :mod:`openk3.server.anthropic`, both over the same events.
+
+Decisions (documented where the specs leave a choice):
+
+* Thinking is on by default; ``thinking.type: "disabled"`` / ``chat_template_kwargs.thinking:
+  false`` / ``reasoning_effort: "none"`` switch to instant mode as the open template and vLLM do
+  (the hosted K3 never disables it). Effort precedence is the chat-format spec's (§8:
+  ``thinking.effort`` beats ``reasoning_effort``, as the vendor verifier checks); ``medium`` is
+  accepted (the template supports it).
+* Fixed sampling (api.md §1.5; release notes §2): ``top_p`` 0.95, ``n`` 1, penalties 0; temperature
+  0.6 without thinking and, with thinking, 1.0 — the vendor verifier also expects 0.6 and 0.0 to be
+  accepted there. Accepted values are not applied: the server always samples at the fixed values.
+* ``reasoning_content`` in history: K3 preserves all thinking (keep=all), so key presence is what
+  counts (``""`` is accepted, api.md §11); a tool-call turn without the key is a 400. An explicit
+  ``thinking.keep: "all"`` extends the check to every assistant message (api.md §3).
+* ``usage.prompt_tokens`` follows the chat-format spec §12 (the 3-token generation stub is not
+  counted); ``cached_tokens`` comes from the engine's prefix cache, capped at ``prompt_tokens``.
+* Stop strings are applied to the reasoning and the content text; the text from the match on is
+  never sent (held back while it could still become a match).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from openk3.chat_format import OutputParser, encode_request, next_tool_call_index
+from openk3.chat_format.parser import (
+    ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+)
+from openk3.chat_format.request import DynamicTools, parse_messages, parse_options
+from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
+
+TOOL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_-]{0,255}$")  # api.md §1.1
+OVERLOADED = "The engine is currently overloaded, please try again later"  # api.md §6.1
+THINKING_BOOL = "the thinking field in the request (expected type object) is illegal, and bool is not acceptable"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``/v1/models`` reports and what validation needs about the served model."""
+
+    id: str
+    context_length: int
+    supports_image_in: bool = False
+    supports_video_in: bool = False
+    supports_reasoning: bool = True
+    created: int = 0
+    owned_by: str = "openk3"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits (api.md §1.1: ≤128 tools, ≤5 stop strings of ≤32 bytes; K3 default output
+    budget 131,072)."""
+
+    max_body_bytes: int = 32 * 2**20
+    max_messages: int = 10_000
+    max_tools: int = 128
+    max_stop: int = 5
+    max_stop_bytes: int = 32
+    default_max_tokens: int = 131_072
+    retry_after_s: int = 1
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    id: str
+    created: int
+    model: str
+    prompt: Any                      # openk3.chat_format.Prompt
+    prompt_tokens: int               # usage.prompt_tokens (§12)
+    params: Any                      # openk3.engine.sampling.SamplingParams
+    constraint: Any
+    tool_index_start: int
+    tools_enabled: bool
+    stops: list[str]
+    stream: bool = False
+    include_usage: bool = False
+    t0: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Last event of a generation. ``finish_reason``: stop | length | tool_calls | abort."""
+
+    finish_reason: str
+    usage: dict
+    stop_sequence: str | None = None
+
+
+def usage_dict(prompt_tokens: int, cached: int, completion: int) -> dict:
+    """Kimi usage: ``cached_tokens`` top level and in ``prompt_tokens_details`` (api.md §11)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "cached_tokens": cached,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _fmt(v: float) -> str:
+    return f"{v:g}"
+
+
+def check_sampling(req: ChatCompletionRequest, thinking: bool) -> None:
+    """The immutable sampling contract (api.md §1.5, release notes §2).
+
+    Raises:
+        APIError: 400 ``invalid <param>: only <value> is allowed for this model``.
+    """
+    temps = (1.0, 0.6, 0.0) if thinking else (0.6,)
+    fixed = [("temperature", req.temperature, temps), ("top_p", req.top_p, (0.95,)), ("n", req.n, (1,)),
+             ("presence_penalty", req.presence_penalty, (0.0,)),
+             ("frequency_penalty", req.frequency_penalty, (0.0,))]
+    for name, value, allowed in fixed:
+        if value is None:
+            continue
+        if not math.isfinite(value) or not any(abs(value - a) <= 1e-9 for a in allowed):
+            raise bad_request(f"invalid {name}: only {_fmt(allowed[0])} is allowed for this model")
+
+
+def _is_empty_content(content: Any) -> bool:
+    if content is None or content == "":
+        return True
+    if isinstance(content, list):
+        return all(isinstance(p, dict) and p.get("type", "text") == "text" and not p.get("text") for p in content)
+    return False
+
+
+def check_messages(body: dict, thinking: bool, keep: str | None) -> None:
+    """Per-message platform rules (api.md §1.2, §3; release notes §2 "Tools").
+
+    Raises:
+        APIError: 400 naming the message index.
+    """
+    msgs = body["messages"]
+    last = len(msgs) - 1
+    for i, m in enumerate(msgs):
+        role = m.get("role")
+        if role in ("user", "assistant", "tool") and m.get("tools"):
+            raise bad_request(f"messages[{i}].tools: dynamic tools are only allowed in system messages")
+        if role in ("system", "developer") and m.get("tools"):
+            if not _is_empty_content(m.get("content")):
+                raise bad_request(f"messages[{i}].content: a system message with tools must have empty content")
+            continue
+        if role in ("system", "developer", "user", "tool") and _is_empty_content(m.get("content")):
+            raise bad_request(f"messages[{i}].content: content must not be empty for {role} messages")
+        if role == "tool" and not m.get("tool_call_id"):
+            raise bad_request(f"messages[{i}].tool_call_id: required for tool messages")
+        if role == "assistant" and thinking and not (i == last and m.get("partial")):
+            has_reasoning = m.get("reasoning_content") is not None or m.get("reasoning") is not None
+            if has_reasoning:
+                continue
+            if keep == "all":
+                raise bad_request("preserved thinking (thinking.keep=all) requires reasoning_content on every "
+                                  f"assistant message, but assistant message at index {i} is missing reasoning_content")
+            if m.get("tool_calls"):
+                raise bad_request("thinking is enabled but reasoning_content is missing in assistant tool call "
+                                  f"message at index {i}")
+
+
+def check_tools(body: dict, opts: Any, limits: Limits) -> list[dict]:
+    """Tools and tool_choice rules (api.md §1.7, release notes §2); returns every declared tool
+    (request-level, then dynamic) for the constraint.
+
+    Raises:
+        APIError: 400 for an empty ``tools`` list, too many tools, a non-function tool, a bad name,
+            the named ``tool_choice`` form, or ``required`` without any tool.
+    """
+    if body.get("tools") is not None and not body["tools"]:
+        raise bad_request("tools: must not be an empty list (omit the field instead)")
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        raise bad_request("tool_choice: the named-function form is not supported for this model; "
+                          "use auto, none or required")
+    declared: list[dict] = list(opts.tools)
+    for m in parse_messages(body):
+        if isinstance(m, DynamicTools):
+            declared.extend(m.tools)
+    if len(declared) > limits.max_tools:
+        raise bad_request(f"tools: at most {limits.max_tools} tools are allowed, got {len(declared)}")
+    for j, t in enumerate(declared):
+        if t.get("type", "function") != "function":
+            raise bad_request(f"tools[{j}].type: only 'function' tools are supported, got {t.get('type')!r}")
+        fn = t.get("function") if isinstance(t.get("function"), dict) else None
+        name = fn.get("name") if fn else None
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise bad_request(f"tools[{j}].function.name: {name!r} does not match {TOOL_NAME.pattern}")
+        params = fn.get("parameters")
+        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
+            raise bad_request(f"tools[{j}].function.parameters: the root must be an object schema")
+    if opts.tool_choice == "required" and not declared:
+        raise bad_request("tool_choice: 'required' needs at least one tool")
+    return declared
+
+
+def _stops(stop: str | list[str] | None, limits: Limits) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > limits.max_stop:
+        raise bad_request(f"stop: at most {limits.max_stop} stop strings are allowed, got {len(stops)}")
+    for s in stops:
+        if not s or len(s.encode("utf-8")) > limits.max_stop_bytes:
+            raise bad_request(f"stop: each stop string must be 1 to {limits.max_stop_bytes} bytes, got {s!r}")
+    return stops
+
+
+def check_image_parts(images: list[dict], supports_image_in: bool) -> None:
+    """Images must be base64 data URLs (api.md §1.2, §11: http(s) URLs are a 400), and the model
+    must have a vision tower.
+
+    Raises:
+        APIError: 400.
+    """
+    for part in images:
+        ref = part.get("image_url", part.get("image"))
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if not isinstance(url, str):
+            raise bad_request("image_url.url: missing image URL")
+        if url.startswith(("http://", "https://")):
+            raise bad_request("image_url.url: http(s) image URLs are not supported; send the image as a base64 "
+                              "data URL (data:image/png;base64,...)")
+        if not url.startswith("data:") or ";base64," not in url:
+            raise bad_request("image_url.url: must be a base64 data URL (data:image/<type>;base64,...)")
+    if images and not supports_image_in:
+        raise bad_request("model does not support image input")
+
+
+class StopFilter:
+    """Cuts one text field at the first stop string; holds back a tail that may still grow into one.
+
+    ``feed(text) -> (safe_text, matched_stop_or_None)``; ``flush()`` releases the held tail.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        if not self.stops:
+            return text, None
+        self.buf += text
+        hit = min(((self.buf.find(s), s) for s in self.stops if s in self.buf), default=None)
+        if hit is not None:
+            out, self.buf = self.buf[:hit[0]], ""
+            return out, hit[1]
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.buf)), keep, -1):
+                if self.buf.endswith(s[:k]):
+                    keep = k
+                    break
+        out = self.buf[:len(self.buf) - keep]
+        self.buf = self.buf[len(self.buf) - keep:]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+def _is_overloaded(exc: BaseException) -> bool:
+    return type(exc).__name__ == "EngineOverloaded"
+
+
+class Generation:
+    """One engine request seen as parser events.
+
+    :meth:`start` submits the request and waits for its first output, so that admission errors
+    (429 overloaded, 400 from the engine) surface before any response byte is sent. :meth:`events`
+    then yields ``ReasoningDelta`` / ``ContentDelta`` (stop-filtered), ``ToolCallStart`` /
+    ``ToolCallArgumentsDelta`` / ``ToolCallEnd`` and finally one :class:`Finished`. Leaving the
+    iteration early (client disconnect) aborts the engine request, which frees its cache.
+    """
+
+    def __init__(self, serving: "ChatServing", prep: Prepared):
+        self.s, self.prep = serving, prep
+        self.parser = OutputParser(serving.tokenizer, start_channel=prep.prompt.channel or "think",
+                                   tool_index_start=prep.tool_index_start, tools_enabled=prep.tools_enabled)
+        self.thinking_output = (prep.prompt.channel or "think") == "think"
+        self._filters = {ReasoningDelta: StopFilter(prep.stops), ContentDelta: StopFilter(prep.stops)}
+        self._agen: Any = None
+        self._pending: Any = None
+        self._closed = False
+        self._engine_done = False
+        self._last_token_t: float | None = None
+        self.stop_hit: str | None = None
+        self.n_calls = 0
+        self.engine_reason: str | None = None
+        self.usage: Any = None
+
+    async def start(self) -> None:
+        """Submit to the engine and wait for the first output.
+
+        Raises:
+            APIError: 429 (waiting queue full, with ``Retry-After``) or 400 (engine refused the input).
+        """
+        self._agen = self.s.engine.generate(self.prep.prompt.token_ids, self.prep.params, self.prep.constraint,
+                                            request_id=self.prep.id).__aiter__()
+        try:
+            self._pending = await self._agen.__anext__()
+        except StopAsyncIteration:
+            self._pending = None
+        except ValueError as e:
+            await self.aclose()
+            raise bad_request(f"Invalid request: {e}") from None
+        except Exception as e:
+            await self.aclose()
+            if _is_overloaded(e):
+                self.s.metrics.overloaded()
+                raise APIError(429, OVERLOADED, headers={"Retry-After": str(self.s.limits.retry_after_s)}) from None
+            raise
+
+    async def events(self) -> AsyncIterator[Any]:
+        try:
+            out = self._pending
+            while out is not None:
+                for ev in self._on_output(out):
+                    yield ev
+                if self.stop_hit is not None or out.finished:
+                    break
+                try:
+                    out = await self._agen.__anext__()
+                except StopAsyncIteration:
+                    out = None
+            for ev in self._flush():
+                yield ev
+            yield self._finish()
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Abort the engine request (if unfinished) and close its stream; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._engine_done:
+            self.s.engine.abort(self.prep.id)
+        if self._agen is not None and hasattr(self._agen, "aclose"):
+            try:
+                await self._agen.aclose()
+            except Exception:  # the stream may already be finished or broken; the abort above is what matters
+                pass
+
+    def _on_output(self, out: Any) -> list[Any]:
+        now = time.monotonic()
+        events: list[Any] = []
+        if out.new_token_ids:
+            if self._last_token_t is None:
+                self.s.metrics.first_token(now - self.prep.t0)
+            else:
+                self.s.metrics.inter_token(now - self._last_token_t, len(out.new_token_ids))
+            self._last_token_t = now
+            events = self.parser.feed(out.new_token_ids)
+        self.usage = out.usage
+        if out.finished:
+            self._engine_done = True
+            self.engine_reason = out.finish_reason
+            events += self.parser.finish()
+        result: list[Any] = []
+        for ev in events:
+            kind = type(ev)
+            if kind in self._filters:
+                other = self._filters[ContentDelta if kind is ReasoningDelta else ReasoningDelta]
+                held = other.flush()
+                if held:
+                    result.append((ContentDelta if kind is ReasoningDelta else ReasoningDelta)(held))
+                text, hit = self._filters[kind].feed(ev.text)
+                if text:
+                    result.append(kind(text))
+                if hit is not None:
+                    self.stop_hit = hit
+                    return result
+            elif kind in (ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd):
+                result.extend(self._flush())
+                if kind is ToolCallEnd:
+                    self.n_calls += 1
+                result.append(ev)
+        return result
+
+    def _flush(self) -> list[Any]:
+        if self.stop_hit is not None:
+            return []
+        out = []
+        for kind, f in self._filters.items():
+            held = f.flush()
+            if held:
+                out.append(kind(held))
+        return out
+
+    def _finish(self) -> Finished:
+        if self.n_calls:
+            reason = "tool_calls"
+        elif self.stop_hit is not None:
+            reason = "stop"
+        else:
+            reason = self.engine_reason or "abort"
+        u = self.usage
+        completion = int(getattr(u, "completion_tokens", 0) or 0)
+        cached = min(int(getattr(u, "cached_tokens", 0) or 0), self.prep.prompt_tokens)
+        usage = usage_dict(self.prep.prompt_tokens, cached, completion)
+        self.s.metrics.finished(self.prep, usage, time.monotonic() - self.prep.t0)
+        return Finished(reason, usage, self.stop_hit)
+
+
+class ChatServing:
+    """Validation, rendering and generation over one engine and tokenizer.
+
+    Args:
+        engine: an ``openk3.engine.AsyncEngine`` (or any object with ``generate`` / ``abort``).
+        tokenizer: the model's :class:`~openk3.tokenizer.Tokenizer`.
+        model: :class:`ModelInfo` of the served model.
+        metrics: a :class:`~openk3.server.metrics.Metrics`.
+        limits: :class:`Limits`.
+        sampling_params: the ``SamplingParams`` class (default ``openk3.engine.sampling``).
+        make_constraint: constraint factory (default ``openk3.engine.constraints.make_constraint``).
+    """
+
+    def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
+                 *, sampling_params: Callable | None = None, make_constraint: Callable | None = None):
+        self.engine, self.tokenizer, self.model, self.metrics, self.limits = engine, tokenizer, model, metrics, limits
+        if sampling_params is None:
+            from openk3.engine.sampling import SamplingParams as sampling_params
+        self._sampling_params = sampling_params
+        self._make_constraint = make_constraint
+
+    # ------------------------------------------------------------------ validation
+    def check_model(self, model: Any) -> None:
+        """Raises APIError 404 for a model id other than the served one (api.md §6.1)."""
+        if model != self.model.id:
+            raise APIError(404, f"Not found the model {model} or Permission denied")
+
+    def render(self, body: dict) -> tuple[Any, Any]:
+        """Validate the request-level options and render; returns ``(prompt, options)``.
+
+        Raises:
+            APIError: 400 for a bool ``thinking``, a malformed request (the renderer's field-named
+                message), unsupported image input.
+        """
+        if isinstance(body.get("thinking"), bool):
+            raise bad_request(THINKING_BOOL)
+        if len(body.get("messages") or ()) > self.limits.max_messages:
+            raise bad_request(f"messages: at most {self.limits.max_messages} messages are allowed")
+        try:
+            opts = parse_options(body, parse_messages(body))
+            prompt = encode_request(body, self.tokenizer)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise bad_request(f"Invalid request: {e}") from None
+        check_image_parts(prompt.images, self.model.supports_image_in)
+        return prompt, opts
+
+    def prepare(self, body: dict, req: ChatCompletionRequest) -> Prepared:
+        """Validate and render a chat-completions body (api.md §11 order) into a :class:`Prepared`.
+
+        Args:
+            body: the JSON body as sent (unknown keys ignored).
+            req: the same body validated by :class:`ChatCompletionRequest`.
+        Raises:
+            APIError: 404 unknown model, 400 for every contract violation (message names the field).
+        """
+        self.check_model(req.model)
+        if isinstance(body.get("thinking"), bool):
+            raise bad_request(THINKING_BOOL)
+        try:
+            opts = parse_options(body, parse_messages(body))
+        except (ValueError, TypeError) as e:
+            raise bad_request(f"Invalid request: {e}") from None
+        check_sampling(req, opts.thinking)
+        tools = check_tools(body, opts, self.limits)
+        check_messages(body, opts.thinking, opts.keep)
+        stops = _stops(req.stop, self.limits)
+        prompt, opts = self.render(body)
+
+        n_ids = len(prompt.token_ids)
+        ctx = self.model.context_length
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if asked is not None and asked < 1:
+            raise bad_request(f"max_completion_tokens: must be >= 1, got {asked}")
+        if n_ids >= ctx or (asked is not None and n_ids + asked > ctx):
+            raise bad_request(f"Your request exceeded model token limit: {ctx} (requested: {n_ids + (asked or 1)})")
+        max_tokens = asked if asked is not None else min(self.limits.default_max_tokens, ctx - n_ids)
+
+        constraint = self._constraint(opts, tools, prompt, body)
+        params = self._sampling_params(
+            max_tokens=max_tokens, temperature=1.0 if opts.thinking else 0.6, top_p=0.95, top_k=0,
+            seed=req.seed, stop_token_ids=list(self.tokenizer.stop_token_ids), stop=stops,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Prepared(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model.id,
+                        prompt=prompt, prompt_tokens=prompt.prompt_tokens, params=params, constraint=constraint,
+                        tool_index_start=next_tool_call_index(body["messages"]),
+                        tools_enabled=opts.tool_choice != "none", stops=stops, stream=bool(req.stream),
+                        include_usage=include_usage)
+
+    def _constraint(self, opts: Any, tools: list[dict], prompt: Any, body: dict) -> Any:
+        """The output constraint: response_format (json_object / strict json_schema) and tool-call
+        arguments (each tool's parameter schema); None for free text without tools.
+
+        Raises:
+            APIError: 400 for a schema the constraint compiler rejects, or a partial prefix the
+                constraint cannot continue.
+        """
+        rf = body.get("response_format") or {}
+        kind = opts.response_format  # None | json_object | json_schema
+        schema = opts.response_schema if kind == "json_schema" else None
+        if kind == "json_schema":
+            wrapper = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema: a JSON schema object is required")
+            if wrapper.get("strict") is False:  # non-strict: any JSON object (api.md §1.6)
+                kind, schema = "json_object", None
+        use_tools = tools if tools and opts.tool_choice != "none" else None
+        if kind is None and use_tools is None:
+            return None
+        make = self._make_constraint
+        if make is None:
+            from openk3.engine.constraints import make_constraint as make
+        try:
+            constraint = make(self.tokenizer, kind or "text", schema=schema, tools=use_tools,
+                              tool_choice=opts.tool_choice, thinking=opts.thinking)
+        except ValueError as e:
+            raise bad_request(f"Invalid request: {e}") from None
+        if prompt.partial:
+            for tid in self._partial_tail(prompt, opts.thinking):
+                if not constraint.accept(tid):
+                    raise bad_request("messages: the partial assistant prefix does not match the requested "
+                                      "response_format / tool schema")
+        return constraint
+
+    def _partial_tail(self, prompt: Any, thinking: bool) -> list[int]:
+        """Prompt ids after the first channel opener of the continued assistant message: what the
+        constraint must consume before generation (it starts inside that channel)."""
+        tok = self.tokenizer
+        name = tok.encode_text("think" if thinking else "response")
+        pattern = [tok.open_id, *name, tok.sep_id]
+        ids = prompt.token_ids
+        for i in range(len(ids) - len(pattern), -1, -1):
+            if ids[i:i + len(pattern)] == pattern:
+                return ids[i + len(pattern):]
+        return []
+
+    def count_tokens(self, body: dict) -> int:
+        """``prompt_tokens`` of a request rendered as completions would (api.md §6.2)."""
+        prompt, _ = self.render(body)
+        return prompt.prompt_tokens
+
+    # ------------------------------------------------------------------ OpenAI surface
+    async def complete(self, prep: Prepared, gen: Generation) -> dict:
+        """Run to the end and build the ``chat.completion`` object (api.md §2.1).
+
+        Raises:
+            APIError: 503 if the engine aborted the request (server shutting down).
+        """
+        reasoning, content, calls = [], [], []
+        fin: Finished | None = None
+        async for ev in gen.events():
+            if isinstance(ev, ReasoningDelta):
+                reasoning.append(ev.text)
+            elif isinstance(ev, ContentDelta):
+                content.append(ev.text)
+            elif isinstance(ev, ToolCallEnd):
+                calls.append({"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ev.arguments}})
+            elif isinstance(ev, Finished):
+                fin = ev
+        if fin is None or fin.finish_reason == "abort":
+            raise APIError(503, "the request was aborted (server shutting down)")
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+        if gen.thinking_output:
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": prep.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": fin.finish_reason, "logprobs": None}],
+                "usage": fin.usage}
+
+    async def sse(self, prep: Prepared, gen: Generation) -> AsyncIterator[str]:
+        """``chat.completion.chunk`` SSE events (api.md §2.2): role chunk, reasoning / content /
+        tool-call deltas, the final chunk with ``usage`` in the choice and at the top level, the
+        ``include_usage`` chunk, ``[DONE]``; an error event if the request is aborted."""
+        def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            body: dict[str, Any] = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created,
+                                    "model": prep.model, "choices": [choice]}
+            if usage is not None:
+                choice["usage"] = usage
+                body["usage"] = usage
+            elif prep.include_usage:
+                body["usage"] = None
+            return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for ev in gen.events():
+            if isinstance(ev, ReasoningDelta):
+                yield chunk({"reasoning_content": ev.text})
+            elif isinstance(ev, ContentDelta):
+                yield chunk({"content": ev.text})
+            elif isinstance(ev, ToolCallStart):
+                yield chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                             "function": {"name": ev.name, "arguments": ""}}]})
+            elif isinstance(ev, ToolCallArgumentsDelta):
+                yield chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
+            elif isinstance(ev, Finished):
+                if ev.finish_reason == "abort":
+                    err = APIError(503, "the request was aborted (server shutting down)").kimi_body()
+                    yield "data: " + json.dumps(err) + "\n\n"
+                    return
+                yield chunk({}, ev.finish_reason, ev.usage)
+                if prep.include_usage:
+                    yield "data: " + json.dumps({"id": prep.id, "object": "chat.completion.chunk",
+                                                 "created": prep.created, "model": prep.model, "choices": [],
+                                                 "usage": ev.usage}) + "\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,267 @@
+"""Atomic, resumable training checkpoints.
+
+Layout of ``<dir>/step-0000120/`` (``<dir>`` is ``<out>/checkpoints``):
+
+* ``config.json`` + ``model.safetensors`` (or shards): the model in the official
+  ``save_pretrained`` format, so any checkpoint loads with ``load_pretrained`` (the Quantile
+  Balancing bias is the model buffer ``e_score_correction_bias``);
+* ``trainer_state.pt``: optimizer state (Muon momenta, AdamW moments, ``initial_lr``), each
+  balancer's state, torch / Python RNG states (read back with ``torch.load(weights_only=True)``);
+* ``trainer_state.json``: step, data-stream position (``DataSource.state_dict()``, must be JSON),
+  the run configuration and the last metrics, readable by people and scripts.
+
+Atomicity: everything is written into ``<dir>/.tmp-step-0000120-<pid>/``, flushed, and the
+directory is renamed to ``step-0000120`` in one ``os.rename`` (atomic on POSIX within a file
+system); only then is the ``latest`` pointer replaced (``os.replace``) and old checkpoints pruned.
+A crash at any point leaves either the previous checkpoint or the new one complete, never a
+half-written directory under a ``step-*`` name; leftover ``.tmp-*`` directories are ignored and
+removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from openk3.checkpoint import from_hf_state_dict, read_safetensors
+
+STATE_PT = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    """``step-0000120`` for step 120 (zero-padded so names sort by step)."""
+    return f"step-{step:07d}"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for fn in files:
+            with open(os.path.join(root, fn), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(root)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _jsonable(x):
+    """Run-config values for ``trainer_state.json``: callables by qualified name."""
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if callable(x):
+        return f"{getattr(x, '__module__', '?')}:{getattr(x, '__qualname__', repr(x))}"
+    return repr(x)
+
+
+class CheckpointManager:
+    """Saves, finds and loads training checkpoints under one directory.
+
+    Args:
+        directory: where ``step-*`` directories go (created on first save).
+        keep: how many complete checkpoints to keep (oldest pruned first); None keeps all.
+    Raises:
+        ValueError: ``keep`` < 1.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int | None = 3) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep={keep!r}: must be >= 1 or None")
+        self.directory = os.fspath(directory)
+        self.keep = keep
+
+    # ----------------------------------------------------------------------------- discovery
+    def complete(self) -> list[tuple[int, str]]:
+        """``[(step, path)]`` of every complete checkpoint, ascending by step."""
+        if not os.path.isdir(self.directory):
+            return []
+        found = []
+        for name in os.listdir(self.directory):
+            m = _STEP_DIR.match(name)
+            path = os.path.join(self.directory, name)
+            if m and os.path.isfile(os.path.join(path, STATE_JSON)):
+                found.append((int(m.group(1)), path))
+        return sorted(found)
+
+    def latest(self) -> str | None:
+        """Path of the newest complete checkpoint (the ``latest`` pointer if it names a complete
+        one, else the highest step found), or None."""
+        pointer = os.path.join(self.directory, LATEST)
+        if os.path.isfile(pointer):
+            with open(pointer, encoding="utf-8") as f:
+                name = f.read().strip()
+            path = os.path.join(self.directory, name)
+            if _STEP_DIR.match(name) and os.path.isfile(os.path.join(path, STATE_JSON)):
+                return path
+        found = self.complete()
+        return found[-1][1] if found else None
+
+    # ---------------------------------------------------------------------------------- save
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             balancers: Mapping[int, object], data=None, run=None, metrics: Mapping | None = None) -> str:
+        """Write the checkpoint of ``step`` (completed steps) atomically; returns its path.
+
+        Args:
+            step: completed optimizer steps. model: ``K3ForCausalLM`` (``save_pretrained``).
+            optimizer: its ``state_dict()`` is saved. balancers: {layer: QuantileBalancer}.
+            data: an object with ``state_dict()`` returning JSON-serialisable data (the stream
+                position), or None.
+            run: the run configuration (recorded as JSON for people; not read back).
+            metrics: last metrics to record.
+        Raises:
+            ValueError: the data state is not JSON-serialisable.
+            OSError: from the file system; the previous checkpoint is untouched.
+        """
+        os.makedirs(self.directory, exist_ok=True)
+        self._remove_stale_tmp()
+        name = step_dir_name(step)
+        final = os.path.join(self.directory, name)
+        if os.path.isfile(os.path.join(final, STATE_JSON)):
+            self._point_latest(name)  # this exact state is already on disk
+            return final
+        data_state = data.state_dict() if data is not None else None
+        try:
+            data_json = json.dumps(data_state)
+        except TypeError as e:
+            raise ValueError(f"data.state_dict(): must be JSON-serialisable ({e})") from None
+        tmp = os.path.join(self.directory, f".tmp-{name}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            model.save_pretrained(tmp)
+            torch.save({
+                "step": step,
+                "optimizer": optimizer.state_dict(),
+                "balancers": {int(k): b.state_dict() for k, b in balancers.items()},
+                "rng": _rng_state(),
+            }, os.path.join(tmp, STATE_PT))
+            record = {
+                "step": step,
+                "data": json.loads(data_json),
+                "run": _jsonable(run.to_dict() if hasattr(run, "to_dict") else run),
+                "metrics": _jsonable(dict(metrics or {})),
+            }
+            # Written last: its presence marks a complete checkpoint for :meth:`complete`.
+            with open(os.path.join(tmp, STATE_JSON), "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1)
+            _fsync_tree(tmp)
+            if os.path.exists(final):
+                shutil.rmtree(final)  # an incomplete leftover of the same step (no STATE_JSON)
+            os.rename(tmp, final)
+            _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._point_latest(name)
+        self._prune()
+        return final
+
+    def _point_latest(self, name: str) -> None:
+        tmp = os.path.join(self.directory, f".{LATEST}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.directory, LATEST))
+        _fsync_dir(self.directory)
+
+    def _prune(self) -> None:
+        if self.keep is None:
+            return
+        found = self.complete()
+        latest = self.latest()
+        for _, path in found[:-self.keep]:
+            if path != latest:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_stale_tmp(self) -> None:
+        for name in os.listdir(self.directory):
+            if name.startswith(".tmp-step-"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    # ---------------------------------------------------------------------------------- load
+    def load(self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             balancers: Mapping[int, object] | None = None, data=None, *, restore_rng: bool = True) -> dict:
+        """Restore a checkpoint in place into freshly built training objects.
+
+        The model must have the checkpoint's architecture and the optimizer the same parameter
+        groups (both come from the same recipe). Parameters and buffers are copied bit for bit.
+
+        Args:
+            path: a checkpoint directory. model, optimizer, balancers, data: restored when given.
+            restore_rng: also restore the torch / Python RNG states.
+        Returns:
+            The ``trainer_state.json`` record (``step``, ``data``, ``run``, ``metrics``).
+        Raises:
+            FileNotFoundError: not a complete checkpoint.
+            ValueError: the checkpoint does not fit the model (shape / name, via
+                :func:`~openk3.checkpoint.from_hf_state_dict`), the balancer layers differ, or
+                the optimizer groups differ.
+        """
+        path = os.fspath(path)
+        if not os.path.isfile(os.path.join(path, STATE_JSON)):
+            raise FileNotFoundError(f"{path!r} is not a complete training checkpoint (no {STATE_JSON})")
+        with open(os.path.join(path, STATE_JSON), encoding="utf-8") as f:
+            record = json.load(f)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        state = from_hf_state_dict(read_safetensors(path), model.config, expected)
+        with torch.no_grad():
+            own = model.state_dict()
+            for k, v in state.items():
+                own[k].copy_(v)
+        blob = torch.load(os.path.join(path, STATE_PT), map_location="cpu", weights_only=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(blob["optimizer"])
+        if balancers is not None:
+            saved = blob.get("balancers", {})
+            if set(map(int, saved)) != set(map(int, balancers)):
+                raise ValueError(f"balancers: checkpoint has MoE layers {sorted(map(int, saved))}, "
+                                 f"model has {sorted(map(int, balancers))}")
+            for k, b in balancers.items():
+                b.load_state_dict(saved[int(k)])
+        if data is not None and record.get("data") is not None:
+            data.load_state_dict(record["data"])
+        if restore_rng and "rng" in blob:
+            _set_rng_state(blob["rng"])
+        return record
+
+
+__all__ = ["CheckpointManager", "step_dir_name", "STATE_PT", "STATE_JSON", "LATEST"]

@@ -1,0 +1,297 @@
+"""Training recipes: Python functions that return a :class:`RunConfig`, and their registry.
+
+``openk3 train --recipe NAME`` looks NAME up in :data:`RECIPES` (add one with
+:func:`register_recipe`), or imports ``package.module:function`` for a recipe kept elsewhere.
+
+A run config names the model (a preset or a :class:`~openk3.config.K3Config`), the data (a
+factory ``data(run, split) -> DataSource`` for ``split`` in {"train", "eval"}), the schedule,
+the batch (``seq_len`` tokens per micro-batch, ``grad_accum`` micro-batches per step), QAT,
+eval and checkpoint cadence. A DataSource has ``next_batch() -> {"input_ids" [1, T],
+"labels" [1, T], "cu_seqlens" [N+1]}``, ``state_dict() -> JSON-serialisable position`` and
+``load_state_dict(state)``; the "eval" source must yield the same batches every time it is built.
+
+Built in:
+
+* ``smoke``: ``k3-test-tiny`` (every K3 branch) on :class:`SyntheticText`, 300 steps of 256
+  tokens; trains on 2 CPU cores in well under a minute. Its data is generated, not read, so it
+  runs on any machine and in CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from openk3.config import K3Config, preset
+from openk3.train.trainer import StepConfig
+
+# ----------------------------------------------------------------------------- synthetic text
+_ADJ = ("small", "red", "old", "quiet", "bright", "heavy", "green", "happy")
+_NOUN = ("cat", "dog", "river", "teacher", "garden", "machine", "bird", "city", "window", "farmer", "ship", "tree")
+_VERB = ("sees", "finds", "likes", "follows", "paints", "carries", "visits", "builds", "hears", "keeps")
+_PLACE = ("near the hill", "in the morning", "by the sea", "at night", "under the bridge", "after the rain")
+
+
+def synthetic_document(seed: int, index: int) -> str:
+    """Document ``index`` of the synthetic corpus ``seed``: 2-6 sentences
+    ``"The <adj> <noun> <verb> the <noun>[ <place>]."`` with uniform independent choices.
+
+    Its true entropy is known in closed form (:func:`synthetic_entropy_per_sentence`), which is
+    what makes a loss threshold on it meaningful. Deterministic in ``(seed, index)``.
+    """
+    rng = random.Random(seed * 1_000_003 + index)
+    out = []
+    for _ in range(rng.randint(2, 6)):
+        s = f"The {rng.choice(_ADJ)} {rng.choice(_NOUN)} {rng.choice(_VERB)} the {rng.choice(_NOUN)}"
+        if rng.random() < 0.5:
+            s += " " + rng.choice(_PLACE)
+        out.append(s + ".")
+    return " ".join(out)
+
+
+def synthetic_entropy_per_sentence() -> float:
+    """Entropy (nats) of one synthetic sentence: adjective, noun, verb, noun, place-or-not."""
+    return (math.log(len(_ADJ)) + 2 * math.log(len(_NOUN)) + math.log(len(_VERB))
+            + math.log(2) + 0.5 * math.log(len(_PLACE)))
+
+
+class SyntheticText:
+    """A packed byte-level token stream of :func:`synthetic_document` documents.
+
+    Tokens: UTF-8 bytes (0-255), ``bos`` before and ``eos`` after each document. Rows of
+    ``seq_len`` tokens are filled with consecutive documents; a document cut at the end of a row
+    continues at the start of the next as its own segment. ``cu_seqlens`` marks the segments;
+    each segment's last position has label -100 (its next token belongs to another segment), so
+    no loss or state crosses a boundary.
+
+    The position state is ``{"doc": index, "offset": tokens of it already emitted}``.
+
+    Args:
+        seq_len: T tokens per micro-batch. seed: corpus seed. bos, eos: token ids (< vocab).
+    Raises:
+        ValueError: ``seq_len`` < 2.
+    """
+
+    def __init__(self, seq_len: int, seed: int = 0, bos: int = 256, eos: int = 258) -> None:
+        if seq_len < 2:
+            raise ValueError(f"seq_len={seq_len!r}: must be >= 2")
+        self.seq_len, self.seed, self.bos, self.eos = seq_len, seed, bos, eos
+        self.doc, self.offset = 0, 0
+
+    def _tokens(self, index: int) -> list[int]:
+        return [self.bos, *synthetic_document(self.seed, index).encode("utf-8"), self.eos]
+
+    def next_batch(self) -> dict:
+        """One micro-batch: ``input_ids`` [1, T], ``labels`` [1, T] int64, ``cu_seqlens`` [N+1] int32."""
+        ids: list[int] = []
+        labels: list[int] = []
+        cu = [0]
+        while len(ids) < self.seq_len:
+            doc = self._tokens(self.doc)
+            take = doc[self.offset:self.offset + self.seq_len - len(ids)]
+            ids += take
+            labels += take[1:] + [-100]
+            cu.append(len(ids))
+            self.offset += len(take)
+            if self.offset >= len(doc):
+                self.doc, self.offset = self.doc + 1, 0
+        return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
+                "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+
+    def state_dict(self) -> dict:
+        return {"doc": self.doc, "offset": self.offset, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Raises ValueError if the state belongs to another corpus seed."""
+        if state.get("seed") != self.seed:
+            raise ValueError(f"data state: seed {state.get('seed')!r} != {self.seed}")
+        self.doc, self.offset = int(state["doc"]), int(state["offset"])
+
+
+def synthetic_data(run: "RunConfig", split: str) -> SyntheticText:
+    """Data factory of :class:`SyntheticText`: the eval split is a different corpus seed."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
+    cfg = run.model_config()
+    return SyntheticText(run.seq_len, seed=run.seed if split == "train" else run.seed + 7919,
+                         bos=cfg.bos_token_id, eos=cfg.eos_token_id)
+
+
+# ------------------------------------------------------------------------------- run config
+@dataclass
+class RunConfig:
+    """Everything a training run needs (see the module docstring).
+
+    Attributes:
+        name: recipe name. model: preset name or :class:`K3Config`. data: data factory.
+        seq_len: tokens per micro-batch. grad_accum: micro-batches per optimizer step.
+        total_steps, warmup_steps (None: 1 %), min_lr_ratio: the cosine schedule.
+        lr: peak LR of both Muon and AdamW (Muon's RMS matching makes them comparable);
+            adamw_lr overrides it for the AdamW group. weight_decay: Muon groups (K3: 0.1).
+        grad_clip: global norm clip. qk_clip_tau: QK-Clip threshold (None: off).
+        qb_bins, qb_ema: Quantile Balancing histogram bins and optional EMA.
+        qat: None, "mxfp4" or "mxfp8": fake-quantise the routed experts (openk3.quant.qat).
+        eval_every (0: never), eval_batches: periodic eval.
+        ckpt_every, keep_checkpoints: checkpoint cadence and retention.
+        seed: model init, data order. threads: torch CPU threads (None: torch's default).
+        device: "cpu" / "cuda".
+    Raises:
+        ValueError: a value out of range, naming the field.
+    """
+
+    name: str
+    model: str | K3Config
+    data: Callable[["RunConfig", str], Any]
+    total_steps: int
+    seq_len: int = 256
+    grad_accum: int = 1
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    lr: float = 1e-2
+    adamw_lr: float | None = None
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    qk_clip_tau: float | None = 100.0
+    qb_bins: int = 1000
+    qb_ema: float | None = None
+    qat: str | None = None
+    eval_every: int = 0
+    eval_batches: int = 0
+    ckpt_every: int = 100
+    keep_checkpoints: int | None = 3
+    seed: int = 0
+    threads: int | None = None
+    device: str = "cpu"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "seq_len", "grad_accum", "ckpt_every", "qb_bins"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"RunConfig.{name}={v!r}: must be a positive integer")
+        for name in ("eval_every", "eval_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"RunConfig.{name}={v!r}: must be a non-negative integer")
+        if self.qat not in (None, "mxfp4", "mxfp8"):
+            raise ValueError(f"RunConfig.qat={self.qat!r}: must be None, 'mxfp4' or 'mxfp8'")
+        if not self.lr > 0:
+            raise ValueError(f"RunConfig.lr={self.lr!r}: must be > 0")
+        self.step_config()  # validates the schedule and clip fields
+
+    def model_config(self) -> K3Config:
+        """The model's :class:`K3Config` (a preset is built on each call)."""
+        return preset(self.model) if isinstance(self.model, str) else self.model
+
+    def step_config(self) -> StepConfig:
+        return StepConfig(total_steps=self.total_steps, warmup_steps=self.warmup_steps,
+                          min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip, qk_clip_tau=self.qk_clip_tau)
+
+    def build(self, device: str | torch.device = "cpu"):
+        """Fresh ``(model, optimizer, balancers)`` for this run: the model initialised from
+        ``seed``, QAT switched on if asked, K3's optimizer, one balancer per MoE layer.
+
+        Raises:
+            ValueError: ``qat`` set but :mod:`openk3.quant.qat` is not available.
+        """
+        from openk3.pretrained import build_model
+        from openk3.train.optim import build_optimizer
+        from openk3.train.trainer import make_balancers
+
+        model = build_model(self.model_config(), device=device, seed=self.seed)
+        if self.qat is not None:
+            _enable_qat(model, self.qat)
+        optimizer = build_optimizer(model, model.config, lr=self.lr, weight_decay=self.weight_decay,
+                                    adamw_lr=self.adamw_lr)
+        return model, optimizer, make_balancers(model, self.qb_bins, self.qb_ema)
+
+    def to_dict(self) -> dict:
+        """A JSON-friendly description (the data factory by qualified name)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if isinstance(self.model, K3Config):
+            d["model"] = json.loads(self.model.to_json_string())
+        d["data"] = f"{self.data.__module__}:{getattr(self.data, '__qualname__', repr(self.data))}"
+        return d
+
+    def replace(self, **changes) -> "RunConfig":
+        """A validated copy with ``changes``. Raises ValueError for an unknown field."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ValueError(f"RunConfig: unknown field {unknown[0]!r} (known: {', '.join(sorted(names))})")
+        return dataclasses.replace(self, **changes)
+
+
+def _enable_qat(model, fmt: str) -> None:
+    try:
+        qat = importlib.import_module("openk3.quant.qat")
+    except ImportError:
+        raise ValueError(f"RunConfig.qat={fmt!r}: openk3.quant.qat is not available in this install") from None
+    fn = getattr(qat, "enable_qat", None)
+    if fn is None:
+        raise ValueError(f"RunConfig.qat={fmt!r}: openk3.quant.qat has no enable_qat")
+    fn(model, fmt)
+
+
+# -------------------------------------------------------------------------------- registry
+RECIPES: dict[str, Callable[[], RunConfig]] = {}
+
+
+def register_recipe(name: str):
+    """Decorator: ``@register_recipe("name")`` on a function returning a :class:`RunConfig`.
+
+    Raises:
+        ValueError: the name is already registered.
+    """
+    def deco(fn: Callable[[], RunConfig]) -> Callable[[], RunConfig]:
+        if name in RECIPES and RECIPES[name] is not fn:
+            raise ValueError(f"recipe {name!r} is already registered")
+        RECIPES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_recipe(name: str, **overrides) -> RunConfig:
+    """The run config of recipe ``name`` (registered, or ``module:function``), with overrides.
+
+    Raises:
+        ValueError: an unknown recipe (the message lists the known ones), a function that does
+            not return a RunConfig, or an unknown override field.
+    """
+    if ":" in name:
+        mod, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"recipe {name!r}: cannot import ({e})") from None
+    elif name in RECIPES:
+        fn = RECIPES[name]
+    else:
+        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))} (or module:function)")
+    run = fn()
+    if not isinstance(run, RunConfig):
+        raise ValueError(f"recipe {name!r}: returned {type(run).__name__}, expected RunConfig")
+    return run.replace(**overrides) if overrides else run
+
+
+@register_recipe("smoke")
+def smoke() -> RunConfig:
+    """``k3-test-tiny`` on :class:`SyntheticText`: 300 steps x 256 tokens, eval every 50."""
+    return RunConfig(
+        name="smoke", model="k3-test-tiny", data=synthetic_data, total_steps=300, seq_len=256,
+        warmup_steps=15, lr=2e-2, min_lr_ratio=0.1, eval_every=50, eval_batches=4, ckpt_every=100,
+        keep_checkpoints=2, seed=0,
+    )
+
+
+__all__ = ["RunConfig", "RECIPES", "register_recipe", "get_recipe", "smoke", "SyntheticText", "synthetic_data",
+           "synthetic_document", "synthetic_entropy_per_sentence"]

@@ -1,0 +1,1 @@
+"""Scripts launched under torchrun by tests/train/test_distributed.py."""
