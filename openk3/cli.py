@@ -22,8 +22,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"openk3 info: {e}", file=sys.stderr)
         return 2
     counts = count_parameters(config)
+    vision = None
+    if config.wrapper is not None and isinstance(config.wrapper.get("vision_config"), dict):
+        from openk3.vision import count_vision_parameters
+
+        vision = count_vision_parameters(config.wrapper["vision_config"])
     if args.json:
-        print(json.dumps({"source": str(source), **counts}, indent=2))
+        print(json.dumps({"source": str(source), **counts, "vision": vision}, indent=2))
         return 0
     n_kda = config.layer_types.count("linear_attention")
     print(f"{source}: {config.num_hidden_layers} layers ({n_kda} KDA + {config.num_hidden_layers - n_kda} MLA), "
@@ -33,6 +38,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
         if v["total"]:
             print(f"{comp:<16}{v['total']:>22,}{v['active']:>22,}")
     print(f"{'TOTAL':<16}{counts['total']:>22,}{counts['active']:>22,}")
+    if vision is not None:
+        print(f"vision (not in the totals, as in the K3 report): MoonViT-V2 tower {vision['vision_tower']:,}, "
+              f"mm_projector {vision['mm_projector']:,}")
     return 0
 
 
@@ -46,6 +54,18 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     from openk3.cost import main as cost_main
 
     return cost_main(args)
+
+
+def _cmd_build_corpus(args: argparse.Namespace) -> int:
+    from openk3.train.corpus import cli_build_corpus
+
+    return cli_build_corpus(args)
+
+
+def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
+    from openk3.train.tokenizer_train import cli_train_tokenizer
+
+    return cli_train_tokenizer(args)
 
 
 def _bytes(text: str) -> int:
@@ -93,6 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--prices", help="JSON file with any of cache_hit / input / output (USD per 1M)")
     cost.add_argument("--json", action="store_true", help="machine-readable output")
     cost.set_defaults(func=_cmd_cost)
+
+    corpus = sub.add_parser("build-corpus", help="assemble the permissively licensed offline text corpus (DATA.md)")
+    corpus.add_argument("--out", default="data/corpus", help="output directory (default data/corpus)")
+    corpus.add_argument("--install", action="store_true", help="apt-get install the Debian doc packages first (root)")
+    corpus.add_argument("--no-debian", action="store_true", help="skip the Debian documentation packages")
+    corpus.add_argument("--no-pypi", action="store_true", help="skip the installed PyPI distributions")
+    corpus.add_argument("--add-dir", action="append", default=[], metavar="NAME:LICENCE:PATH",
+                        help="also read .txt/.md/.rst/.html files under PATH (SPDX licence, must be permissive)")
+    corpus.add_argument("--val-fraction", type=float, default=0.01, help="validation share (default 0.01)")
+    corpus.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    corpus.add_argument("--json", action="store_true", help="print the manifest")
+    corpus.set_defaults(func=_cmd_build_corpus)
+
+    tokenizer = sub.add_parser("train-tokenizer", help="train a byte-level BPE with the K3 special tokens")
+    tokenizer.add_argument("--corpus", default="data/corpus", help="corpus directory or text file (default data/corpus)")
+    tokenizer.add_argument("--vocab-size", type=int, default=8192, help="total ids incl. 256 special slots (default 8192)")
+    tokenizer.add_argument("--out", default="data/tokenizer", help="output directory (default data/tokenizer)")
+    tokenizer.add_argument("--min-frequency", type=int, default=2, help="minimum pair count to merge (default 2)")
+    tokenizer.add_argument("--max-mb", type=float, help="train on at most this many MB of text")
+    tokenizer.set_defaults(func=_cmd_train_tokenizer)
     return p
 
 

@@ -414,8 +414,13 @@ def _from_hf_text(t: dict[str, Any]) -> K3Config:
 
 # ---------------------------------------------------------------------- presets
 def _kimi_k3() -> K3Config:
-    """The released Kimi K3 text backbone (``../shared/k3/config.json``)."""
-    return K3Config().as_k3_wrapper()
+    """The released Kimi K3 (``../shared/k3/config.json``): text backbone + MoonViT-V2 config."""
+    from openk3.vision.config import vision_preset
+
+    cfg = K3Config().as_k3_wrapper()
+    cfg.wrapper["vision_config"] = vision_preset("kimi-k3").to_dict()
+    cfg.wrapper["dtype"] = "bfloat16"
+    return cfg
 
 
 def _k3_test_tiny() -> K3Config:

@@ -252,14 +252,34 @@ class K3ForCausalLM(nn.Module):
         p = self.lm_head.weight
         return HybridCache.empty(self.config, batch, capacity, device=p.device, dtype=p.dtype)
 
-    def save_pretrained(self, path: str, *, dtype: torch.dtype | None = None, max_shard_bytes: int | None = None) -> None:
-        """Write the official format (``config.json`` + safetensors). See :mod:`openk3.checkpoint`."""
-        from openk3.checkpoint import DEFAULT_SHARD_BYTES, to_hf_state_dict, write_checkpoint
+    def save_pretrained(
+        self,
+        path: str,
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int | None = None,
+        quantization: str | None = None,
+    ) -> None:
+        """Write the official format (``config.json`` + safetensors). See :mod:`openk3.checkpoint`.
 
-        sd = self.state_dict()
+        Args:
+            dtype: cast floating tensors (except the release's fp32 ones) to this dtype.
+            quantization: None (float experts) or "mxfp4": routed experts as compressed-tensors
+                ``weight_packed`` + ``weight_scale`` quantized from the full-precision weights (before
+                any ``dtype`` cast), with the released ``quantization_config`` in the text config
+                (k3-release-notes.md §1.9); everything else unquantized.
+        Raises:
+            ValueError: unknown ``quantization`` or expert widths that are not multiples of 32.
+        """
+        from openk3.checkpoint import DEFAULT_SHARD_BYTES, quantized_config, to_hf_state_dict, write_checkpoint
+
+        config = quantized_config(self.config, quantization)
+        tensors = to_hf_state_dict(self.state_dict(), config, quantization)
         if dtype is not None:
-            sd = {k: (v.to(dtype) if v.is_floating_point() and not _keeps_fp32(k) else v) for k, v in sd.items()}
-        write_checkpoint(path, to_hf_state_dict(sd, self.config), self.config, max_shard_bytes or DEFAULT_SHARD_BYTES)
+            tensors = type(tensors)(
+                (k, v.to(dtype) if v.is_floating_point() and not _keeps_fp32(k) else v) for k, v in tensors.items()
+            )
+        write_checkpoint(path, tensors, config, max_shard_bytes or DEFAULT_SHARD_BYTES)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

@@ -27,13 +27,20 @@ def build_model(config: K3Config, *, device: str | torch.device = "cpu", dtype: 
 
 
 def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> K3ForCausalLM:
+                    dtype: torch.dtype | None = None, keep_packed: bool = False) -> K3ForCausalLM:
     """Load an official-format checkpoint (``config.json`` + safetensors) into openk3.
+
+    MXFP4 routed experts (``weight_packed`` + ``weight_scale``, recognised by suffix) are either
+    dequantized exactly into dense ``Experts`` (default) or, with ``keep_packed=True``, kept packed
+    in :class:`openk3.quant.packed.PackedExperts` (4.25 bits per weight; expert GEMMs read the packed
+    weights). ``keep_packed=True`` on a float checkpoint quantizes its experts to MXFP4 (FLOOR).
 
     Args:
         path: checkpoint directory.
         device: where the weights go.
-        dtype: cast floating tensors to this dtype (None keeps the file's dtype).
+        dtype: cast floating tensors to this dtype (None keeps the file's dtype; dequantized experts
+            take the dtype of ``embed_tokens``).
+        keep_packed: hold routed experts packed (see above).
     Returns:
         ``K3ForCausalLM`` in eval mode.
     Raises:
@@ -44,6 +51,10 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
     config = K3Config.from_pretrained(path)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
+    if keep_packed:
+        from openk3.quant.packed import pack_experts
+
+        pack_experts(model)  # meta skeleton: packed buffers to be assigned from the file
     expected = {k: v.shape for k, v in model.state_dict().items()}
     tensors = read_safetensors(path)
     state = from_hf_state_dict(tensors, config, expected)

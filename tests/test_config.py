@@ -47,6 +47,7 @@ def test_preset_kimi_k3_equals_release():
                  "linear_num_heads", "linear_head_dim", "gate_lower_bound", "activation_situ_beta",
                  "activation_situ_linear_beta", "routed_scaling_factor"):
         assert getattr(mine, name) == getattr(released, name), name
+    assert mine.wrapper["vision_config"] == released.wrapper["vision_config"]
 
 
 def test_every_branch_preset():

@@ -200,5 +200,6 @@ def test_cli_info_json():
                          capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)
     assert (d["total"], d["active"]) == (2_779_484_476_000, 104_189_612_640)
+    assert d["vision"]["vision_tower"] == 401_214_464
     bad = subprocess.run([sys.executable, "-m", "openk3.cli", "info", "--config", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "nope" in bad.stderr

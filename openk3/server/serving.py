@@ -6,9 +6,9 @@ sampling parameters §1.5 -> tools / tool_choice §1.7 -> reasoning_content in t
 -> rendering -> images -> token window §1.4), renders it with
 :func:`openk3.chat_format.encode_request` and builds the engine request (sampling parameters and
 the output constraint). :class:`Generation` drives the engine and the
-:class:`~openk3.chat_format.OutputParser` and yields typed events; :mod:`openk3.server.chat` is not
-needed: the OpenAI response / SSE formatting lives at the bottom of this file and the Anthropic one
-in :mod:`openk3.server.anthropic`, both over the same events.
+:class:`~openk3.chat_format.OutputParser` and yields typed events; the OpenAI response / SSE
+formatting is at the bottom of this file, the Anthropic one in :mod:`openk3.server.anthropic`, both
+over the same events.
 
 Decisions (documented where the specs leave a choice):
 
@@ -304,6 +304,7 @@ class Generation:
         self.n_calls = 0
         self.engine_reason: str | None = None
         self.usage: Any = None
+        self.logprobs: list[Any] = []
 
     async def start(self) -> None:
         """Submit to the engine and wait for the first output.
@@ -325,6 +326,8 @@ class Generation:
             if _is_overloaded(e):
                 self.s.metrics.overloaded()
                 raise APIError(429, OVERLOADED, headers={"Retry-After": str(self.s.limits.retry_after_s)}) from None
+            if isinstance(e, RuntimeError) and "shutting down" in str(e):
+                raise APIError(503, "the server is shutting down") from None
             raise
 
     async def events(self) -> AsyncIterator[Any]:
@@ -369,6 +372,8 @@ class Generation:
             self._last_token_t = now
             events = self.parser.feed(out.new_token_ids)
         self.usage = out.usage
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
         if out.finished:
             self._engine_done = True
             self.engine_reason = out.finish_reason
@@ -485,6 +490,8 @@ class ChatServing:
         tools = check_tools(body, opts, self.limits)
         check_messages(body, opts.thinking, opts.keep)
         stops = _stops(req.stop, self.limits)
+        if req.top_logprobs is not None and (not req.logprobs or not 0 <= req.top_logprobs <= 20):
+            raise bad_request("top_logprobs: must be 0-20 and requires logprobs: true")
         prompt, opts = self.render(body)
 
         n_ids = len(prompt.token_ids)
@@ -585,9 +592,23 @@ class ChatServing:
             message["reasoning_content"] = "".join(reasoning)
         if calls:
             message["tool_calls"] = calls
+        logprobs = self._logprobs(gen.logprobs) if prep.params.logprobs is not None else None
         return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": prep.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": fin.finish_reason, "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": fin.finish_reason,
+                             "logprobs": logprobs}],
                 "usage": fin.usage}
+
+    def _logprobs(self, entries: list[Any]) -> dict:
+        """OpenAI ``choices[].logprobs``: one entry per generated token (markup tokens included,
+        spelled as their special strings), with ``top_logprobs`` alternatives."""
+        tok = self.tokenizer
+
+        def item(tid: int, lp: float) -> dict:
+            raw = tok.decode_bytes([tid])
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": float(lp), "bytes": list(raw)}
+
+        return {"content": [dict(item(e.token_id, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top])
+                            for e in entries]}
 
     async def sse(self, prep: Prepared, gen: Generation) -> AsyncIterator[str]:
         """``chat.completion.chunk`` SSE events (api.md §2.2): role chunk, reasoning / content /

@@ -59,18 +59,18 @@ def quality_reason(text: str, *, min_chars: int = 200, min_ascii_letter_share: f
                    min_letter_share: float = 0.4) -> str | None:
     """Why a cleaned document is dropped, or None to keep it.
 
-    ``"short"``: fewer than `min_chars` characters. ``"non_english"``: under `min_ascii_letter_share`
-    of its letters are ASCII (other scripts). ``"not_prose"``: under `min_letter_share` of its
+    ``"short"``: fewer than `min_chars` characters. ``"not_prose"``: under `min_letter_share` of its
     non-space characters are letters (tables of numbers, code listings, data dumps).
+    ``"non_english"``: under `min_ascii_letter_share` of its letters are ASCII (other scripts).
     """
     if len(text) < min_chars:
         return "short"
     letters = [c for c in text if c.isalpha()]
     nonspace = sum(1 for c in text if not c.isspace())
-    if not letters or sum(c.isascii() for c in letters) < min_ascii_letter_share * len(letters):
-        return "non_english"
     if len(letters) < min_letter_share * max(nonspace, 1):
         return "not_prose"
+    if sum(c.isascii() for c in letters) < min_ascii_letter_share * len(letters):
+        return "non_english"
     return None
 
 

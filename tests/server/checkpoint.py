@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 BIAS_FAVOURED = 8.0   # printable ASCII, markers, tag names
-BIAS_CLOSER = 12.0    # <|close|>, '"', '}', ']': short channels, strings and objects
+BIAS_CLOSER = 12.0    # <|close|>, <|sep|>, '"', '}', ']': short channels, tags, strings and objects
 EMBED_CONST = 40.0
 
 
@@ -56,8 +56,8 @@ def favoured_ids(tok) -> tuple[list[int], list[int]]:
         ids = tok.encode_text(c)
         if len(ids) == 1:
             favoured.add(ids[0])
-    favoured |= {tok.open_id, tok.sep_id}
-    closers = {tok.close_id} | {tok.encode_text(c)[0] for c in '"}]'}
+    favoured.add(tok.open_id)
+    closers = {tok.close_id, tok.sep_id} | {tok.encode_text(c)[0] for c in '"}]'}
     return sorted(favoured - closers), sorted(closers)
 
 
