@@ -245,6 +245,7 @@ Kind = Literal["text", "json_object", "json_schema"]
 def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, tools: Sequence[Any] | None = None,
                     tool_choice: Any = "auto", thinking: bool = True, *, vocab_size: int | None = None,
                     json_whitespace: str | None = DEFAULT_JSON_WHITESPACE, lenient: bool = False,
+                    lenient_tools: bool = True,
                     think_max_chars: int | None = None, text_max_chars: int | None = None,
                     max_tool_calls: int = 16, json_block: bool = True) -> GrammarConstraint:
     """Build the per-request constraint over the whole K3 output (module docstring).
@@ -263,7 +264,10 @@ def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, too
         vocab_size: mask length V (the model's vocabulary, >= the tokenizer's); default the tokenizer's.
         json_whitespace: regex for the whitespace allowed at each JSON position (llguidance
             ``whitespace_pattern``); None = llguidance's default (unbounded).
-        lenient: let llguidance ignore schema keywords/formats it cannot enforce instead of failing.
+        lenient: let llguidance ignore keywords/formats of `schema` it cannot enforce instead of
+            raising (strict response formats should fail loudly, hence False).
+        lenient_tools: the same for tool parameter schemas (True: a tool whose schema uses, say, an
+            unknown ``format`` still gets every other keyword enforced instead of failing the request).
         think_max_chars / text_max_chars: optional bounds on free think / response text.
         max_tool_calls: most calls per message. json_block: also allow the json-block argument form.
 
@@ -299,10 +303,11 @@ def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, too
     options: dict[str, Any] = {"lenient": bool(lenient)}
     if json_whitespace is not None:
         options["whitespace_pattern"] = json_whitespace
+    tool_options = dict(options, lenient=bool(lenient_tools))
     m = Markers(tokenizer.open_id, tokenizer.close_id, tokenizer.sep_id, tokenizer.end_of_msg_id)
     grammar = output_grammar_lark(
         m, body="text" if kind == "text" else "json", thinking=thinking, tools=tool_list,
-        tool_choice=tool_choice, json_schema=json_schema, json_options=options,
+        tool_choice=tool_choice, json_schema=json_schema, json_options=options, tool_json_options=tool_options,
         think_max_chars=think_max_chars, text_max_chars=text_max_chars, max_tool_calls=max_tool_calls,
         json_block=json_block)
     llt = ll_tokenizer(tokenizer)

@@ -29,7 +29,6 @@ llguidance compiles from the full schema.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -49,11 +48,7 @@ _FORMATS = {
     "date-time": _DATE + "[Tt]" + _TIME,
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
 }
-# Object keywords that the typed-argument form implements (the rest are annotations or make the
-# parameters schema json-block-only, see the module docstring).
-_TYPED_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "unevaluatedProperties",
-                      "$defs", "definitions", "$schema", "$id", "$comment", "title", "description",
-                      "default", "examples", "strict", "x-guidance"}
+# Object-level keywords the typed-argument form does not implement: such parameters get the json block only.
 _OBJECT_ONLY_KEYS = {"minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
                      "dependentSchemas", "dependencies", "allOf", "anyOf", "oneOf", "not", "$ref", "if", "then",
                      "else", "enum", "const", "$dynamicRef"}
@@ -402,9 +397,12 @@ class GrammarBuilder:
                         f"{self.close_tag('json')}")
         return self.add(self.name("body"), " | ".join(alts))
 
-    def tools_channel(self, tools: list[Tool], max_calls: int, json_block: bool) -> str:
-        """Rule name for ``<|open|>tools<|sep|> CALL+ <|close|>tools<|sep|>`` with calls 1..max_calls."""
+    def tools_channel(self, tools: list[Tool], max_calls: int, json_block: bool, json_options: dict) -> str:
+        """Rule name for ``<|open|>tools<|sep|> CALL+ <|close|>tools<|sep|>`` with calls 1..max_calls;
+        argument JSON is compiled with `json_options`."""
+        saved, self.json_options = self.json_options, json_options
         bodies = [self.call_bodies(t, json_block) for t in tools]
+        self.json_options = saved
         calls = []
         for k in range(1, max_calls + 1):
             heads = [lark_literal(f'call tool="{escape_attr(t.name)}" index="{k}"') for t in tools]
@@ -421,6 +419,7 @@ class GrammarBuilder:
 
 def output_grammar_lark(markers: Markers, *, body: str, thinking: bool, tools: list[Tool] | None,
                         tool_choice: str, json_schema: Any = None, json_options: dict | None = None,
+                        tool_json_options: dict | None = None,
                         think_max_chars: int | None = None, text_max_chars: int | None = None,
                         max_tool_calls: int = 16, json_block: bool = True) -> str:
     """The whole-output grammar (module docstring) as llguidance Lark text.
@@ -433,7 +432,8 @@ def output_grammar_lark(markers: Markers, *, body: str, thinking: bool, tools: l
         tool_choice: ``"auto"`` (response, or calls after a response), ``"required"`` (at least one
             call), ``"none"`` (no tools channel). With a JSON body, the response before calls is empty.
         json_schema: the response schema for ``body="json"`` (e.g. ``{"type": "object"}``).
-        json_options: llguidance ``x-guidance`` options for all JSON.
+        json_options: llguidance ``x-guidance`` options for the response JSON.
+        tool_json_options: the same for tool arguments (default: `json_options`).
         think_max_chars / text_max_chars: bounds on the free think / response text (None: none).
         max_tool_calls: most calls in one message (>= 1).
         json_block: also offer the json-block form of arguments (the parser accepts it, §11.1).
@@ -456,7 +456,8 @@ def output_grammar_lark(markers: Markers, *, body: str, thinking: bool, tools: l
     text = g.optional_text("text", text_max_chars) if body == "text" else ""
     final = text if body == "text" else g.add("json_body", json_rule(json_schema, g.json_options))
     if tools and tool_choice != "none":
-        tch = g.tools_channel(tools, max_tool_calls, json_block)
+        tch = g.tools_channel(tools, max_tool_calls, json_block,
+                              dict(json_options or {}) if tool_json_options is None else dict(tool_json_options))
         pre = text if body == "text" else ""  # content before calls: free text, or empty under a JSON format
         with_calls = f"{pre} {close_resp} {tch} {end}".strip()
         if tool_choice == "required":

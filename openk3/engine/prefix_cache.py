@@ -151,17 +151,20 @@ class PrefixCache:
             c["kda_hit_tokens"] += hit.length
             self.snapshots.get(hit.snapshot_key, touch=True)
 
-    def restore(self, hit: PrefixHit, slots: SlotPool, slot: int, tail_block: int | None) -> torch.Tensor | None:
+    def restore(self, hit: PrefixHit, slots: SlotPool, slot: int, tail_block: int | None,
+                prompt_len: int) -> torch.Tensor | None:
         """Copy a hit's snapshot into a request's slot (and its latent tail into ``tail_block``,
         rows ``[0, position % L)``). Returns the stored logits [V] when the hit covers the whole
-        prompt, else None."""
+        prompt (``position == prompt_len``), else None."""
         snap = hit.snapshot
         slots.copy_row(slot, self.snapshots, snap.row)
         if snap.tail_len:
             t = snap.tail_len
             self.blocks.latent[:, tail_block, :t].copy_(self.snapshots.tail_latent[:, snap.row, :t])
             self.blocks.k_rope[:, tail_block, :t].copy_(self.snapshots.tail_k_rope[:, snap.row, :t])
-        return self.snapshots.logits[snap.row].clone() if snap.has_logits else None
+        if snap.position == prompt_len:
+            return self.snapshots.logits[snap.row].clone()
+        return None
 
     # ------------------------------------------------------------------------- saving
     def publish_blocks(self, keys: list[bytes], blocks: list[int], n_full: int, start: int) -> int:

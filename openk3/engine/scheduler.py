@@ -124,7 +124,7 @@ class Scheduler:
         req.slot = self.slots.allocate()
         if hit.snapshot is not None:
             tail = self.allocate_block(req) if hit.snapshot.tail_len else None
-            req.pending_logits = self.prefix.restore(hit, self.slots, req.slot, tail)
+            req.pending_logits = self.prefix.restore(hit, self.slots, req.slot, tail, len(req.prompt))
         req.num_computed = req.cached_tokens = hit.length
         req.published = len(hit.blocks)
         self.prefix.commit(hit, len(req.prompt))

@@ -42,6 +42,7 @@ _C_SOURCE = r"""
 #endif
 
 #define MAXM 8  /* tokens per pass: 8 accumulators + 4 weight vectors fit the 16 ymm registers */
+#define GRAIN 262144  /* weights per thread (128 KiB packed) below which a call stays single-threaded */
 
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -166,9 +167,13 @@ int openk3_mxfp4_grouped_gemm(const float* xp, const int64_t* offs, int64_t E, c
     for (int64_t e = 0; e < E; ++e)
         if (offs[e + 1] > offs[e]) active[na++] = e;
     const int64_t items = na * O;
+    /* threads only pay off for real work: a barrier with a descheduled thread costs milliseconds */
+    int64_t nt = (items * K) / GRAIN;
+    if (nt > nthreads) nt = nthreads;
+    if (nt < 1) nt = 1;
     int level = simd_level();
     if (simd < level) level = (int)simd;
-    #pragma omp parallel for schedule(static) num_threads((int)nthreads)
+    #pragma omp parallel for schedule(static) num_threads((int)nt)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t e = active[it / O], o = it % O;
         const uint8_t* p = packed + (e * O + o) * (K / 2);
@@ -193,7 +198,10 @@ int openk3_mxfp4_dequant(const uint8_t* packed, const uint8_t* scales, int64_t R
     if (K % 32 != 0) return 1;
     if (SCALE[1] == 0.f) init_scales();
     const int64_t nb = K / 32;
-    #pragma omp parallel for schedule(static) num_threads((int)nthreads)
+    int64_t nt = (R * K) / GRAIN;
+    if (nt > nthreads) nt = nthreads;
+    if (nt < 1) nt = 1;
+    #pragma omp parallel for schedule(static) num_threads((int)nt)
     for (int64_t r = 0; r < R; ++r) {
         for (int64_t b = 0; b < nb; ++b) {
             const float s = SCALE[scales[r * nb + b]];

@@ -33,7 +33,7 @@ __all__ = [
     "CORPUS_FORMAT", "DEBIAN_PACKAGES", "DEBIAN_SOURCES", "PERMISSIVE_LICENCES", "PYPI_DISTRIBUTIONS", "Document",
     "Source", "build_corpus", "clean_text", "debian_source", "default_sources", "directory_source", "html_to_text",
     "install_debian_packages", "iter_texts", "licence_is_permissive", "load_manifest", "module_docstrings",
-    "pypi_source", "quality_reason", "read_documents",
+    "pypi_source", "quality_reason", "read_documents", "cli_build_corpus",
 ]
 CORPUS_FORMAT = "openk3-corpus/1"
 
@@ -292,3 +292,38 @@ def iter_texts(corpus_dir: str | os.PathLike, split: str = "train") -> Iterator[
     """The texts of :func:`read_documents`."""
     for d in read_documents(corpus_dir, split):
         yield d["text"]
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def cli_build_corpus(args: Any) -> int:
+    """``openk3 build-corpus``: optional ``apt-get install``, then :func:`build_corpus` over
+    :func:`default_sources` plus ``--add-dir NAME:LICENCE:PATH`` directories. Returns the exit code
+    (2 with a message on stderr for bad input or a failed install)."""
+    import sys
+
+    try:
+        if args.install and not args.no_debian:
+            print(f"installing {' '.join(DEBIAN_PACKAGES)} ...", file=sys.stderr)
+            install_debian_packages()
+        sources = default_sources(debian=not args.no_debian, pypi=not args.no_pypi)
+        for spec in args.add_dir:
+            name, sep1, rest = spec.partition(":")
+            licence, sep2, path = rest.partition(":")
+            if not (sep1 and sep2 and name and licence and path):
+                raise ValueError(f"--add-dir: expected NAME:LICENCE:PATH, got {spec!r}")
+            sources.append(directory_source(name, licence, path))
+        if not sources:
+            raise ValueError("no sources: install the Debian packages (--install) or drop --no-debian/--no-pypi")
+        manifest = build_corpus(sources, args.out, val_fraction=args.val_fraction, overwrite=args.overwrite,
+                                log=lambda line: print(line, file=sys.stderr))
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"openk3 build-corpus: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+    else:
+        t = manifest["totals"]
+        print(f"{args.out}: {t['documents']} documents, {t['text_bytes'] / MB:.1f} MiB of text "
+              f"(train {t['train_bytes'] / MB:.1f} MiB, val {t['val_bytes'] / MB:.2f} MiB) from "
+              f"{len(manifest['sources'])} sources")
+    return 0

@@ -359,13 +359,15 @@ def pypi_source(distribution: str, *, max_bytes: int | None = None, skip: Iterab
 
 # ---------------------------------------------------------------------------- default sources
 MB = 1 << 20
-# (package, licence read from /usr/share/doc/PACKAGE/copyright, root, include, exclude, budget)
+# (package apt installs, licence from /usr/share/doc/<doc package>/copyright, root glob, include,
+# exclude, byte budget). The metapackages pull the release's versioned doc package (python3.11-doc
+# and postgresql-doc-15 on Debian 12); the root glob finds it, and `dpkg-query -S` names it.
 DEBIAN_SOURCES: tuple[tuple[str, str, str, tuple[str, ...], tuple[str, ...], int], ...] = (
-    ("python3.11-doc", "PSF-2.0", "/usr/share/doc/python3.11/html", ("**/*.html",),
+    ("python3-doc", "PSF-2.0", "/usr/share/doc/python3.*/html", ("**/*.html",),
      ("genindex*", "py-modindex.html", "search.html", "_*/*", "whatsnew/changelog.html"), 14 * MB),
     ("python-django-doc", "BSD-3-Clause", "/usr/share/doc/python-django-doc/html", ("**/*.html",),
      ("genindex*", "py-modindex.html", "search.html", "_*/*", "releases/*"), 10 * MB),
-    ("postgresql-doc-15", "PostgreSQL", "/usr/share/doc/postgresql-doc-15/html", ("*.html",),
+    ("postgresql-doc", "PostgreSQL", "/usr/share/doc/postgresql-doc-*/html", ("*.html",),
      ("bookindex.html", "release-*.html"), 8 * MB),
     ("sqlite3-doc", "public-domain", "/usr/share/doc/sqlite3", ("*.html", "c3ref/*.html"),
      ("releaselog/*", "changes.html", "chronology.html", "doclist.html", "keyword_index.html", "sitemap.html",
@@ -379,13 +381,32 @@ PYPI_DISTRIBUTIONS: tuple[tuple[str, int], ...] = (
 )
 
 
-def default_sources() -> list[Source]:
-    """The sources of the project corpus: :data:`DEBIAN_SOURCES` (installed ones only) and the
-    :data:`PYPI_DISTRIBUTIONS` present in this environment. Missing ones are skipped; the manifest
-    lists what was used."""
-    out = [debian_source(pkg, lic, root, include=inc, exclude=exc, max_bytes=budget)
-           for pkg, lic, root, inc, exc, budget in DEBIAN_SOURCES if Path(root).is_dir()]
-    for dist, budget in PYPI_DISTRIBUTIONS:
+def _version_key(path: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
+def _owning_package(path: str) -> str | None:
+    try:
+        r = subprocess.run(["dpkg-query", "-S", path], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        return None
+    line = r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+    return line.split(":")[0].split(",")[0].strip() or None
+
+
+def default_sources(*, debian: bool = True, pypi: bool = True) -> list[Source]:
+    """The sources of the project corpus: :data:`DEBIAN_SOURCES` whose documentation is installed
+    (the newest version when several match the root glob) and the :data:`PYPI_DISTRIBUTIONS`
+    present in this environment. Missing ones are skipped; the manifest lists what was used."""
+    import glob
+
+    out = []
+    for pkg, lic, root_glob, inc, exc, budget in DEBIAN_SOURCES if debian else ():
+        roots = sorted((r for r in glob.glob(root_glob) if Path(r).is_dir()), key=_version_key)
+        if roots:
+            owner = _owning_package(roots[-1]) or pkg
+            out.append(debian_source(owner, lic, roots[-1], include=inc, exclude=exc, max_bytes=budget))
+    for dist, budget in PYPI_DISTRIBUTIONS if pypi else ():
         try:
             out.append(pypi_source(dist, max_bytes=budget))
         except ValueError:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from openk3.train.muon import HeadBlocks, Muon, _blocks, _mla_modules, qk_clip_weights_, rms_match_scale, zeropower_newton_schulz
+from openk3.train.muon import (HeadBlocks, Muon, _blocks, _mla_modules, qk_clip_weights_, rms_match_scale,
+                               zeropower_newton_schulz)
 from openk3.train.optim import build_optimizer
 
 # Constructor keywords of Muon that live in its ``defaults``.
@@ -145,7 +146,7 @@ def build_sharded_optimizer(model: nn.Module, config, lr: float, **kwargs) -> Di
 
 @torch.no_grad()
 def qk_clip_sharded_(model: nn.Module, max_logits_per_layer: Mapping[int, torch.Tensor], tau: float,
-                     config=None, group=None) -> dict[int, torch.Tensor]:
+                     config=None, group=None, reduce_max: bool = True) -> dict[int, torch.Tensor]:
     """QK-Clip (:func:`openk3.train.muon.qk_clip_`) for a data-parallel model whose MLA weights
     may be FSDP shards.
 
@@ -159,6 +160,7 @@ def qk_clip_sharded_(model: nn.Module, max_logits_per_layer: Mapping[int, torch.
         max_logits_per_layer: {layer index: [H]} from the step's forward passes on this rank.
         tau: threshold. config: defaults to ``model.config``. group: data-parallel group
             (default: the world); ignored without torch.distributed.
+        reduce_max: False when the caller already MAX-reduced ``max_logits_per_layer``.
     Returns:
         {layer index: gamma [H]}, equal on every rank.
     Raises:
@@ -170,7 +172,7 @@ def qk_clip_sharded_(model: nn.Module, max_logits_per_layer: Mapping[int, torch.
     modules = _mla_modules(model)
     H, Dn, Dr, Dv = (config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
                      config.v_head_dim)
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = reduce_max and dist.is_available() and dist.is_initialized()
     gammas = {}
     for idx in sorted(max_logits_per_layer):
         attn = modules.get(int(idx))

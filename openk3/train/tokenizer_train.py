@@ -187,3 +187,22 @@ def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | N
     }
     (out / "tokenizer_training.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return load_tokenizer(out)
+
+
+def cli_train_tokenizer(args: Any) -> int:
+    """``openk3 train-tokenizer``: :func:`train_tokenizer` on ``--corpus`` into ``--out``. Returns
+    the exit code (2 with a message on stderr for bad input)."""
+    import sys
+
+    max_bytes = None if args.max_mb is None else int(args.max_mb * (1 << 20))
+    try:
+        tok = train_tokenizer(args.corpus, args.vocab_size, args.out, min_frequency=args.min_frequency,
+                              max_bytes=max_bytes)
+    except (ValueError, OSError) as e:
+        print(f"openk3 train-tokenizer: {e}", file=sys.stderr)
+        return 2
+    info = json.loads((Path(args.out) / "tokenizer_training.json").read_text(encoding="utf-8"))
+    print(f"{args.out}: vocab {tok.vocab_size} ({info['bpe_tokens']} BPE + {NUM_SPECIAL_SLOTS} special), "
+          f"trained on {info['training_bytes'] / (1 << 20):.1f} MiB; <|end_of_msg|>={tok.end_of_msg_id}, "
+          f"[PAD]={tok.pad_id}")
+    return 0

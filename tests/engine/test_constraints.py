@@ -224,7 +224,7 @@ def test_tool_calls_random_outputs(kimi, tool_choice):
         msg = parse(kimi, ids, thinking=True)
         assert msg.ended, kimi.decode(ids)
         if tool_choice == "none":
-            assert kimi.decode_bytes([kimi.open_id]) not in kimi.decode_bytes(ids)  # not even a dropped call
+            assert b"<|open|>tools" not in kimi.decode_bytes(ids)  # not even a call the parser would drop
             assert msg.finish_reason == "stop"
         if tool_choice == "required":
             assert msg.tool_calls and msg.finish_reason == "tool_calls"
@@ -391,6 +391,21 @@ def test_named_tool_choice_forces_that_tool(kimi):
     assert msg.tool_calls and {call["function"]["name"] for call in msg.tool_calls} == {"ping"}
 
 
+def test_tool_schemas_are_lenient_by_default(kimi):
+    """An unknown ``format`` in a tool schema is ignored (other keywords still enforced) unless the
+    caller asks for strict tools; in a response schema it is an error (see the invalid cases)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["u"], "properties": {"u": {"type": "string", "format": "uri-reference",
+                                                                  "maxLength": 3}}}}}]
+    c = make_constraint(kimi, "text", tools=tools, tool_choice="required", think_max_chars=4, text_max_chars=4,
+                        json_whitespace=WS)
+    msg = parse(kimi, sample_uniform(c, 0), thinking=True)
+    for call in msg.tool_calls:
+        assert len(json.loads(call["function"]["arguments"])["u"]) <= 3
+    with pytest.raises(ValueError, match="tools"):
+        make_constraint(kimi, "text", tools=tools, tool_choice="required", lenient_tools=False)
+
+
 def test_check_json_schema():
     check_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
     with pytest.raises(ValueError, match=r"schema\['properties'\]"):
@@ -400,7 +415,8 @@ def test_check_json_schema():
 # ----------------------------------------------------------------------------- a real (random) model
 
 def test_random_openk3_model_under_constraints(kimi):
-    """A randomly initialised openk3 model (full Kimi vocabulary) sampled through the masks."""
+    """A randomly initialised openk3 model (full Kimi vocabulary + padding) sampled through the masks
+    (torch runs single-threaded here: tests/engine/conftest.py)."""
     from openk3.cache import HybridCache
     from openk3.config import preset
     from openk3.pretrained import build_model
@@ -409,16 +425,16 @@ def test_random_openk3_model_under_constraints(kimi):
                                          eos_token_id=kimi.end_of_msg_id, pad_token_id=kimi.pad_id,
                                          media_placeholder_token_id=kimi.media_pad_id)
     model = build_model(cfg, seed=0).eval()
-    cases = [("json_schema", dict(schema=SCHEMAS["refs"])), ("text", dict(tools=TOOLS, tool_choice="required"))]
+    cases = [("json_schema", dict(schema=SCHEMAS["refs"])), ("text", dict(tools=TOOLS[:1], tool_choice="required"))]
     for seed, (kind, kw) in enumerate(cases):
         c = make_constraint(kimi, kind, thinking=True, vocab_size=cfg.vocab_size, think_max_chars=10,
                             text_max_chars=6, json_whitespace=WS, **kw)
         gen = torch.Generator().manual_seed(seed)
-        cache = HybridCache.empty(cfg, 1, 2048)
+        cache = HybridCache.empty(cfg, 1, 512)
         step_in = torch.tensor([[kimi.open_id, *kimi.encode_text("think"), kimi.sep_id]])
         ids: list[int] = []
         with torch.no_grad():
-            while not c.is_finished() and len(ids) < 1500:
+            while not c.is_finished() and len(ids) < 400:
                 logits = model(step_in, cache).logits[0, -1].float()
                 logits = logits.masked_fill(~c.allowed_tokens(), float("-inf"))
                 tid = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
@@ -432,4 +448,4 @@ def test_random_openk3_model_under_constraints(kimi):
         else:
             assert msg.tool_calls
             for call in msg.tool_calls:
-                jsonschema.validate(exact(call["function"]["arguments"]), TOOL_SCHEMAS[call["function"]["name"]])
+                jsonschema.validate(exact(call["function"]["arguments"]), TOOL_SCHEMAS["get_weather"])

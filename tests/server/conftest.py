@@ -102,7 +102,7 @@ def server(checkpoint, tmp_path_factory):
     yield srv
     code = srv.stop()
     assert "Traceback" not in srv.output(), srv.output()
-    assert code == 0, srv.output()
+    assert code in (0, -signal.SIGTERM), srv.output()  # uvicorn re-raises SIGTERM after its graceful shutdown
 
 
 @pytest.fixture

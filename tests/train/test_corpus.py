@@ -157,8 +157,13 @@ def test_tokenizer_and_loader_on_the_built_corpus(corpus, tmp_path):
     info = json.loads((tmp_path / "tok" / "tokenizer_training.json").read_text())
     assert info["training_bytes"] == m["totals"]["train_bytes"]
     assert info["manifest_sha256"] == hashlib.sha256((out / "manifest.json").read_bytes()).hexdigest()
-    train = DocumentStore.from_corpus(out, tok, "train")
+    train = DocumentStore.from_corpus(out, tok, "train", cache_dir=tmp_path / "cache")
     assert len(train) == m["totals"]["train_documents"]
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    cached = DocumentStore.from_corpus(out, tok, "train", cache_dir=tmp_path / "cache")
+    assert cached.fingerprint == train.fingerprint
+    DocumentStore.from_corpus(out, tok, "train", cache_dir=tmp_path / "cache", add_eos=False)
+    assert len(list((tmp_path / "cache").iterdir())) == 2  # another key, not a stale hit
     text = next(read_documents(out, "train"))["text"]
     assert tok.decode(train[0].ids[:-1].tolist()) == text and train[0].ids[-1] == tok.eos_id
     batch = next(PackedLoader(train, seq_len=64, batch_size=2, seed=0))

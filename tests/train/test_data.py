@@ -147,6 +147,21 @@ def test_resume_equals_uninterrupted(split_documents):
     assert resumed.state_dict()["epoch"] >= 1 and resumed.batches == 14
 
 
+def test_next_batch_is_the_packed_row():
+    """The trainer protocol: ``next_batch()`` == ``next(loader).packed()`` and it advances the state."""
+    store = DocumentStore.from_documents(_range_docs([7, 30, 2, 19]))
+    a, b = PackedLoader(store, 12, 2, seed=4), PackedLoader(store, 12, 2, seed=4)
+    for _ in range(3):
+        x, y = a.next_batch(), next(b).packed()
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        assert x["input_ids"].shape == (1, 24)
+    assert a.state_dict() == b.state_dict()
+    one_pass = PackedLoader(store, 64, 1, loop=False)
+    one_pass.next_batch()
+    with pytest.raises(StopIteration):
+        one_pass.next_batch()
+
+
 def test_shuffle_is_seeded_and_varies_by_epoch():
     store = DocumentStore.from_documents(_range_docs([3] * 20))
     a, b, c = (PackedLoader(store, 8, 1, seed=s) for s in (5, 5, 6))

@@ -12,7 +12,9 @@ The global batch of a step is the union of the ranks' micro-batches (different s
 and some ignored labels, so every rank holds a different token count); the single process runs
 all of them as gradient-accumulation micro-batches. Rank 0 saves what the test compares.
 
-Launch: ``torchrun --nproc-per-node 2 tests/train/dist_workers/parity.py OUT_DIR MODE...``.
+Launch: ``torchrun --nproc-per-node 2 tests/train/dist_workers/parity.py OUT_DIR MODE...`` (with
+the repository root on PYTHONPATH); the modes ``ep_layer`` and ``dist_muon`` run the unit checks
+of ``checks.py`` instead.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from openk3.train.optim import build_optimizer
 PRESET = "k3-test-tiny"
 STEPS = 4
 WORLD = 2
-LR = 0.01
+LR = 0.003
 MAX_NORM = 0.5
 QB_BINS = 200
+# The random model's per-head max logits start near 0.04: this clips some heads every step.
+QK_TAU = 0.045
 # Micro-batch shapes (B, T) per rank; both ranks run the same number of micro-batches (each
 # forward/backward is collective), with different token counts.
 SHAPES = {0: [(2, 16), (1, 12)], 1: [(1, 24), (1, 20)]}
@@ -68,12 +72,6 @@ def routers(model) -> list:
     return [layer.block_sparse_moe.gate for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
 
 
-def tau_for(model) -> float:
-    """QK-Clip threshold low enough that some heads clip on this random model (found by the
-    test run; a constant so every process uses the same)."""
-    return 0.6
-
-
 def train(model, optimizer, ranks: list[int], *, world: int, clip_fn, qk_clip_fn) -> dict:
     """STEPS steps over the micro-batches of ``ranks``; returns per-step records."""
     cfg = model.config
@@ -100,7 +98,7 @@ def train(model, optimizer, ranks: list[int], *, world: int, clip_fn, qk_clip_fn
         rec["grad_norm"].append(float(clip_fn(model.parameters(), MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        gam = qk_clip_fn(model, max_logits, tau_for(model))
+        gam = qk_clip_fn(model, max_logits, QK_TAU)
         rec["gamma"].append(torch.stack([gam[i] for i in sorted(gam)]))
         for bal, gate in zip(balancers, gates):
             gate.e_score_correction_bias.copy_(bal.step(gate.e_score_correction_bias))
@@ -141,13 +139,19 @@ def run_distributed(mode: str) -> tuple[dict, dict, dict]:
 
 
 def main(argv: list[str]) -> None:
+    from tests.train.dist_workers.checks import check_dist_muon, check_ep_layer
+
     out_dir, modes = argv[0], argv[1:]
     dist.init_process_group("gloo")
     try:
         for mode in modes:
-            rec, state, extra = run_distributed(mode)
+            if mode in ("ep_layer", "dist_muon"):
+                result, state = (check_ep_layer if mode == "ep_layer" else check_dist_muon)(), None
+            else:
+                rec, state, extra = run_distributed(mode)
+                result = {"rec": rec, "extra": extra}
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, {"rec": rec, "extra": extra})
+            dist.all_gather_object(gathered, result)
             if dist.get_rank() == 0:
                 torch.save({"ranks": gathered, "state": state}, f"{out_dir}/{mode}.pt")
             dist.barrier()

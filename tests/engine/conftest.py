@@ -1,0 +1,52 @@
+"""Fixtures of the engine tests: one perturbed tiny K3 model per module, single-threaded torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openk3
+from openk3.pretrained import build_model
+from tests.test_model import sharp
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls gain nothing from intra-op threads, and on a loaded 2-core machine the thread
+    # pool makes each forward 10-50x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def model():
+    """k3-test-tiny (every branch: KDA + MLA, dense + MoE, AttnRes), fp32, weights perturbed so that
+    outputs are not degenerate."""
+    return sharp(build_model(openk3.preset("k3-test-tiny"), seed=1)).eval()
+
+
+def perturb(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Module:
+    """``tests.test_model.sharp`` with an adjustable matrix noise scale (sharp uses 4)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point():
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith(("A_log", "dt_bias")):
+                p.add_(0.5 * noise)
+            elif p.ndim == 1 or name.endswith("_res_proj.weight"):
+                p.add_(0.2 * noise)
+            else:
+                p.add_(noise * max(p.std().item(), 0.02) * scale)
+    return model
+
+
+@pytest.fixture(scope="session")
+def mild_model():
+    """k3-test-tiny perturbed at scale 1 (logits ~O(1)). The sharp model amplifies fp32 rounding
+    so much that merely moving a prefill split point changes logits by ~2e-5; here that noise is
+    ~2e-6, well inside the 1e-5 gate, while a wrong KDA state changes logits by ~1."""
+    return perturb(build_model(openk3.preset("k3-test-tiny"), seed=1), 1.0).eval()

@@ -1,0 +1,152 @@
+"""KDA-aware prefix cache: a hit gives the same logits as no cache (<= 1e-5) and reports the
+reused length as cached_tokens — at block multiples, below one block, diverging mid-block,
+multi-turn, concurrent sharers and after eviction under pool pressure."""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.engine import Engine, EngineConfig
+from openk3.engine.prefix_cache import extend_keys
+from openk3.engine.planner import kda_state_bytes, kv_bytes_per_token, snapshot_bytes
+from tests.conftest import assert_close
+from tests.engine.common import assert_idle, greedy, prompts_of, run
+
+N_NEW = 4
+
+
+def logged_engine(model, **cfg):
+    log: dict = {}
+    eng = Engine(model, EngineConfig(**cfg), on_logits=lambda rid, x: log.setdefault(rid, []).append(x.clone()))
+    return eng, log
+
+
+def generate(eng, log, prompt, n=N_NEW):
+    res = run(eng, [(prompt, greedy(n))])
+    (rid,) = res
+    return res[rid]["tokens"], res[rid]["outputs"][-1].usage.cached_tokens, torch.stack(log[rid])
+
+
+def cold(model, prompt, n=N_NEW):
+    eng, log = logged_engine(model, block_size=8, enable_prefix_cache=False)
+    return generate(eng, log, prompt, n)
+
+
+def check_hit(model, eng, log, prompt, expect_cached, n=N_NEW):
+    toks, cached, logits = generate(eng, log, prompt, n)
+    ref_toks, ref_cached, ref_logits = cold(model, prompt, n)
+    assert ref_cached == 0
+    assert cached == expect_cached, f"cached_tokens {cached} != {expect_cached}"
+    assert toks == ref_toks  # (cold engine == full-forward greedy: test_engine_greedy.py)
+    assert_close(logits, ref_logits, atol=1e-5, what=f"logits with a {cached}-token hit")
+    return toks
+
+
+def test_block_multiple_prompts(mild_model):
+    model = mild_model
+    eng, log = logged_engine(model, block_size=8, snapshot_interval=8)
+    a = prompts_of((16,), seed=1)[0]
+    check_hit(model, eng, log, a, 0)
+    before = eng.stats()["prefix_cache"]
+    check_hit(model, eng, log, a, 16)  # identical: served from the prompt-end snapshot + stored logits
+    check_hit(model, eng, log, a + [7, 8, 9, 10, 11], 16)  # extension resumes exactly at the boundary
+    after = eng.stats()["prefix_cache"]
+    assert after["kda"]["hits"] - before["kda"]["hits"] == 2
+    assert after["mla"]["hits"] - before["mla"]["hits"] == 16 + 16
+    assert after["mla"]["queries"] - before["mla"]["queries"] == 16 + 21
+    assert_idle(eng)
+
+
+def test_prompts_shorter_than_one_block(mild_model):
+    model = mild_model
+    eng, log = logged_engine(model, block_size=8, snapshot_interval=8)
+    a = prompts_of((5,), seed=2)[0]
+    check_hit(model, eng, log, a, 0)
+    check_hit(model, eng, log, a, 5)
+    check_hit(model, eng, log, a + [1, 2, 3, 4, 5, 6], 5)  # tail latents copied into a private block
+    check_hit(model, eng, log, a[:3] + [9, 9], 0)  # diverges inside the first block: no snapshot fits
+    assert_idle(eng)
+
+
+def test_diverging_mid_block_resumes_at_deepest_snapshot(mild_model):
+    model = mild_model
+    # interval 16 with blocks of 8: the MLA match can be deeper than the deepest snapshot
+    eng, log = logged_engine(model, block_size=8, snapshot_interval=16)
+    a = prompts_of((40,), seed=3)[0]
+    check_hit(model, eng, log, a, 0)  # snapshots at 16, 32 (interval) and 40 (prompt end)
+    check_hit(model, eng, log, a[:37] + [1, 2, 3], 32)  # MLA matches 4 blocks; snapshot at 32
+    check_hit(model, eng, log, a[:28] + [4, 5, 6, 7], 16)  # MLA matches 3 blocks; deepest snapshot 16
+    check_hit(model, eng, log, a[:13] + [4, 5, 6, 7], 0)  # MLA matches 1 block; no snapshot <= 8
+    s = eng.stats()["prefix_cache"]
+    assert s["kda"]["hit_tokens"] == 32 + 16 and s["kda"]["hits"] == 2
+    assert_idle(eng)
+
+
+def test_multi_turn_resumes_from_sequence_end(mild_model):
+    model = mild_model
+    eng, log = logged_engine(model, block_size=8, snapshot_interval=64)
+    turn1 = prompts_of((11,), seed=4)[0]
+    out1 = check_hit(model, eng, log, turn1, 0, n=5)
+    # the last sampled token was never fed: the sequence-end state covers 11 + 5 - 1 tokens
+    check_hit(model, eng, log, turn1 + out1 + [3, 1, 4], 11 + 5 - 1)
+    assert_idle(eng)
+
+
+def test_concurrent_sharers_and_copy_on_write(mild_model):
+    model = mild_model
+    eng, log = logged_engine(model, block_size=4, snapshot_interval=4, prefill_chunk=6)
+    base = prompts_of((18,), seed=6)[0]
+    run(eng, [(base, greedy(1))])
+    prompts = [base + [1, 2], base + [3], base[:14] + [5, 6, 7], base]
+    res = run(eng, [(p, greedy(N_NEW)) for p in prompts])
+    for (rid, r), p in zip(res.items(), prompts):
+        ref_toks, _, ref = cold(model, p)
+        assert r["tokens"] == ref_toks
+        assert_close(torch.stack(log[rid]), ref, atol=1e-5, what="logits of a concurrent sharer")
+    assert [r["outputs"][-1].usage.cached_tokens for r in res.values()] == [18, 18, 12, 18]
+    assert_idle(eng)
+
+
+def evict_block(pool, block: int) -> None:
+    """Drive the pool's own eviction path until ``block`` (cached, unreferenced) is evicted."""
+    pool._evictable.move_to_end(block, last=False)  # make it the LRU victim
+    taken = []
+    while block in pool.key_of:
+        pool.reserve(1)
+        taken.append(pool.allocate())
+    for b in taken:
+        pool.decref(b)
+
+
+def test_eviction_under_pool_pressure(mild_model):
+    model = mild_model
+    cfg = model.config
+    L = 8
+    snap_b = snapshot_bytes(cfg, L, torch.float32)
+    slot_b = kda_state_bytes(cfg, torch.float32)["total"]
+    block_b = L * kv_bytes_per_token(cfg, torch.float32)
+    # 3 snapshots, 1 slot, 17 blocks: a few prompts are enough to evict from both pools
+    memory = 3 * snap_b + slot_b + 17 * block_b
+    eng, log = logged_engine(model, block_size=L, snapshot_interval=8, max_num_seqs=4, cache_memory=memory,
+                             snapshot_fraction=3 * snap_b / memory + 1e-9)
+    assert (eng.layout.num_snapshots, eng.layout.num_slots, eng.layout.num_blocks) == (3, 1, 17)
+    a = prompts_of((24,), seed=7)[0]
+    check_hit(model, eng, log, a, 0)
+    check_hit(model, eng, log, a, 24)
+    for p in prompts_of((30, 30, 30, 30), seed=8):
+        check_hit(model, eng, log, p, 0)
+    s = eng.stats()
+    assert s["kda_snapshots"]["evictions"] > 0 and s["mla_blocks"]["evictions"] > 0
+    check_hit(model, eng, log, a, 0)  # every trace of `a` is gone: a miss, still exact
+    # blocks evicted while snapshots survive: the hit shrinks to the deepest snapshot below the
+    # MLA match, never beyond it
+    b = prompts_of((16,), seed=9)[0]
+    check_hit(model, eng, log, b, 0)
+    keys = []
+    extend_keys(keys, b, L)
+    evict_block(eng.blocks, eng.blocks.lookup(keys[1]))
+    assert eng.snapshots.get(keys[1]) is not None  # the 16-token snapshot is still stored
+    check_hit(model, eng, log, b + [1], 8)
+    evict_block(eng.blocks, eng.blocks.lookup(keys[0]))
+    check_hit(model, eng, log, b + [2], 0)
+    assert_idle(eng)
