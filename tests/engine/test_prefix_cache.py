@@ -150,3 +150,21 @@ def test_eviction_under_pool_pressure(mild_model):
     evict_block(eng.blocks, eng.blocks.lookup(keys[0]))
     check_hit(model, eng, log, b + [2], 0)
     assert_idle(eng)
+
+
+def test_the_logits_gate_detects_a_wrong_kda_state(mild_model):
+    """Negative control: the comparison above would catch a snapshot that restores the wrong state
+    (sglang #31474) — perturbing the stored recurrent state or conv tails moves the logits by far
+    more than 1e-5."""
+    model = mild_model
+    a = prompts_of((16,), seed=12)[0]
+    ext = a + [7, 8, 9]
+    ref = cold(model, ext)[2]
+    for part in ("recurrent", "conv"):
+        eng, log = logged_engine(model, block_size=8, snapshot_interval=8)
+        generate(eng, log, a, 1)
+        stored = getattr(eng.snapshots, part)
+        stored.add_(1e-3 * torch.randn_like(stored))
+        _, cached, logits = generate(eng, log, ext)
+        assert cached == 16
+        assert (logits - ref).abs().max() > 1e-4, part

@@ -164,12 +164,16 @@ def _train(qat: str | None, steps: int = 40) -> list[float]:
     net = _TinyMoELM(cfg)
     model_qat(net, qat)
     data = torch.Generator().manual_seed(5)
-    perm = torch.randperm(64, generator=data)  # synthetic next-token task: y = perm[x]
+    perm = torch.randperm(64, generator=data)
     opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
     losses = []
     for _ in range(steps):
+        # synthetic next-token task: y = perm[x] with prob. 0.6, else uniform noise, so the loss has a
+        # floor of ~2.2 nats (entropy of the label noise) and the two runs are compared away from 0
         x = torch.randint(0, 64, (8, 16), generator=data)
-        loss = nn.functional.cross_entropy(net(x).flatten(0, 1), perm[x].flatten())
+        noise = torch.rand(x.shape, generator=data) < 0.4
+        y = torch.where(noise, torch.randint(0, 64, x.shape, generator=data), perm[x])
+        loss = nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -181,6 +185,6 @@ def _train(qat: str | None, steps: int = 40) -> list[float]:
 def test_short_sgd_run_with_qat_learns_like_fp32():
     base, qat = _train(None), _train("mxfp4")
     first, end_base, end_qat = base[0], sum(base[-5:]) / 5, sum(qat[-5:]) / 5
-    assert end_base < 0.5 * first and end_qat < 0.5 * first  # both really learned
+    assert end_base < 0.65 * first and end_qat < 0.65 * first  # both really learned (ln 64 -> ~2.4)
     assert abs(end_qat - end_base) <= 0.05 * end_base, (end_base, end_qat)
     assert base != qat  # QAT was really on

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-BIAS_FAVOURED = 8.0   # printable ASCII, markers, tag names
-BIAS_CLOSER = 12.0    # <|close|>, <|sep|>, '"', '}', ']': short channels, tags, strings and objects
+BIAS_FAVOURED = 8.0   # printable ASCII tokens (+0.75 per extra character), <|open|>
+BIAS_CLOSER = 15.0    # <|close|>, <|sep|>, '"', '}', ']': short channels, tags, strings and objects
 EMBED_CONST = 40.0
 
 
@@ -42,6 +42,9 @@ def train_tokenizer(directory: Path):
     corpus += ['{"city": "Paris", "unit": "celsius", "answer": 42, "ok": true}'] * 40
     corpus += [f"message role user assistant system tool think response tools call argument json {i}"
                for i in range(100)]
+    # the XTML tag texts the grammar forces, so that tool calls take few tokens
+    corpus += ['message role="assistant" think response tools call tool="get_weather" index="1" argument key="city" '
+               'type="string" type="number" type="object" json type="array" get_time'] * 60
     corpus += ["thinking_effort guides on how much to think in your thinking channel. Here are the available "
                "tools, described in JSONSchema. The system is invoked with response_format=json_object."] * 20
     bpe.train_from_iterator(corpus, trainer)
@@ -50,12 +53,9 @@ def train_tokenizer(directory: Path):
 
 
 def favoured_ids(tok) -> tuple[list[int], list[int]]:
-    """(favoured, closers): single-token printable ASCII / tag names / markers, and the closers."""
-    favoured: set[int] = set()
-    for c in [chr(i) for i in range(32, 127)] + ["think", "response", "message", "tools", "call"]:
-        ids = tok.encode_text(c)
-        if len(ids) == 1:
-            favoured.add(ids[0])
+    """(favoured, closers): every token spelling printable ASCII, ``<|open|>``; and the closers."""
+    favoured = {i for i in range(tok.vocab_size) if i not in tok.special_ids
+                and all(32 <= b < 127 for b in tok.decode_bytes([i]))}
     favoured.add(tok.open_id)
     closers = {tok.close_id, tok.sep_id} | {tok.encode_text(c)[0] for c in '"}]'}
     return sorted(favoured - closers), sorted(closers)
@@ -67,7 +67,8 @@ def steer(model, tok) -> None:
     favoured, closers = favoured_ids(tok)
     model.model.embed_tokens.weight[:, 0] = EMBED_CONST
     bias = torch.zeros(model.config.vocab_size)
-    bias[favoured] = BIAS_FAVOURED
+    for i in favoured:  # longer tokens a little more: grammar-forced tag text then takes few tokens
+        bias[i] = min(BIAS_FAVOURED + 0.75 * (len(tok.decode_bytes([i])) - 1), BIAS_CLOSER - 1)
     bias[closers] = BIAS_CLOSER
     h0 = model.config.hidden_size ** 0.5  # RMS-normalised state concentrated in one dimension
     model.lm_head.weight[:, 0] = bias / h0
