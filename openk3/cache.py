@@ -49,6 +49,7 @@ class KDALayerState:
 
     @classmethod
     def zeros(cls, config: K3Config, batch: int, device=None, dtype=torch.float32) -> "KDALayerState":
+        """Zero state/cache for ``batch`` rows (conv in ``dtype``, recurrent fp32) on ``device``."""
         P, W = config.linear_proj_dim, config.linear_conv_kernel_dim
         H, K = config.linear_num_heads, config.linear_head_dim
         return cls(
@@ -57,6 +58,7 @@ class KDALayerState:
         )
 
     def index_select(self, rows: torch.Tensor) -> "KDALayerState":
+        """The rows ``rows`` [B'] as a new state (copies)."""
         return KDALayerState(self.conv[rows], self.recurrent[rows])
 
     def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
@@ -82,10 +84,12 @@ class SlotKDAState:
 
     @property
     def conv(self) -> torch.Tensor:
+        """[B, 3, P, W-1] gathered pre-conv tails of rows ``slots``."""
         return self.conv_pool.index_select(0, self.slots)
 
     @property
     def recurrent(self) -> torch.Tensor:
+        """[B, H, K, V] fp32 gathered recurrent states of rows ``slots``."""
         return self.recurrent_pool.index_select(0, self.slots)
 
     def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
@@ -110,6 +114,7 @@ class MLALayerCache:
 
     @classmethod
     def zeros(cls, config: K3Config, batch: int, capacity: int, device=None, dtype=torch.float32) -> "MLALayerCache":
+        """Zero latent [B, S, C] and k_rope [B, S, R] in ``dtype`` on ``device`` (S = ``capacity``)."""
         return cls(
             latent=torch.zeros(batch, capacity, config.kv_lora_rank, device=device, dtype=dtype),
             k_rope=torch.zeros(batch, capacity, config.qk_rope_head_dim, device=device, dtype=dtype),
@@ -117,10 +122,12 @@ class MLALayerCache:
 
     @property
     def capacity(self) -> int:
+        """Tokens per row the cache can hold."""
         return self.latent.shape[1]
 
     @property
     def batch_size(self) -> int:
+        """Rows B."""
         return self.latent.shape[0]
 
     def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
@@ -153,14 +160,17 @@ class PagedMLACache:
 
     @property
     def block_size(self) -> int:
+        """Tokens per block L."""
         return self.latent_pool.shape[1]
 
     @property
     def capacity(self) -> int:
+        """Tokens per row the cache can hold."""
         return self.block_tables.shape[1] * self.block_size
 
     @property
     def batch_size(self) -> int:
+        """Rows B."""
         return self.block_tables.shape[0]
 
     def _flat_index(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -208,4 +218,5 @@ class HybridCache:
 
     @property
     def batch_size(self) -> int:
+        """Rows B."""
         return int(self.lengths.shape[0])

@@ -68,6 +68,12 @@ def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
     return cli_train_tokenizer(args)
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from openk3.train.trainer import cli_train
+
+    return cli_train(args)
+
+
 def _bytes(text: str) -> int:
     """``8G``, ``512M``, ``1.5GiB`` or plain bytes -> int (for --cache-memory)."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
@@ -76,6 +82,57 @@ def _bytes(text: str) -> int:
         return int(float(t[:-1] if scale > 1 else t) * scale)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 8G, 512M)") from None
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from openk3.config import K3Config
+    from openk3.engine.planner import format_plan, plan
+
+    source = args.path or args.config
+    if source is None:
+        print("openk3 plan: give a checkpoint directory or --config PRESET", file=sys.stderr)
+        return 2
+    try:
+        config = K3Config.from_pretrained(source)
+        p = plan(config, args.gpus, args.context or config.max_position_embeddings, gpu_util=args.gpu_util)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"openk3 plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"source": str(source), **asdict(p)}, indent=2) if args.json else format_plan(p, str(source)))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from openk3.engine import Engine, EngineConfig, SamplingParams
+    from openk3.pretrained import load_pretrained
+    from openk3.tokenizer import IncrementalDecoder, load_tokenizer
+
+    try:
+        tok = load_tokenizer(args.tokenizer or args.path)
+        model = load_pretrained(args.path, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+        engine = Engine(model, EngineConfig(max_num_seqs=1, enable_prefix_cache=False), detokenize=tok.decode)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop_token_ids=list(tok.stop_token_ids))
+        engine.add_request(tok.encode_text(args.prompt), params)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"openk3 generate: {e}", file=sys.stderr)
+        return 2
+    decoder = IncrementalDecoder(tok)
+    usage = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(decoder.feed(out.new_token_ids))
+            sys.stdout.flush()
+            if out.finished:
+                usage, reason = out.usage, out.finish_reason
+    sys.stdout.write(decoder.flush() + "\n")
+    if usage is not None:
+        print(f"[{reason}: {usage.prompt_tokens} prompt + {usage.completion_tokens} generated tokens]", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +144,28 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--config", help="preset name or config.json path, e.g. kimi-k3")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
+
+    pl = sub.add_parser("plan", help="memory plan: weights by format, cache bytes, sequences that fit")
+    pl.add_argument("path", nargs="?", help="checkpoint directory (or preset name)")
+    pl.add_argument("--config", help="preset name or config.json path, e.g. kimi-k3")
+    pl.add_argument("--gpus", default="8xH200", help="COUNTxTYPE (e.g. 8xH200, 16xB300) or COUNTxSIZE (8x141GB)")
+    pl.add_argument("--context", type=int, help="tokens per sequence (default: max_position_embeddings)")
+    pl.add_argument("--gpu-util", type=float, default=0.9, help="usable fraction of GPU memory (default 0.9)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=_cmd_plan)
+
+    gen = sub.add_parser("generate", help="raw text completion from a checkpoint, streamed")
+    gen.add_argument("path", help="checkpoint directory")
+    gen.add_argument("--prompt", required=True, help="raw prompt text (no chat format)")
+    gen.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: as stored)")
+    gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="Kimi-compatible API server (OpenAI + Anthropic surfaces)")
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the shipped default model)")
@@ -133,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer.add_argument("--min-frequency", type=int, default=2, help="minimum pair count to merge (default 2)")
     tokenizer.add_argument("--max-mb", type=float, help="train on at most this many MB of text")
     tokenizer.set_defaults(func=_cmd_train_tokenizer)
+
+    train = sub.add_parser("train", help="train a model with a recipe (resumable; JSONL metrics, PNG plot)")
+    train.add_argument("--recipe", help="registered recipe name (see --list) or module:function")
+    train.add_argument("--out", help="output directory (default runs/RECIPE)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    train.add_argument("--max-steps", type=int, help="stop after this many completed steps (schedule unchanged)")
+    train.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                       help="override a RunConfig field, e.g. --set lr=0.01 --set total_steps=50 (JSON values)")
+    train.add_argument("--threads", type=int, help="torch CPU threads")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--list", action="store_true", help="list the registered recipes and exit")
+    train.set_defaults(func=_cmd_train)
     return p
 
 

@@ -255,6 +255,7 @@ class Engine:
             self.abort(rid)
 
     def has_unfinished(self) -> bool:
+        """True while any request is queued, running, or has an output not yet returned by step()."""
         return bool(self._requests or self._pending)
 
     # ------------------------------------------------------------------ step

@@ -46,6 +46,7 @@ class CacheLayout:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all three pools."""
         return (self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
                 + self.num_snapshots * self.snapshot_bytes)
 
@@ -105,14 +106,17 @@ class MLABlockPool:
     # counters
     @property
     def num_free(self) -> int:
+        """Entries neither in use nor cached."""
         return len(self._free)
 
     @property
     def num_evictable(self) -> int:
+        """Cached blocks no request references (reusable, LRU order)."""
         return len(self._evictable)
 
     @property
     def num_used(self) -> int:
+        """Entries in use (blocks: referenced by a request; snapshots: stored)."""
         return self.num_blocks - self.num_free - self.num_evictable
 
     @property
@@ -122,6 +126,7 @@ class MLABlockPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pool's tensors."""
         return self.latent.nbytes + self.k_rope.nbytes
 
     # reservations (admission control)
@@ -132,6 +137,7 @@ class MLABlockPool:
         self.reserved += n
 
     def unreserve(self, n: int) -> None:
+        """Give back ``n`` reserved, never-allocated blocks."""
         self.reserved -= n
 
     # blocks
@@ -150,11 +156,13 @@ class MLABlockPool:
         return b
 
     def incref(self, b: int) -> None:
+        """Add a reference to block ``b`` (taking it out of the evictable set)."""
         if self.refcount[b] == 0:
             del self._evictable[b]
         self.refcount[b] += 1
 
     def decref(self, b: int) -> None:
+        """Drop a reference; at zero the block becomes evictable if published, else free."""
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
             if b in self.key_of:
@@ -171,6 +179,7 @@ class MLABlockPool:
         return True
 
     def lookup(self, key: bytes) -> int | None:
+        """The block published under ``key``, or None."""
         return self.block_of.get(key)
 
 
@@ -192,9 +201,11 @@ class KDAStatePool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pool's tensors."""
         return self.conv.nbytes + self.recurrent.nbytes
 
     def zero_(self, i: int) -> None:
+        """Zero row ``i`` (all KDA layers)."""
         self.conv[:, i].zero_()
         self.recurrent[:, i].zero_()
 
@@ -213,10 +224,12 @@ class SlotPool(KDAStatePool):
 
     @property
     def num_free(self) -> int:
+        """Entries neither in use nor cached."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Entries in use (blocks: referenced by a request; snapshots: stored)."""
         return self.n - len(self._free)
 
     def allocate(self) -> int:
@@ -228,6 +241,7 @@ class SlotPool(KDAStatePool):
         return s
 
     def release(self, s: int) -> None:
+        """Return slot ``s`` to the free list."""
         self._free.append(s)
 
 
@@ -266,14 +280,17 @@ class SnapshotPool(KDAStatePool):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pool's tensors."""
         return super().nbytes + self.tail_latent.nbytes + self.tail_k_rope.nbytes + self.logits.nbytes
 
     @property
     def num_used(self) -> int:
+        """Entries in use (blocks: referenced by a request; snapshots: stored)."""
         return len(self._index)
 
     @property
     def num_free(self) -> int:
+        """Entries neither in use nor cached."""
         return self.n - len(self._index)
 
     def get(self, key: bytes, touch: bool = False) -> Snapshot | None:

@@ -89,15 +89,22 @@ def weight_bytes(config: K3Config) -> dict:
     """
     from openk3.model import K3ForCausalLM
 
-    with torch.device("meta"):
-        model = K3ForCausalLM(config)
-    params = {"mxfp4": 0, "bf16": 0}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        params["mxfp4" if ".block_sparse_moe.experts." in name else "bf16"] += t.numel()
+    key = repr(config)
+    if key not in _WEIGHT_CACHE:  # building the full config on meta takes seconds
+        with torch.device("meta"):
+            model = K3ForCausalLM(config)
+        params = {"mxfp4": 0, "bf16": 0}
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            params["mxfp4" if ".block_sparse_moe.experts." in name else "bf16"] += t.numel()
+        _WEIGHT_CACHE[key] = params
+    params = dict(_WEIGHT_CACHE[key])
     out = {"mxfp4": int(params["mxfp4"] * MXFP4_BITS / 8), "bf16": params["bf16"] * 2}
     out["total"] = sum(out.values())
     out["params"] = params
     return out
+
+
+_WEIGHT_CACHE: dict[str, dict] = {}
 
 
 def parse_gpus(spec: str) -> tuple[int, str, float]:

@@ -202,6 +202,7 @@ class PrefixCache:
             snap.has_logits = True
 
     def stats(self) -> dict:
+        """Hit/query counters per pool: MLA in tokens, KDA in requests and hit tokens."""
         c = self.counters
         return {
             "enabled": self.enabled,

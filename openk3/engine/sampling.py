@@ -69,6 +69,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when ``temperature == 0`` (argmax, no generator needed)."""
         return self.temperature == 0
 
 

@@ -70,6 +70,7 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
+        """True until every prompt token is computed."""
         return self.num_computed < len(self.prompt)
 
 

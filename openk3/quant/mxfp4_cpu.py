@@ -41,7 +41,7 @@ _C_SOURCE = r"""
 #define K3_X86 1
 #endif
 
-#define MAXM 8  /* tokens per pass: 8 accumulators + 4 weight vectors fit the 16 ymm registers */
+#define MAXM 8  /* token tile of the scalar loop */
 #define GRAIN 262144  /* weights per thread (128 KiB packed) below which a call stays single-threaded */
 
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
@@ -78,65 +78,107 @@ static void row_scalar(const uint8_t* p, const uint8_t* sc, int64_t nb, const fl
 }
 
 #ifdef K3_X86
-__attribute__((target("avx2,fma"))) static inline __m256 dec8(__m256i c, __m256 lut, __m256 s) {
+/* The SIMD rows take a compile-time token count M (1, 2 or 4) so that the M x 4 accumulators live in
+   registers; 4 independent FMA chains per token keep a single-token (decode) row from being bound by
+   FMA latency. */
+#define K3_512 __attribute__((target("avx512f"), always_inline)) static inline
+#define K3_256 __attribute__((target("avx2,fma"), always_inline)) static inline
+#define ROW_ARGS const uint8_t *p, const uint8_t *sc, int64_t nb, const float *xp, int64_t K, float *y, int64_t ldy
+
+/* AVX-512: all 16 signed E2M1 values fit one register; one vpermps decodes 16 codes. A block's 16
+   bytes give wl (low nibbles: even elements) and wh (high nibbles: odd elements). */
+K3_512 void row512(ROW_ARGS, const int M) {
+    const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+    const __m512i low4 = _mm512_set1_epi32(15);
+    __m512 acc[4][4];
+    for (int t = 0; t < M; ++t)
+        for (int c = 0; c < 4; ++c) acc[t][c] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) { /* two blocks per step: chains 0,1 for block b, 2,3 for b+1 */
+        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * b)));
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * b + 16)));
+        __m512 s0 = _mm512_set1_ps(SCALE[sc[b]]), s1 = _mm512_set1_ps(SCALE[sc[b + 1]]);
+        __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v0, low4), lut), s0);
+        __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), lut), s0);
+        __m512 w2 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v1, low4), lut), s1);
+        __m512 w3 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), lut), s1);
+        for (int t = 0; t < M; ++t) {
+            const float* xb = xp + t * K + 32 * b;
+            acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[t][1]);
+            acc[t][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xb + 32), acc[t][2]);
+            acc[t][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xb + 48), acc[t][3]);
+        }
+    }
+    if (b < nb) {
+        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * b)));
+        __m512 s0 = _mm512_set1_ps(SCALE[sc[b]]);
+        __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v0, low4), lut), s0);
+        __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), lut), s0);
+        for (int t = 0; t < M; ++t) {
+            const float* xb = xp + t * K + 32 * b;
+            acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[t][1]);
+        }
+    }
+    for (int t = 0; t < M; ++t)
+        y[t * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]),
+                                                        _mm512_add_ps(acc[t][2], acc[t][3])));
+}
+
+/* AVX2: an 8-entry magnitude table per vpermps plus the sign bit xor'ed in. */
+K3_256 __m256 dec8(__m256i c, __m256 lut, __m256 s) {
     __m256 mag = _mm256_permutevar8x32_ps(lut, c); /* uses the low 3 bits: the magnitude index */
     __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
     return _mm256_mul_ps(_mm256_xor_ps(mag, _mm256_castsi256_ps(sign)), s);
 }
 
-__attribute__((target("avx2,fma"))) static float hsum8(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return _mm_cvtss_f32(a);
-}
-
-__attribute__((target("avx2,fma"))) static void row_avx2(const uint8_t* p, const uint8_t* sc, int64_t nb,
-                                                        const float* xp, int64_t K, int64_t m, float* y,
-                                                        int64_t ldy) {
+K3_256 void row256(ROW_ARGS, const int M) {
     const __m256 lut = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
     const __m256i low4 = _mm256_set1_epi32(15);
-    __m256 acc[MAXM];
-    for (int64_t t = 0; t < m; ++t) acc[t] = _mm256_setzero_ps();
+    __m256 acc[2][4];
+    for (int t = 0; t < M; ++t)
+        for (int c = 0; c < 4; ++c) acc[t][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         __m128i by = _mm_loadu_si128((const __m128i*)(p + 16 * b));
         __m256i v0 = _mm256_cvtepu8_epi32(by);
         __m256i v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(by, 8));
         __m256 s = _mm256_set1_ps(SCALE[sc[b]]);
-        __m256 w0 = dec8(_mm256_and_si256(v0, low4), lut, s); /* elements 0,2,..,14 */
-        __m256 w1 = dec8(_mm256_and_si256(v1, low4), lut, s); /* 16,18,..,30 */
-        __m256 w2 = dec8(_mm256_srli_epi32(v0, 4), lut, s);   /* 1,3,..,15 */
-        __m256 w3 = dec8(_mm256_srli_epi32(v1, 4), lut, s);   /* 17,..,31 */
-        for (int64_t t = 0; t < m; ++t) {
-            const float* xb = xp + t * K + 32 * b;
-            __m256 a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[t]);
-            a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), a);
-            a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), a);
-            acc[t] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), a);
-        }
+        __m256 w[4] = {dec8(_mm256_and_si256(v0, low4), lut, s),  /* elements 0,2,..,14 */
+                       dec8(_mm256_and_si256(v1, low4), lut, s),  /* 16,18,..,30 */
+                       dec8(_mm256_srli_epi32(v0, 4), lut, s),    /* 1,3,..,15 */
+                       dec8(_mm256_srli_epi32(v1, 4), lut, s)};   /* 17,..,31 */
+        for (int t = 0; t < M; ++t)
+            for (int c = 0; c < 4; ++c)
+                acc[t][c] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(xp + t * K + 32 * b + 8 * c), acc[t][c]);
     }
-    for (int64_t t = 0; t < m; ++t) y[t * ldy] = hsum8(acc[t]);
+    for (int t = 0; t < M; ++t) {
+        __m256 v = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), _mm256_add_ps(acc[t][2], acc[t][3]));
+        __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+        a = _mm_add_ss(a, _mm_movehdup_ps(a));
+        y[t * ldy] = _mm_cvtss_f32(a);
+    }
 }
-__attribute__((target("avx512f"))) static void row_avx512(const uint8_t* p, const uint8_t* sc, int64_t nb,
-                                                           const float* xp, int64_t K, int64_t m, float* y,
-                                                           int64_t ldy) {
-    /* all 16 signed E2M1 values fit one register: vpermps decodes 16 codes at once */
-    const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                      -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
-    const __m512i low4 = _mm512_set1_epi32(15);
-    __m512 acc[MAXM];
-    for (int64_t t = 0; t < m; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * b)));
-        __m512 s = _mm512_set1_ps(SCALE[sc[b]]);
-        __m512 wl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, low4), lut), s); /* even elements */
-        __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), s);   /* odd elements */
-        for (int64_t t = 0; t < m; ++t) {
-            const float* xb = xp + t * K + 32 * b;
-            acc[t] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xb + 16), _mm512_fmadd_ps(wl, _mm512_loadu_ps(xb), acc[t]));
-        }
+
+__attribute__((target("avx512f"))) static void row512_1(ROW_ARGS) { row512(p, sc, nb, xp, K, y, ldy, 1); }
+__attribute__((target("avx512f"))) static void row512_2(ROW_ARGS) { row512(p, sc, nb, xp, K, y, ldy, 2); }
+__attribute__((target("avx512f"))) static void row512_4(ROW_ARGS) { row512(p, sc, nb, xp, K, y, ldy, 4); }
+__attribute__((target("avx2,fma"))) static void row256_1(ROW_ARGS) { row256(p, sc, nb, xp, K, y, ldy, 1); }
+__attribute__((target("avx2,fma"))) static void row256_2(ROW_ARGS) { row256(p, sc, nb, xp, K, y, ldy, 2); }
+
+/* m tokens of one output row, in register tiles of 4 / 2 / 1 tokens. */
+static void rows_simd(int level, const uint8_t* p, const uint8_t* sc, int64_t nb, const float* xp, int64_t K,
+                      int64_t m, float* y, int64_t ldy) {
+    while (m > 0) {
+        int step = m >= 4 && level == 2 ? 4 : (m >= 2 ? 2 : 1);
+        if (level == 2) (step == 4 ? row512_4 : step == 2 ? row512_2 : row512_1)(p, sc, nb, xp, K, y, ldy);
+        else (step == 2 ? row256_2 : row256_1)(p, sc, nb, xp, K, y, ldy);
+        xp += step * K;
+        y += step * ldy;
+        m -= step;
     }
-    for (int64_t t = 0; t < m; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
 }
 #endif
 
@@ -178,13 +220,15 @@ int openk3_mxfp4_grouped_gemm(const float* xp, const int64_t* offs, int64_t E, c
         const int64_t e = active[it / O], o = it % O;
         const uint8_t* p = packed + (e * O + o) * (K / 2);
         const uint8_t* sc = scales + (e * O + o) * nb;
+#ifdef K3_X86
+        if (level > 0) {
+            rows_simd(level, p, sc, nb, xp + offs[e] * K, K, offs[e + 1] - offs[e], y + offs[e] * O + o, O);
+            continue;
+        }
+#endif
         for (int64_t r = offs[e]; r < offs[e + 1]; r += MAXM) {
             int64_t m = offs[e + 1] - r;
             if (m > MAXM) m = MAXM;
-#ifdef K3_X86
-            if (level == 2) { row_avx512(p, sc, nb, xp + r * K, K, m, y + r * O + o, O); continue; }
-            if (level == 1) { row_avx2(p, sc, nb, xp + r * K, K, m, y + r * O + o, O); continue; }
-#endif
             row_scalar(p, sc, nb, xp + r * K, K, m, y + r * O + o, O);
         }
     }

@@ -18,6 +18,7 @@ sources (:data:`DEBIAN_SOURCES`, :data:`PYPI_DISTRIBUTIONS`) with their licences
 from __future__ import annotations
 
 import ast
+import fnmatch
 import os
 import re
 import shutil
@@ -32,7 +33,7 @@ from typing import Any
 PERMISSIVE_LICENCES = frozenset({
     "MIT", "MIT-CMU", "X11", "BSD", "BSD-2-Clause", "BSD-3-Clause", "0BSD", "ISC", "Apache-2.0", "PSF-2.0",
     "Python-2.0", "CNRI-Python", "Zlib", "BSL-1.0", "PostgreSQL", "Unlicense", "CC0-1.0", "CC-BY-3.0",
-    "CC-BY-4.0", "public-domain", "LLVM-exception",
+    "CC-BY-4.0", "public-domain",
 })
 _LICENCE_ALIASES = {
     "mit license": "MIT", "the mit license": "MIT", "bsd license": "BSD", "new bsd license": "BSD-3-Clause",
@@ -315,12 +316,17 @@ def distribution_licence(dist: Any) -> str:
     return "UNKNOWN"
 
 
+_SKIP_DIRS = frozenset({"tests", "test", "testing", "_tests", "_vendor", "vendor", "vendored", "benchmarks",
+                        "examples"})  # test suites, benchmarks and third-party code inside wheels
+
+
 def pypi_source(distribution: str, *, max_bytes: int | None = None, skip: Iterable[str] = ()) -> Source:
     """An installed PyPI distribution: its README (wheel metadata description) and the docstrings of
-    its ``.py`` files (test, benchmark and vendored directories skipped, plus `skip` globs).
+    its ``.py`` files (directories named in ``_SKIP_DIRS`` skipped: tests, benchmarks, vendored
+    third-party code; plus paths matching the `skip` globs).
 
     Raises:
-        ValueError: the distribution is not installed (when the source is built).
+        ValueError: the distribution is not installed.
     """
     from importlib import metadata
 
@@ -329,8 +335,7 @@ def pypi_source(distribution: str, *, max_bytes: int | None = None, skip: Iterab
     except metadata.PackageNotFoundError:
         raise ValueError(f"pypi_source: distribution {distribution!r} is not installed") from None
     licence = distribution_licence(dist)
-    skip = tuple(skip) + ("*/tests/*", "*/test/*", "*/testing/*", "*/_vendor/*", "*/vendored/*",
-                          "*/benchmarks/*", "*/_tests/*")
+    skip = tuple(skip)
     name = f"pypi:{dist.metadata['Name']}"
 
     def documents() -> Iterator[Document]:
@@ -340,7 +345,7 @@ def pypi_source(distribution: str, *, max_bytes: int | None = None, skip: Iterab
         files = sorted((f for f in (dist.files or []) if f.suffix == ".py"), key=lambda f: f.as_posix())
         for f in files:
             rel = f.as_posix()
-            if any(Path("/" + rel).match(s) for s in skip) or "/tests/" in f"/{rel}":
+            if _SKIP_DIRS.intersection(f.parts[:-1]) or any(fnmatch.fnmatch(rel, g) for g in skip):
                 continue
             path = Path(dist.locate_file(f))
             try:

@@ -13,12 +13,14 @@ document, however the documents are packed or cut.
 
 :class:`PackedLoader` fills rows of ``T`` tokens with documents in a seeded per-epoch order. Each
 document (piece) is one segment of ``cu_seqlens``: the model resets the KDA state and restricts MLA
-attention at every boundary (``K3ForCausalLM.forward(..., cu_seqlens=...)``; architecture.md §7 /
-issue 6: packing without leakage). Two packing modes: ``split_documents=True`` (pretraining) cuts
-documents at row ends and continues them in the next row, wasting nothing; ``False`` (SFT) starts a
-document that does not fit on a new row and pads the rest (documents longer than a row are still cut).
-The position in the stream is ``(epoch, cursor, offset)`` — serialisable with :meth:`PackedLoader.state_dict`;
-restoring it continues with exactly the batches an uninterrupted run would produce.
+attention at every boundary (``K3ForCausalLM.forward(..., cu_seqlens=...)``; architecture.md §3.4,
+§3.6; issue 6: no leakage across documents). Two packing modes: ``split_documents=True``
+(pretraining) cuts documents at row ends and continues them in the next row, wasting nothing; the
+last position of a cut piece keeps its target, which is the next token *of the same document*
+(served at the start of the next row). ``False`` (SFT) starts a document that does not fit on a new
+row and pads the rest (documents longer than a row are still cut). The stream position is
+``(epoch, cursor, offset)``, serialisable with :meth:`PackedLoader.state_dict`; restoring it
+continues with exactly the batches an uninterrupted run would produce.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ eval and checkpoint cadence. A DataSource has ``next_batch() -> {"input_ids" [1,
 
 Built in:
 
-* ``smoke``: ``k3-test-tiny`` (every K3 branch) on :class:`SyntheticText`, 300 steps of 256
-  tokens; trains on 2 CPU cores in well under a minute. Its data is generated, not read, so it
-  runs on any machine and in CI.
+* ``smoke``: ``k3-test-tiny`` (every K3 branch) on a synthetic byte-level corpus
+  (:func:`synthetic_document`, packed by :class:`~openk3.train.data.PackedLoader`); its data is
+  generated, not read, so it runs on any machine and in CI.
 """
 
 from __future__ import annotations
@@ -63,66 +63,30 @@ def synthetic_entropy_per_sentence() -> float:
             + math.log(2) + 0.5 * math.log(len(_PLACE)))
 
 
-class SyntheticText:
-    """A packed byte-level token stream of :func:`synthetic_document` documents.
+def synthetic_store(seed: int, num_docs: int, bos: int, eos: int):
+    """A :class:`~openk3.train.data.DocumentStore` of ``num_docs`` synthetic documents as
+    byte-level tokens: ``bos``, the UTF-8 bytes (0-255), ``eos``; every next token is a target."""
+    from openk3.train.data import DocumentStore, document_from_ids
 
-    Tokens: UTF-8 bytes (0-255), ``bos`` before and ``eos`` after each document. Rows of
-    ``seq_len`` tokens are filled with consecutive documents; a document cut at the end of a row
-    continues at the start of the next as its own segment. ``cu_seqlens`` marks the segments;
-    each segment's last position has label -100 (its next token belongs to another segment), so
-    no loss or state crosses a boundary.
-
-    The position state is ``{"doc": index, "offset": tokens of it already emitted}``.
-
-    Args:
-        seq_len: T tokens per micro-batch. seed: corpus seed. bos, eos: token ids (< vocab).
-    Raises:
-        ValueError: ``seq_len`` < 2.
-    """
-
-    def __init__(self, seq_len: int, seed: int = 0, bos: int = 256, eos: int = 258) -> None:
-        if seq_len < 2:
-            raise ValueError(f"seq_len={seq_len!r}: must be >= 2")
-        self.seq_len, self.seed, self.bos, self.eos = seq_len, seed, bos, eos
-        self.doc, self.offset = 0, 0
-
-    def _tokens(self, index: int) -> list[int]:
-        return [self.bos, *synthetic_document(self.seed, index).encode("utf-8"), self.eos]
-
-    def next_batch(self) -> dict:
-        """One micro-batch: ``input_ids`` [1, T], ``labels`` [1, T] int64, ``cu_seqlens`` [N+1] int32."""
-        ids: list[int] = []
-        labels: list[int] = []
-        cu = [0]
-        while len(ids) < self.seq_len:
-            doc = self._tokens(self.doc)
-            take = doc[self.offset:self.offset + self.seq_len - len(ids)]
-            ids += take
-            labels += take[1:] + [-100]
-            cu.append(len(ids))
-            self.offset += len(take)
-            if self.offset >= len(doc):
-                self.doc, self.offset = self.doc + 1, 0
-        return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
-                "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
-
-    def state_dict(self) -> dict:
-        return {"doc": self.doc, "offset": self.offset, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Raises ValueError if the state belongs to another corpus seed."""
-        if state.get("seed") != self.seed:
-            raise ValueError(f"data state: seed {state.get('seed')!r} != {self.seed}")
-        self.doc, self.offset = int(state["doc"]), int(state["offset"])
+    return DocumentStore.from_documents(
+        document_from_ids([bos, *synthetic_document(seed, i).encode("utf-8"), eos]) for i in range(num_docs))
 
 
-def synthetic_data(run: "RunConfig", split: str) -> SyntheticText:
-    """Data factory of :class:`SyntheticText`: the eval split is a different corpus seed."""
+def synthetic_data(run: "RunConfig", split: str):
+    """Data factory over :func:`synthetic_store`: a shuffled, endless
+    :class:`~openk3.train.data.PackedLoader` for "train" (corpus seed ``run.seed``,
+    ``run.extra["num_docs"]`` documents, default 4000), and a fixed, unshuffled held-out corpus
+    (another seed, 200 documents) for "eval"."""
+    from openk3.train.data import PackedLoader
+
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     cfg = run.model_config()
-    return SyntheticText(run.seq_len, seed=run.seed if split == "train" else run.seed + 7919,
-                         bos=cfg.bos_token_id, eos=cfg.eos_token_id)
+    if split == "train":
+        store = synthetic_store(run.seed, int(run.extra.get("num_docs", 4000)), cfg.bos_token_id, cfg.eos_token_id)
+        return PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, pad_id=cfg.pad_token_id)
+    store = synthetic_store(run.seed + 7919, 200, cfg.bos_token_id, cfg.eos_token_id)
+    return PackedLoader(store, run.seq_len, run.batch_size, shuffle=False, pad_id=cfg.pad_token_id)
 
 
 # ------------------------------------------------------------------------------- run config
@@ -132,13 +96,15 @@ class RunConfig:
 
     Attributes:
         name: recipe name. model: preset name or :class:`K3Config`. data: data factory.
-        seq_len: tokens per micro-batch. grad_accum: micro-batches per optimizer step.
+        seq_len: tokens per packed row. batch_size: rows per micro-batch (the data source packs
+            them into one row with ``cu_seqlens``). grad_accum: micro-batches per step.
         total_steps, warmup_steps (None: 1 %), min_lr_ratio: the cosine schedule.
         lr: peak LR of both Muon and AdamW (Muon's RMS matching makes them comparable);
             adamw_lr overrides it for the AdamW group. weight_decay: Muon groups (K3: 0.1).
         grad_clip: global norm clip. qk_clip_tau: QK-Clip threshold (None: off).
         qb_bins, qb_ema: Quantile Balancing histogram bins and optional EMA.
-        qat: None, "mxfp4" or "mxfp8": fake-quantise the routed experts (openk3.quant.qat).
+        qat: None or a scheme name of :data:`openk3.quant.qat.SCHEMES` ("mxfp4": MXFP4 weights
+            and MXFP8 inputs of the routed experts, as K3's QAT).
         eval_every (0: never), eval_batches: periodic eval.
         ckpt_every, keep_checkpoints: checkpoint cadence and retention.
         seed: model init, data order. threads: torch CPU threads (None: torch's default).
@@ -152,6 +118,7 @@ class RunConfig:
     data: Callable[["RunConfig", str], Any]
     total_steps: int
     seq_len: int = 256
+    batch_size: int = 1
     grad_accum: int = 1
     warmup_steps: int | None = None
     min_lr_ratio: float = 0.1
@@ -173,7 +140,7 @@ class RunConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("total_steps", "seq_len", "grad_accum", "ckpt_every", "qb_bins"):
+        for name in ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a positive integer")
@@ -181,8 +148,10 @@ class RunConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a non-negative integer")
-        if self.qat not in (None, "mxfp4", "mxfp8"):
-            raise ValueError(f"RunConfig.qat={self.qat!r}: must be None, 'mxfp4' or 'mxfp8'")
+        if self.qat is not None:
+            from openk3.quant.qat import resolve_scheme
+
+            resolve_scheme(self.qat)  # ValueError naming the known schemes
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr={self.lr!r}: must be > 0")
         self.step_config()  # validates the schedule and clip fields
@@ -200,7 +169,7 @@ class RunConfig:
         ``seed``, QAT switched on if asked, K3's optimizer, one balancer per MoE layer.
 
         Raises:
-            ValueError: ``qat`` set but :mod:`openk3.quant.qat` is not available.
+            ValueError: an unknown ``qat`` scheme, or expert widths it cannot quantise.
         """
         from openk3.pretrained import build_model
         from openk3.train.optim import build_optimizer
@@ -208,7 +177,9 @@ class RunConfig:
 
         model = build_model(self.model_config(), device=device, seed=self.seed)
         if self.qat is not None:
-            _enable_qat(model, self.qat)
+            from openk3.quant.qat import model_qat
+
+            model_qat(model, self.qat)
         optimizer = build_optimizer(model, model.config, lr=self.lr, weight_decay=self.weight_decay,
                                     adamw_lr=self.adamw_lr)
         return model, optimizer, make_balancers(model, self.qb_bins, self.qb_ema)
@@ -228,17 +199,6 @@ class RunConfig:
         if unknown:
             raise ValueError(f"RunConfig: unknown field {unknown[0]!r} (known: {', '.join(sorted(names))})")
         return dataclasses.replace(self, **changes)
-
-
-def _enable_qat(model, fmt: str) -> None:
-    try:
-        qat = importlib.import_module("openk3.quant.qat")
-    except ImportError:
-        raise ValueError(f"RunConfig.qat={fmt!r}: openk3.quant.qat is not available in this install") from None
-    fn = getattr(qat, "enable_qat", None)
-    if fn is None:
-        raise ValueError(f"RunConfig.qat={fmt!r}: openk3.quant.qat has no enable_qat")
-    fn(model, fmt)
 
 
 # -------------------------------------------------------------------------------- registry
@@ -285,7 +245,7 @@ def get_recipe(name: str, **overrides) -> RunConfig:
 
 @register_recipe("smoke")
 def smoke() -> RunConfig:
-    """``k3-test-tiny`` on :class:`SyntheticText`: 300 steps x 256 tokens, eval every 50."""
+    """``k3-test-tiny`` on the synthetic byte corpus (:func:`synthetic_data`)."""
     return RunConfig(
         name="smoke", model="k3-test-tiny", data=synthetic_data, total_steps=300, seq_len=256,
         warmup_steps=15, lr=2e-2, min_lr_ratio=0.1, eval_every=50, eval_batches=4, ckpt_every=100,
@@ -293,5 +253,5 @@ def smoke() -> RunConfig:
     )
 
 
-__all__ = ["RunConfig", "RECIPES", "register_recipe", "get_recipe", "smoke", "SyntheticText", "synthetic_data",
+__all__ = ["RunConfig", "RECIPES", "register_recipe", "get_recipe", "smoke", "synthetic_store", "synthetic_data",
            "synthetic_document", "synthetic_entropy_per_sentence"]

@@ -415,5 +415,68 @@ def _take(source, n: int) -> list:
     return [source.next_batch() for _ in range(n)]
 
 
+def _parse_overrides(items: Sequence[str]) -> dict:
+    """``["lr=0.01", "qat=mxfp4", "warmup_steps=null"]`` -> {field: value}; values are JSON when
+    they parse as JSON, strings otherwise. Raises ValueError for an item without ``=``."""
+    import json
+
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def cli_train(args) -> int:
+    """``openk3 train``: run a recipe (arguments: see ``openk3 train --help``).
+
+    Returns the exit status: 0 done, 1 stopped on a non-finite value, 2 bad arguments,
+    128 + signal number after a SIGTERM/SIGINT (a checkpoint was saved; ``--resume`` continues).
+    """
+    from openk3.train.recipes import RECIPES, get_recipe
+
+    if args.list:
+        for name, fn in sorted(RECIPES.items()):
+            print(f"{name:<16}{(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
+        return 0
+    if not args.recipe:
+        print("openk3 train: give --recipe NAME (see --list)", file=sys.stderr)
+        return 2
+    try:
+        overrides = _parse_overrides(args.set)
+        if args.threads is not None:
+            overrides["threads"] = args.threads
+        run = get_recipe(args.recipe, **overrides)
+        if args.max_steps is not None and args.max_steps < 0:
+            raise ValueError(f"--max-steps={args.max_steps}: must be >= 0")
+    except (ValueError, TypeError) as e:
+        print(f"openk3 train: {e}", file=sys.stderr)
+        return 2
+    out = args.out or os.path.join("runs", run.name)
+    try:
+        result = train(run, out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress)
+    except TrainingStopped as e:
+        print(f"openk3 train: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"openk3 train: {e}", file=sys.stderr)
+        return 2
+    if result.signal is not None:
+        name = signal.Signals(result.signal).name
+        print(f"openk3 train: stopped by {name} after step {result.step}; checkpoint {result.checkpoint} "
+              f"(continue with --resume)", file=sys.stderr)
+        return 128 + result.signal
+    last = result.last_metrics
+    loss = f", loss {last['loss']:.4f}" if last else ""
+    print(f"openk3 train: {run.name} finished at step {result.step}/{result.end_step}{loss}; "
+          f"checkpoint {result.checkpoint}; metrics {os.path.join(out, 'metrics.jsonl')}", file=sys.stderr)
+    return 0
+
+
 __all__ = ["StepConfig", "NonFiniteError", "TrainingStopped", "TrainResult", "train_step", "evaluate", "train",
-           "make_balancers", "moe_routers", "new_max_logits"]
+           "make_balancers", "moe_routers", "new_max_logits", "cli_train"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 BIAS_FAVOURED = 8.0   # printable ASCII tokens (+0.75 per extra character), <|open|>
-BIAS_CLOSER = 15.0    # <|close|>, <|sep|>, '"', '}', ']': short channels, tags, strings and objects
+BIAS_CLOSER = 14.0    # <|close|>, <|sep|>, '"', '}', ']': short channels, tags, strings and objects
 EMBED_CONST = 40.0
 
 
@@ -68,7 +68,7 @@ def steer(model, tok) -> None:
     model.model.embed_tokens.weight[:, 0] = EMBED_CONST
     bias = torch.zeros(model.config.vocab_size)
     for i in favoured:  # longer tokens a little more: grammar-forced tag text then takes few tokens
-        bias[i] = min(BIAS_FAVOURED + 0.75 * (len(tok.decode_bytes([i])) - 1), BIAS_CLOSER - 1)
+        bias[i] = min(BIAS_FAVOURED + 0.75 * (len(tok.decode_bytes([i])) - 1), BIAS_CLOSER - 3)
     bias[closers] = BIAS_CLOSER
     h0 = model.config.hidden_size ** 0.5  # RMS-normalised state concentrated in one dimension
     model.lm_head.weight[:, 0] = bias / h0

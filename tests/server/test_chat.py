@@ -98,7 +98,7 @@ def _collect(stream):
 
 def test_stream_reasoning_before_content_and_usage(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=user("Reply in JSON."), max_completion_tokens=120, stream=True,
+        model=MODEL, messages=user("Reply in JSON."), max_completion_tokens=250, stream=True,
         stream_options={"include_usage": True}, response_format={"type": "json_object"}, seed=7)
     chunks, order, reasoning, content, finals, usage_chunks = _collect(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -140,7 +140,7 @@ def test_json_schema_strict_output_validates(client):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
               "required": ["n", "tag"], "additionalProperties": False}
     r = client.chat.completions.create(
-        model=MODEL, messages=user("Give n and tag."), max_completion_tokens=150,
+        model=MODEL, messages=user("Give n and tag."), max_completion_tokens=250,
         response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
@@ -148,7 +148,7 @@ def test_json_schema_strict_output_validates(client):
 
 def test_json_schema_non_strict_is_any_object(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=user(), max_completion_tokens=150,
+        model=MODEL, messages=user(), max_completion_tokens=250,
         response_format={"type": "json_schema", "json_schema": {"name": "t", "strict": False, "schema": {
             "type": "object", "required": ["never_forced"]}}})
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
@@ -157,7 +157,7 @@ def test_json_schema_non_strict_is_any_object(client):
 def test_partial_mode_continues_prefix(client, tokenizer):
     prefix = '{"answer": "'
     messages = user("Answer in JSON.") + [{"role": "assistant", "content": prefix, "partial": True}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=60,
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=200,
                                        response_format={"type": "json_object"})
     content = r.choices[0].message.content or ""
     assert not content.startswith(prefix)  # the prefix is not echoed

@@ -35,7 +35,7 @@ def _assistant_turn(message) -> dict:
 def test_tool_loop_required_then_answer(client, http):
     messages = user("What's the weather in Paris for 3 days?")
     r1 = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
-                                        max_completion_tokens=120)
+                                        max_completion_tokens=250)
     c1 = r1.choices[0]
     assert c1.finish_reason == "tool_calls" and c1.message.tool_calls
     call = c1.message.tool_calls[0]
@@ -80,7 +80,7 @@ def test_dynamic_tools_in_system_message(client):
                 {"role": "user", "content": "What time is it in CET?"},
                 {"role": "system", "tools": [CLOCK]}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
-                                       max_completion_tokens=120)
+                                       max_completion_tokens=250)
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and calls
     for c in calls:
@@ -91,13 +91,13 @@ def test_dynamic_tools_in_system_message(client):
 def test_only_dynamic_tools_are_callable(client):
     messages = user("Time in UTC?") + [{"role": "system", "tools": [CLOCK]}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tool_choice="required",
-                                       max_completion_tokens=120)
+                                       max_completion_tokens=250)
     assert [c.function.name for c in r.choices[0].message.tool_calls][0] == "get_time"
 
 
 def test_streamed_tool_call_deltas(client):
     stream = client.chat.completions.create(model=MODEL, messages=user("Weather in Rome for 2 days?"),
-                                            tools=[WEATHER], tool_choice="required", max_completion_tokens=120,
+                                            tools=[WEATHER], tool_choice="required", max_completion_tokens=250,
                                             stream=True)
     calls: dict[int, dict] = {}
     finish = None

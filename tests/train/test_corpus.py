@@ -168,3 +168,21 @@ def test_tokenizer_and_loader_on_the_built_corpus(corpus, tmp_path):
     assert tok.decode(train[0].ids[:-1].tolist()) == text and train[0].ids[-1] == tok.eos_id
     batch = next(PackedLoader(train, seq_len=64, batch_size=2, seed=0))
     assert batch.input_ids.shape == (2, 64) and int(batch.input_ids.max()) < tok.vocab_size
+
+
+def test_cli_commands(fixture_dirs, tmp_path, capsys):
+    from openk3.cli import main
+
+    html_dir, _ = fixture_dirs
+    out = tmp_path / "corpus"
+    argv = ["build-corpus", "--no-debian", "--no-pypi", "--add-dir", f"fx:MIT:{html_dir}", "--out", str(out)]
+    assert main(argv) == 0
+    assert "13 documents" in capsys.readouterr().out  # the 12 pages + genindex (no exclude here)
+    assert [s["name"] for s in load_manifest(out)["sources"]] == ["fx"]
+    assert main(argv) == 2 and "exists" in capsys.readouterr().err
+    assert main(["build-corpus", "--no-debian", "--no-pypi", "--add-dir", f"fx:GPL-3.0-only:{html_dir}",
+                 "--out", str(tmp_path / "gpl")]) == 2
+    assert "not permissive" in capsys.readouterr().err
+    assert main(["train-tokenizer", "--corpus", str(out), "--vocab-size", "600", "--out", str(tmp_path / "t")]) == 0
+    assert "<|end_of_msg|>=" in capsys.readouterr().out and (tmp_path / "t" / "tokenizer.json").is_file()
+    assert main(["train-tokenizer", "--corpus", str(out), "--vocab-size", "100", "--out", str(tmp_path / "u")]) == 2
