@@ -38,7 +38,6 @@ from openk3.config import preset  # noqa: E402
 from openk3.layers.mlp import glu_activation  # noqa: E402
 from openk3.ops.grouped_mm import routed_experts  # noqa: E402
 from openk3.quant import mxfp4_cpu  # noqa: E402
-from openk3.quant.mx import pack_mxfp4  # noqa: E402
 from openk3.quant.packed import MXFP4Weight, packed_routed_experts  # noqa: E402
 
 
@@ -66,11 +65,11 @@ def rss_bytes() -> int:
 
 
 def random_packed(e: int, o: int, k: int, gen: torch.Generator) -> MXFP4Weight:
+    """Random bytes are two random E2M1 codes each; filled in place, so no temporaries distort the
+    resident-memory measurement."""
     w = MXFP4Weight(e, o, k)
-    for i in range(e):  # per expert: keeps the int temporaries small
-        codes = torch.randint(0, 16, (o, k), dtype=torch.uint8, generator=gen)
-        w.weight_packed[i] = pack_mxfp4(codes)
-    w.weight_scale.copy_(torch.randint(118, 123, w.weight_scale.shape, dtype=torch.uint8, generator=gen))
+    w.weight_packed.random_(0, 256, generator=gen)
+    w.weight_scale.random_(118, 123, generator=gen)
     return w
 
 
@@ -151,6 +150,7 @@ def main() -> None:
         "config": {"experts": e, "topk": k, "latent_L": l, "hidden_F": f, "batch": b, "steps": args.steps,
                    "repeats": args.repeats, "threads": torch.get_num_threads()},
         "machine": {"cpu": platform.processor() or platform.machine(), "l3_bytes": l3, "torch": torch.__version__,
+                    "cores": os.cpu_count(), "loadavg_1min_at_end": os.getloadavg()[0],
                     "native_kernel": mxfp4_cpu.available(), "simd_level": mxfp4_cpu.simd_level()},
         "expert_weight_bytes": {"fp32": dense_bytes, "mxfp4": packed_bytes, "ratio": dense_bytes / packed_bytes},
         "resident_growth_bytes": {"fp32": rss2 - rss1, "mxfp4": rss1 - rss0,
@@ -169,7 +169,8 @@ def main() -> None:
           f"mxfp4 {packed_bytes / 2**20:.0f} MiB ({result['expert_weight_bytes']['ratio']:.2f}x); "
           f"resident growth ratio {result['resident_growth_bytes']['ratio']:.2f}x")
     print(f"decode tokens/s: fp32 {tps['fp32']:.1f}, mxfp4 {tps['mxfp4']:.1f} -> {result['speedup_tokens_per_s']:.2f}x "
-          f"(median of {args.repeats}, {torch.get_num_threads()} threads, max abs err {max_err:.2e} on |y| <= {scale:.2f})")
+          f"(median of {args.repeats}, {torch.get_num_threads()} threads, max abs err {max_err:.2e} on |y| <= {scale:.2f}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":

@@ -220,3 +220,23 @@ class HybridCache:
     def batch_size(self) -> int:
         """Rows B."""
         return int(self.lengths.shape[0])
+
+    def check_room(self, new_tokens: torch.Tensor) -> None:
+        """Raise before a forward that would overflow an MLA cache's per-row capacity.
+
+        Args:
+            new_tokens: [B] tokens each row is about to append.
+        Raises:
+            ValueError: naming the row, its cached length and the capacity.
+        """
+        capacities = [e.capacity for e in self.layers if hasattr(e, "capacity")]
+        if not capacities:
+            return  # KDA state is constant-size
+        cap = min(capacities)
+        need = self.lengths.to(new_tokens.device) + new_tokens
+        if bool((need > cap).any()):
+            b = int(torch.argmax((need > cap).to(torch.int8)))
+            raise ValueError(
+                f"cache overflow: row {b} holds {int(self.lengths[b])} tokens and needs {int(new_tokens[b])} more, "
+                f"capacity is {cap}"
+            )

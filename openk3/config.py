@@ -15,7 +15,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +45,10 @@ _LINEAR_KEYS = {
     "gate_lower_bound": "gate_lower_bound",
     "use_full_rank_gate": "use_full_rank_gate",
 }
+
+# Fields an official text config always carries; a file without them is not silently given the
+# 2.78T defaults.
+_REQUIRED_HF = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 # Derived fields: rebuilt from others, never written.
 _DERIVED = {"layer_types", "mlp_layer_types"}
@@ -78,7 +85,7 @@ class K3Config:
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
-    media_placeholder_token_id: int | None = 163605
+    media_placeholder_token_id: int | None = None
     num_nextn_predict_layers: int = 0
 
     # Gated MLA (NoPE)
@@ -125,6 +132,10 @@ class K3Config:
     wrapper: dict[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
+        for name in ("num_hidden_layers", "moe_layer_freq"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"K3Config.{name}={getattr(self, name)!r}: must be a positive integer")
         if not self.layer_types:
             # The K3 pattern: every 4th layer (1-based) and the last layer are MLA.
             self.layer_types = [
@@ -171,6 +182,40 @@ class K3Config:
         return self.layer_types[idx] == KDA
 
     # --------------------------------------------------------------- validation
+    def _check_types(self) -> None:
+        """Every field has the JSON type its annotation says (bools are not ints, strings are not
+        numbers), before anything derived from it is built.
+
+        Raises:
+            ValueError: naming the field and the value.
+        """
+        hints = typing.get_type_hints(K3Config)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            hint = hints[f.name]
+            is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            args = typing.get_args(hint) if is_union else ()
+            optional = type(None) in args
+            base = next(a for a in args if a is not type(None)) if is_union else hint
+            if value is None:
+                if optional:
+                    continue
+                raise ValueError(f"K3Config.{f.name}=None: a value is required")
+            origin = typing.get_origin(base) or base
+            if origin is bool:
+                ok = isinstance(value, bool)
+            elif origin is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif origin is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            elif origin in (str, list, dict):
+                ok = isinstance(value, origin)
+            else:
+                ok = True
+            if not ok:
+                want = getattr(origin, "__name__", str(origin))
+                raise ValueError(f"K3Config.{f.name}={value!r}: must be {want}{' or None' if optional else ''}")
+
     def validate(self) -> None:
         """Check ranges and consistency.
 
@@ -184,7 +229,8 @@ class K3Config:
         for name in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
             "qk_nope_head_dim", "v_head_dim", "linear_num_heads", "linear_head_dim",
-            "linear_conv_kernel_dim", "intermediate_size", "moe_layer_freq",
+            "linear_conv_kernel_dim", "intermediate_size", "moe_layer_freq", "num_key_value_heads",
+            "max_position_embeddings", "n_group", "topk_group",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -197,6 +243,16 @@ class K3Config:
             bad("q_lora_rank", "must be a positive integer or None")
         if not self.rms_norm_eps > 0:
             bad("rms_norm_eps", "must be > 0")
+        if not self.initializer_range >= 0:
+            bad("initializer_range", "must be >= 0")
+        if not self.routed_scaling_factor > 0:
+            bad("routed_scaling_factor", "must be > 0")
+        if self.topk_method != "noaux_tc":
+            bad("topk_method", "only 'noaux_tc' (sigmoid scores + e_score_correction_bias) is implemented")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < self.vocab_size:
+                bad(name, f"outside the vocabulary [0, vocab_size={self.vocab_size})")
         if self.hidden_act not in ("situ", "silu"):
             bad("hidden_act", "must be 'situ' (SiTU-GLU) or 'silu' (SwiGLU)")
         if self.hidden_act == "situ" and not (self.activation_situ_beta > 0 and self.activation_situ_linear_beta > 0):
@@ -355,6 +411,9 @@ def _from_hf_text(t: dict[str, Any]) -> K3Config:
     """Translate an official text config (model_type ``kimi_linear``) into a :class:`K3Config`."""
     if t.get("model_type", "kimi_linear") not in ("kimi_linear", "kimi_k3_text"):
         raise ValueError(f"config.model_type={t.get('model_type')!r}: expected 'kimi_linear' or 'kimi_k3'")
+    for key in _REQUIRED_HF:
+        if key not in t:
+            raise ValueError(f"config.{key}: missing (an official text config always has it)")
     known = {f.name for f in dataclasses.fields(K3Config)} - _DERIVED - {"extra_text_config", "wrapper"}
     kwargs: dict[str, Any] = {}
     extra: dict[str, Any] = {}
@@ -374,6 +433,9 @@ def _from_hf_text(t: dict[str, Any]) -> K3Config:
     lin = t.get("linear_attn_config") or {}
     if not isinstance(lin, dict):
         raise ValueError("config.linear_attn_config: must be an object")
+    for key in ("kda_layers", "full_attn_layers"):
+        if key in lin and not isinstance(lin[key], list):
+            raise ValueError(f"config.linear_attn_config.{key}={lin[key]!r}: must be a list of 1-based layer numbers")
     for hf_key, name in _LINEAR_KEYS.items():
         if hf_key in lin:
             kwargs[name] = lin[hf_key]
@@ -387,6 +449,8 @@ def _from_hf_text(t: dict[str, Any]) -> K3Config:
         kwargs["routed_expert_hidden_size"] = None
         kwargs.setdefault("latent_moe_use_norm", False)
     n = kwargs.get("num_hidden_layers", K3Config.num_hidden_layers)
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"config.num_hidden_layers={n!r}: must be a positive integer")
     if "kda_layers" in lin or "full_attn_layers" in lin:
         types: list[str | None] = [None] * n
         for key, kind in (("kda_layers", KDA), ("full_attn_layers", MLA)):
@@ -417,7 +481,7 @@ def _kimi_k3() -> K3Config:
     """The released Kimi K3 (``../shared/k3/config.json``): text backbone + MoonViT-V2 config."""
     from openk3.vision.config import vision_preset
 
-    cfg = K3Config().as_k3_wrapper()
+    cfg = K3Config(media_placeholder_token_id=163605).as_k3_wrapper()
     cfg.wrapper["vision_config"] = vision_preset("kimi-k3").to_dict()
     cfg.wrapper["dtype"] = "bfloat16"
     return cfg

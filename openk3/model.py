@@ -131,6 +131,14 @@ class K3Model(nn.Module):
         cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"input_ids: expected an int64 [B, T] tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+                raise ValueError(
+                    f"input_ids: values must be in [0, vocab_size={cfg.vocab_size}), got "
+                    f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+                )
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         if lengths is not None:
@@ -140,6 +148,8 @@ class K3Model(nn.Module):
         if cache is not None:
             if cache.batch_size != B:
                 raise ValueError(f"cache: holds {cache.batch_size} rows, input has B={B}")
+            # Checked before any layer runs: a failed call must leave every layer's state untouched.
+            cache.check_room(lengths if lengths is not None else torch.full((B,), T, dtype=torch.long))
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: packed documents are a training input; not supported with a cache")
         if cu_seqlens is not None and B != 1:

@@ -359,11 +359,18 @@ class Tokenizer:
         ``tokenizer_config.json``. The template is openk3's K3 template
         (``openk3/chat_format/template.jinja``). Returns the written paths; :func:`load_tokenizer`
         reads them back to an identical tokenizer.
+
+        The written config leaves out ``auto_map`` (the official Kimi config has one pointing at
+        ``tokenization_kimi.py``): openk3 ships no remote code, and an ``auto_map`` naming a file
+        that is not there makes transformers' ``AutoTokenizer`` demand ``trust_remote_code`` and
+        then fail. Without it, transformers loads ``tiktoken.model`` with its built-in converter.
+        ``self.config`` itself is not changed.
         """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self._b.save(d)
-        (d / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2, ensure_ascii=False) + "\n",
+        config = {k: v for k, v in self.config.items() if k != "auto_map"}
+        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                                                  encoding="utf-8")
         template = resources.files("openk3.chat_format").joinpath("template.jinja").read_text(encoding="utf-8")
         (d / "chat_template.jinja").write_text(template, encoding="utf-8")

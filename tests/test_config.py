@@ -99,3 +99,42 @@ def test_bad_layer_lists_are_rejected():
         K3Config.from_dict(d)
     with pytest.raises(ValueError, match="unknown preset"):
         preset("nope")
+
+
+@pytest.mark.parametrize(
+    "key, value, field",
+    [
+        ("num_hidden_layers", "7", "num_hidden_layers"),
+        ("rms_norm_eps", "1e-5", "rms_norm_eps"),
+        ("rms_norm_eps", None, "rms_norm_eps"),
+        ("num_experts_per_token", 2.5, "num_experts_per_tok"),
+        ("moe_intermediate_size", "24", "moe_intermediate_size"),
+        ("num_expert_group", 0, "n_group"),
+        ("moe_layer_freq", 0, "moe_layer_freq"),
+        ("initializer_range", "x", "initializer_range"),
+        ("routed_scaling_factor", -1.0, "routed_scaling_factor"),
+        ("num_key_value_heads", -3, "num_key_value_heads"),
+        ("max_position_embeddings", -1, "max_position_embeddings"),
+        ("vocab_size", 100, "bos_token_id"),
+        ("moe_renormalize", "no", "norm_topk_prob"),
+        ("tie_word_embeddings", "yes", "tie_word_embeddings"),
+        ("topk_method", "greedy", "topk_method"),
+        ("activation_situ_beta", None, "activation_situ_beta"),
+    ],
+)
+def test_malformed_official_configs_raise_value_error_naming_the_field(key, value, field):
+    d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
+    d["text_config"][key] = value
+    with pytest.raises(ValueError, match=field):
+        K3Config.from_dict(d)
+
+
+def test_missing_core_field_is_not_defaulted_to_the_full_model():
+    d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
+    del d["text_config"]["hidden_size"]
+    with pytest.raises(ValueError, match="hidden_size: missing"):
+        K3Config.from_dict(d)
+    d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
+    d["text_config"]["linear_attn_config"]["kda_layers"] = 3
+    with pytest.raises(ValueError, match="kda_layers"):
+        K3Config.from_dict(d)

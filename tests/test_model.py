@@ -203,3 +203,29 @@ def test_cli_info_json():
     assert d["vision"]["vision_tower"] == 401_214_464
     bad = subprocess.run([sys.executable, "-m", "openk3.cli", "info", "--config", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+@torch.no_grad()
+def test_cache_overflow_leaves_the_cache_untouched():
+    model = sharp(build_model(preset("k3-test-tiny"), seed=7))
+    ids = torch.randint(0, 512, (1, 12))
+    cache = model.new_cache(1, 10)
+    model(ids[:, :8], cache)
+    before = [(e.recurrent.clone(), e.conv.clone()) if hasattr(e, "recurrent") else (e.latent.clone(),) for e in cache.layers]
+    with pytest.raises(ValueError, match="cache overflow: row 0 holds 8 tokens and needs 4 more, capacity is 10"):
+        model(ids[:, 8:12], cache)
+    after = [(e.recurrent, e.conv) if hasattr(e, "recurrent") else (e.latent,) for e in cache.layers]
+    assert all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
+    assert cache.lengths.tolist() == [8]
+    # decoding on from the intact cache still matches the full forward
+    step = model(ids[:, 8:10], cache).logits
+    assert_close(step, model(ids[:, :10]).logits[:, 8:], atol=1e-4, what="after a refused call")
+
+
+def test_out_of_range_token_ids_raise_value_error():
+    model = build_model(preset("k3-test-tiny"))
+    for bad in (torch.tensor([[600]]), torch.tensor([[-1]])):
+        with pytest.raises(ValueError, match="input_ids: values must be in"):
+            model(bad)
+    with pytest.raises(ValueError, match="input_ids: expected an int64"):
+        model(torch.tensor([[1.0]]))

@@ -207,23 +207,52 @@ class OutputParser:
     # ----------------------------------------------------------------- public
 
     def feed(self, token_ids: int | Iterable[int]) -> list[Event]:
-        """Consume one id or a sequence of ids; returns the events they complete."""
+        """Consume one id or a sequence of ids; returns the events they complete.
+
+        Args:
+            token_ids: an integer id, or an iterable of them (list, tuple, numpy array, torch
+                tensor of shape [] or [T]).
+
+        Raises:
+            ValueError: `token_ids` is neither an integer nor an iterable of integers (a float,
+                None, a string, bytes, a bool), or an id is negative / outside the vocabulary.
+                Bad input is a value error like every other malformed input of the chat format;
+                no ``TypeError`` escapes.
+        """
+        if hasattr(token_ids, "tolist"):  # numpy / torch: [] -> int, [T] -> list
+            token_ids = token_ids.tolist()
+        ids: Iterable[Any]
+        if isinstance(token_ids, (str, bytes, bytearray, dict, set, frozenset)):
+            # Iterable, but not a sequence of ids (bytes would iterate as small ints).
+            raise ValueError(f"token_ids: expected an integer id or a sequence of ids, got "
+                             f"{type(token_ids).__name__}")
         try:
-            ids: Iterable[Any] = [operator.index(token_ids)]  # type: ignore[arg-type]
-        except TypeError:
-            ids = token_ids  # type: ignore[assignment]
+            ids = [self._index(token_ids)]
+        except ValueError:
+            try:
+                ids = iter(token_ids)  # type: ignore[call-overload]
+            except TypeError:
+                raise ValueError(f"token_ids: expected an integer id or a sequence of ids, got "
+                                 f"{token_ids!r:.60}") from None
         out: list[Event] = []
         for raw in ids:
-            try:
-                tid = operator.index(raw)
-            except TypeError:
-                raise ValueError(f"token_ids: expected integer ids, got {raw!r}") from None
+            tid = self._index(raw)
             if tid < 0:
                 raise ValueError(f"token_ids: negative id {tid}")
             if self._ended or self._finished:
                 continue  # anything after the end of the message is ignored (§11.2)
             self._step(tid, out)
         return out
+
+    @staticmethod
+    def _index(raw: Any) -> int:
+        # bool is an int subclass, but True is never meant as token id 1.
+        if isinstance(raw, bool):
+            raise ValueError(f"token_ids: expected integer ids, got {raw!r}")
+        try:
+            return operator.index(raw)
+        except TypeError:
+            raise ValueError(f"token_ids: expected integer ids, got {raw!r:.60}") from None
 
     def finish(self) -> list[Event]:
         """Generation stopped: close the parse and return the final events.

@@ -64,10 +64,10 @@ def canonical_json(value: Any, where: str = "value") -> str:
     """Compact JSON with every object's keys in code-point order, non-ASCII kept (§7).
 
     Raises:
-        ValueError: `value` is not JSON-serialisable (named by `where`).
+        ValueError: `value` is not JSON data (a set, NaN / Infinity, mixed key types; named by `where`).
     """
     try:
-        return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+        return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: not JSON-serialisable ({e})") from e
 

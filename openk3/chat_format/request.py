@@ -10,6 +10,7 @@ Malformed input raises ``ValueError`` whose message starts with the field path, 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,56 @@ def _fail(where: str, problem: str) -> ValueError:
     return ValueError(f"{where}: {problem}")
 
 
+def check_json(value: Any, where: str) -> None:
+    """Check that `value` is plain JSON data: objects with string keys, arrays (list / tuple), strings,
+    finite numbers, booleans and null. Objects the client sends always are; Python callers (training
+    data, tests) can pass sets, NaN or cycles, which would otherwise crash or render non-JSON (§6, §7).
+
+    Raises:
+        ValueError: naming `where` (plus the path inside the value) and the offending value.
+    """
+    try:
+        # Only cycles and excessive depth are caught here; the walk below names any other problem.
+        json.dumps(value, default=lambda _: None)
+    except (ValueError, RecursionError) as e:
+        raise _fail(where, f"not JSON data ({e})") from None
+    stack = [(value, where)]  # acyclic now, so an explicit walk terminates
+    while stack:
+        v, w = stack.pop()
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):  # json.dumps would silently turn 1 into "1"
+                    raise _fail(w, f"object key {k!r} is not a string")
+                stack.append((x, f"{w}[{json.dumps(k, ensure_ascii=False)}]"))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{w}[{j}]") for j, x in enumerate(v))
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise _fail(w, f"{v!r} is not a JSON number")
+        elif v is not None and not isinstance(v, (str, int, float)):
+            raise _fail(w, f"{type(v).__name__} value {v!r:.40} is not JSON data")
+
+
+def _object(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(where, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+class _NotStandardJSON(Exception):
+    """``NaN`` / ``Infinity`` / an overflowing number: Python's json accepts them, JSON does not."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NotStandardJSON(name)
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):  # 1e400 parses to inf, which is not JSON either
+        raise _NotStandardJSON(text)
+    return x
+
+
 def parse_content(content: Any, where: str) -> Parts:
     """Content (str / None / list of parts) -> parts list; empty strings are kept out.
 
@@ -137,6 +188,19 @@ def parse_content(content: Any, where: str) -> Parts:
     return parts
 
 
+def _partial(msg: dict, role: str, where: str) -> bool:
+    """``partial`` (api.md §1.8): a JSON boolean; true only on an assistant message (the last one,
+    checked by :func:`parse_messages`)."""
+    value = msg.get("partial")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _fail(f"{where}.partial", f"must be a boolean, got {value!r}")
+    if value and role != "assistant":
+        raise _fail(f"{where}.partial", f"only the final assistant message can be partial, not a {role} message")
+    return value
+
+
 def _name(msg: dict, where: str) -> str | None:
     name = msg.get("name")
     if name is None or name == "":
@@ -150,22 +214,26 @@ def parse_arguments(args: Any, where: str) -> tuple[dict | None, str | None]:
     """OpenAI ``function.arguments`` -> (object for typed tags, raw text for a json block) per §6.
 
     A JSON-object string or an object gives typed tags; text that is not JSON gives a json block;
-    missing / null / blank gives neither.
+    missing / null / blank gives neither. ``NaN``, ``Infinity`` and numbers that overflow to them are
+    not JSON: a string holding them is "text that is not JSON" and renders verbatim as a json block,
+    like the parser's reading of such a block (so the model's own output replays unchanged).
 
     Raises:
-        ValueError: valid JSON that is not an object, or a value that is neither string nor object.
+        ValueError: valid JSON that is not an object, a value that is neither string nor object, or
+            an object holding non-JSON data (a set, NaN, a non-string key, a cycle).
     """
     if args is None:
         return None, None
     if isinstance(args, dict):
+        check_json(args, where)
         return args, None
     if not isinstance(args, str):
         raise _fail(where, f"must be a JSON-object string or an object, got {type(args).__name__}")
     if not args.strip():
         return None, None
     try:
-        value = json.loads(args)
-    except (json.JSONDecodeError, RecursionError):
+        value = json.loads(args, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, _NotStandardJSON, RecursionError):  # ValueError: also ints over Python's digit limit
         return None, args
     if not isinstance(value, dict):
         raise _fail(where, f"must encode a JSON object, got JSON {type(value).__name__}")
@@ -182,26 +250,44 @@ def _parse_calls(calls: Any, where: str) -> list[ToolCall]:
         cw = f"{where}[{j}]"
         if not isinstance(call, dict):
             raise _fail(cw, f"tool call must be an object, got {type(call).__name__}")
-        fn, fw = (call["function"], f"{cw}.function") if isinstance(call.get("function"), dict) else (call, cw)
+        fn, fw = (_object(call["function"], f"{cw}.function"), f"{cw}.function") \
+            if call.get("function") is not None else (call, cw)
         name = fn.get("name")
         if not isinstance(name, str) or not name:
-            raise _fail(f"{fw}.name", "tool call needs a non-empty string name")
+            raise _fail(f"{fw}.name", f"tool call needs a non-empty string name, got {name!r}")
         arguments, raw = parse_arguments(fn.get("arguments"), f"{fw}.arguments")
-        out.append(ToolCall(name=name, id=call.get("id"), arguments=arguments, raw_json=raw))
+        out.append(ToolCall(name=name, id=_call_id(call.get("id"), f"{cw}.id"),
+                            arguments=arguments, raw_json=raw))
     return out
 
 
+def _call_id(value: Any, where: str) -> Any:
+    # Ids are only compared (as strings); anything but a string / integer is a client bug.
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int))):
+        raise _fail(where, f"must be a string, got {type(value).__name__}")
+    return value
+
+
 def _parse_tools(tools: Any, where: str) -> list:
+    """Validate a tool list (request-level ``tools`` or a dynamic declaration): a list of objects,
+    each with a non-empty string name, all JSON data (they are rendered as canonical JSON, §7)."""
     if not isinstance(tools, list):
         raise _fail(where, f"must be a list of tool objects, got {type(tools).__name__}")
     for j, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise _fail(f"{where}[{j}]", f"tool must be an object, got {type(tool).__name__}")
+        tw = f"{where}[{j}]"
+        _object(tool, tw)
+        fn, fw = (_object(tool["function"], f"{tw}.function"), f"{tw}.function") \
+            if tool.get("function") is not None else (tool, tw)
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise _fail(f"{fw}.name", f"tool needs a non-empty string name, got {name!r}")
+        check_json(tool, tw)
     return tools
 
 
 def tool_name(tool: dict) -> str | None:
-    """Declared name of an OpenAI tool object (``function.name``, or a flat ``name``)."""
+    """Declared name of a tool object validated by :func:`_parse_tools` (``function.name``, or a
+    flat ``name``)."""
     fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
     name = fn.get("name")
     return name if isinstance(name, str) else None
@@ -221,38 +307,50 @@ def parse_message(msg: Any, i: int, where: str | None = None) -> Message:
     role = msg["role"]
     if role == "developer":
         role = "system"
+    if role not in ("user", "system", "assistant", "tool"):
+        raise _fail(f"{where}.role", f"unknown role {role!r} (system, user, assistant, tool, developer)")
+    partial = _partial(msg, role, where)
     if role in ("user", "system"):
-        if role == "system" and msg.get("tools"):
-            return DynamicTools(i, _parse_tools(msg["tools"], f"{where}.tools"))
+        if role == "system" and msg.get("tools") is not None:
+            tools = _parse_tools(msg["tools"], f"{where}.tools")
+            if tools:  # an empty list declares nothing: a plain system message, as in the template
+                return DynamicTools(i, tools)
         return TextMessage(i, role, _name(msg, where), parse_content(msg.get("content"), f"{where}.content"))
     if role == "assistant":
+        for key in ("reasoning_content", "reasoning"):
+            if msg.get(key) is not None and not isinstance(msg[key], str):
+                raise _fail(f"{where}.{key}", f"must be a string, got {type(msg[key]).__name__}")
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        rkey = "reasoning_content" if msg.get("reasoning_content") else "reasoning"
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise _fail(f"{where}.{rkey}", f"must be a string, got {type(reasoning).__name__}")
         return AssistantMessage(i, _name(msg, where), reasoning or None,
                                 parse_content(msg.get("content"), f"{where}.content"),
                                 _parse_calls(msg.get("tool_calls"), f"{where}.tool_calls"),
-                                partial=bool(msg.get("partial")))
-    if role == "tool":
-        call_id = msg["tool_call_id"] if "tool_call_id" in msg else msg.get("id")
-        fallback = msg["tool"] if "tool" in msg else msg.get("name")
-        if fallback is not None and not isinstance(fallback, str):
-            raise _fail(f"{where}.{'tool' if 'tool' in msg else 'name'}", "must be a string")
-        return ToolResult(i, call_id, fallback, parse_content(msg.get("content"), f"{where}.content"))
-    raise _fail(f"{where}.role", f"unknown role {role!r} (system, user, assistant, tool, developer)")
+                                partial=partial)
+    key = "tool_call_id" if "tool_call_id" in msg else "id"
+    call_id = _call_id(msg.get(key), f"{where}.{key}")
+    fallback = msg["tool"] if "tool" in msg else msg.get("name")
+    if fallback is not None and not isinstance(fallback, str):
+        raise _fail(f"{where}.{'tool' if 'tool' in msg else 'name'}", f"must be a string, got {fallback!r}")
+    return ToolResult(i, call_id, fallback, parse_content(msg.get("content"), f"{where}.content"))
 
 
 def parse_messages(request: dict) -> list[Message]:
     """All messages of `request`, normalised, in order.
 
     Raises:
-        ValueError: ``messages`` missing, not a list or empty, or any malformed message.
+        ValueError: `request` not an object; ``messages`` missing, not a list or empty; any malformed
+            message; ``partial: true`` anywhere but on the final message (api.md §1.8).
     """
+    if not isinstance(request, dict):
+        raise _fail("request", f"must be a JSON object with a 'messages' list, got {type(request).__name__}")
     msgs = request.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise _fail("messages", "must be a non-empty list")
-    return [parse_message(m, i) for i, m in enumerate(msgs)]
+        raise _fail("messages", f"must be a non-empty list, got {msgs!r:.60}")
+    parsed = [parse_message(m, i) for i, m in enumerate(msgs)]
+    for m in parsed[:-1]:
+        if isinstance(m, AssistantMessage) and m.partial:
+            raise _fail(f"messages[{m.index}].partial", "only the final message can be partial "
+                        f"(this is message {m.index} of {len(parsed)})")
+    return parsed
 
 
 def _effort_source(request: dict, ctk: dict, thinking_obj: dict) -> tuple[str | None, str]:
@@ -262,6 +360,30 @@ def _effort_source(request: dict, ctk: dict, thinking_obj: dict) -> tuple[str | 
         if value is not None:
             return value, where
     return None, ""
+
+
+_SCHEMA_WRAPPER_KEYS = {"name", "strict", "description"}  # wrapper fields that are not rendered (§5.4)
+
+
+def _response_schema(rf: dict) -> dict:
+    """The schema of a ``json_schema`` response format, looked up in the spec's order (§5.4:
+    ``json_schema.schema``, ``json_schema.json_schema``, the wrapper itself). The template would
+    render ``null`` for a missing one; the API requires ``json_schema.schema`` (api.md §1.6), so a
+    missing or non-object schema is rejected instead of telling the model to match ``null``."""
+    wrapper = rf.get("json_schema")
+    if wrapper is None:
+        raise _fail("response_format.json_schema", "required for type 'json_schema' "
+                    "(shape: {'name': ..., 'schema': {...}})")
+    _object(wrapper, "response_format.json_schema")
+    key = next((k for k in ("schema", "json_schema") if k in wrapper), None)
+    if key is None and set(wrapper) <= _SCHEMA_WRAPPER_KEYS:  # a wrapper, but its schema is missing
+        raise _fail("response_format.json_schema.schema", "missing (shape: {'name': ..., 'schema': {...}})")
+    where = f"response_format.json_schema.{key}" if key else "response_format.json_schema"
+    schema = wrapper[key] if key else wrapper
+    if not isinstance(schema, dict):
+        raise _fail(where, f"the schema must be a JSON object, got {schema!r:.60}")
+    check_json(schema, where)
+    return schema
 
 
 def parse_options(request: dict, messages: list[Message]) -> RequestOptions:
@@ -280,9 +402,8 @@ def parse_options(request: dict, messages: list[Message]) -> RequestOptions:
     """
     if not isinstance(request, dict):
         raise _fail("request", f"must be an object, got {type(request).__name__}")
-    ctk = request.get("chat_template_kwargs") or {}
-    if not isinstance(ctk, dict):
-        raise _fail("chat_template_kwargs", "must be an object")
+    ctk = request.get("chat_template_kwargs")
+    ctk = {} if ctk is None else _object(ctk, "chat_template_kwargs")
     thinking_obj = request.get("thinking")
     if thinking_obj is None:
         thinking_obj = {}
@@ -331,13 +452,7 @@ def parse_options(request: dict, messages: list[Message]) -> RequestOptions:
         if kind != "text":
             rf_type = kind
         if kind == "json_schema":
-            wrapper = rf.get("json_schema")
-            if isinstance(wrapper, dict) and "schema" in wrapper:
-                schema = wrapper["schema"]
-            elif isinstance(wrapper, dict) and "json_schema" in wrapper:
-                schema = wrapper["json_schema"]
-            else:
-                schema = wrapper
+            schema = _response_schema(rf)
     return RequestOptions(thinking=thinking, thinking_effort=effort, tools=tools, tool_choice=choice,
                           render_tool_choice=choice in ("none", "required") and bool(declared),
                           response_format=rf_type, response_schema=schema, keep=keep)

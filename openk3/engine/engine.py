@@ -49,7 +49,7 @@ class EngineConfig:
 
     Attributes:
         max_num_seqs: most requests running at once (also the number of KDA slots wanted).
-        cache_memory: bytes for MLA blocks + KDA slots + prefix snapshots; None = 90% of free GPU
+        cache_memory: bytes for MLA blocks + KDA slots + prefix snapshots; None = 80% of free GPU
             memory on CUDA, else room for ``max_num_seqs`` sequences of min(max_model_len, 32768)
             tokens plus the snapshot share.
         block_size: L, tokens per MLA latent block and per prefix-hash block.
@@ -180,7 +180,7 @@ class Engine:
         cfg, mc = self.config, self.model.config
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.9)
+            return int(free * 0.8)  # the rest is for activations of the forward passes
         tokens = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, 32768)
         return int(cfg.max_num_seqs * sequence_bytes(mc, tokens, self.dtype) / (1 - frac))
 

@@ -275,7 +275,7 @@ class SnapshotPool(KDAStatePool):
         self.logits = torch.zeros(n, config.vocab_size, device=device, dtype=torch.float32)
         self._free: deque[int] = deque(range(n))
         self._index: OrderedDict[bytes, Snapshot] = OrderedDict()  # least recently used first
-        self._tails: dict[bytes, dict[int, bytes]] = {}  # parent key -> {tail length: key}
+        self._tails: dict[bytes, dict[bytes, int]] = {}  # parent key -> {key: tail length}
         self.evictions = 0
 
     @property
@@ -300,8 +300,9 @@ class SnapshotPool(KDAStatePool):
             self._index.move_to_end(key)
         return snap
 
-    def tails_after(self, parent: bytes) -> dict[int, bytes]:
-        """{tail length: key} of the unaligned entries that continue the full-block prefix ``parent``."""
+    def tails_after(self, parent: bytes) -> dict[bytes, int]:
+        """{key: tail length} of the unaligned entries that continue the full-block prefix ``parent``
+        (several tails of one length may coexist: different tokens after the same blocks)."""
         return self._tails.get(parent, {})
 
     def put(self, key: bytes, position: int, tail_len: int, parent: bytes | None) -> Snapshot | None:
@@ -316,11 +317,11 @@ class SnapshotPool(KDAStatePool):
             self.evictions += 1
             if old.parent is not None:
                 tails = self._tails[old.parent]
-                del tails[old.tail_len]
+                del tails[old_key]
                 if not tails:
                     del self._tails[old.parent]
         snap = Snapshot(row, position, tail_len, parent)
         self._index[key] = snap
         if parent is not None:
-            self._tails.setdefault(parent, {})[tail_len] = key
+            self._tails.setdefault(parent, {})[key] = tail_len
         return snap

@@ -127,11 +127,12 @@ class PrefixCache:
         for k in range(m, -1, -1):  # deepest first: tails after block k, then the boundary at k
             parent = keys[k - 1] if k else ROOT
             tails = self.snapshots.tails_after(parent)
-            for r in sorted(tails, reverse=True):
-                if k * L + r <= n and tails[r] == tail_key(parent, tokens[k * L:k * L + r]):
-                    snap = self.snapshots.get(tails[r])
+            for r in sorted(set(tails.values()), reverse=True):
+                key = tail_key(parent, tokens[k * L:k * L + r]) if k * L + r <= n else None
+                if key in tails:
+                    snap = self.snapshots.get(key)
                     if self._usable(snap, n):
-                        return PrefixHit(snap.position, matched[:k], snap, tails[r], m * L)
+                        return PrefixHit(snap.position, matched[:k], snap, key, m * L)
             if k:
                 snap = self.snapshots.get(keys[k - 1])
                 if self._usable(snap, n):

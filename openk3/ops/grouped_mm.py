@@ -16,6 +16,10 @@ Backends (chosen in :func:`_select_backend`, the only place that decides):
     projection. Works for any dtype/shape; costs a host sync for M and E·M·L memory.
   * ``"loop"``: :func:`routed_experts_reference`, a plain loop over experts. Tests only.
 Tests force a backend with ``backend=`` or the :func:`force_backend` context manager.
+
+QAT (architecture.md §10) passes ``input_quant`` (MXFP8 fake-quant of every expert GEMM input) and
+fake-quantized weights; packed MXFP4 weights run through :mod:`openk3.quant.packed`, which reuses
+:func:`dispatch_combine` (the sort / un-sort / fp32 combine shared by every backend).
 """
 
 from __future__ import annotations

@@ -294,6 +294,8 @@ def _build() -> ctypes.CDLL:
                     os.replace(part, target)  # atomic: concurrent builders never see a partial file
                     break
                 errors.append(r.stderr[-2000:])
+                if os.path.exists(part):
+                    os.remove(part)
             else:
                 raise OSError("building the MXFP4 CPU kernel failed:\n" + "\n".join(errors))
     lib = ctypes.CDLL(target)

@@ -185,8 +185,17 @@ class PackedExperts(nn.Module):
             dense.qat = self.qat
         return dense
 
+    def init_weights(self) -> None:
+        """Packed weights come from a checkpoint or :func:`pack_experts`, never from random init.
+
+        Raises:
+            ValueError: always (initialise a dense model, then pack it).
+        """
+        raise ValueError("PackedExperts holds quantized weights; initialise dense Experts and pack_experts() them")
+
     @property
     def num_weights(self) -> int:
+        """Dense weights represented (3·E·F·L)."""
         return sum(getattr(self, n).shape.numel() for n in ("w1", "w3", "w2"))
 
     def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,

@@ -1,7 +1,8 @@
 """The Kimi-compatible API server (``openk3 serve``).
 
 * :mod:`openk3.server.protocol` — wire models (pydantic) and :class:`~openk3.server.protocol.APIError`;
-* :mod:`openk3.server.serving` — validation, rendering, generation events, OpenAI responses / SSE;
+* :mod:`openk3.server.validation` — the platform's request contract (400s before rendering);
+* :mod:`openk3.server.serving` — rendering, generation events, OpenAI responses / SSE;
 * :mod:`openk3.server.anthropic` — ``/anthropic/v1/messages`` over the same core;
 * :mod:`openk3.server.metrics` — Prometheus metrics;
 * :mod:`openk3.server.app` — FastAPI app, guards, error mapping, ``main`` for the CLI.
@@ -10,6 +11,7 @@ Contract: ``../shared/spec/api.md`` (with its §11 decisions) and ``../shared/sp
 """
 
 from openk3.server.app import build_serving, create_app, default_model_path, main
-from openk3.server.serving import ChatServing, Limits, ModelInfo
+from openk3.server.serving import ChatServing, ModelInfo
+from openk3.server.validation import Limits
 
 __all__ = ["ChatServing", "Limits", "ModelInfo", "build_serving", "create_app", "default_model_path", "main"]

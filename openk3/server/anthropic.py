@@ -249,8 +249,7 @@ async def sse(serving: ChatServing, prep: Prepared, gen: Generation) -> AsyncIte
     """The standard Messages event sequence: message_start, ping, per block content_block_start /
     content_block_delta (thinking_delta + signature_delta, text_delta, input_json_delta) /
     content_block_stop, message_delta (stop_reason, usage), message_stop."""
-    start_usage = {"input_tokens": prep.prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
-                   "cache_creation_input_tokens": 0}
+    start_usage = dict(_usage(gen.usage_so_far()), output_tokens=0)
     yield _event("message_start", {"type": "message_start", "message": {
         "id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": start_usage}})

@@ -39,7 +39,8 @@ from openk3.server.protocol import (
     AnthropicCountRequest, AnthropicMessagesRequest, APIError, ChatCompletion, ChatCompletionRequest, ErrorResponse,
     ModelCard, ModelList, TokenCountRequest, TokenCountResponse,
 )
-from openk3.server.serving import ChatServing, Generation, Limits, ModelInfo
+from openk3.server.serving import ChatServing, Generation, ModelInfo
+from openk3.server.validation import Limits
 
 log = logging.getLogger("openk3.server")
 
@@ -229,13 +230,14 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         raw = await request.json()
-        prep = serving.prepare(raw, body)
+        # rendering and grammar compilation are CPU work: keep them off the event loop
+        prep = await asyncio.to_thread(serving.prepare, raw, body)
         return await _run(request, prep, serving.complete, serving.sse)
 
     @app.post("/v1/tokenizers/estimate-token-count", response_model=TokenCountResponse, responses=_ERRORS)
     async def estimate_token_count(body: TokenCountRequest, request: Request) -> dict:
         serving.check_model(body.model)
-        return {"data": {"total_tokens": serving.count_tokens(await request.json())}}
+        return {"data": {"total_tokens": await asyncio.to_thread(serving.count_tokens, await request.json())}}
 
     def _card() -> dict:
         m = serving.model
@@ -254,17 +256,19 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 
     @app.post("/anthropic/v1/messages", response_model=None, responses=_ERRORS)
     async def anthropic_messages(body: AnthropicMessagesRequest, request: Request) -> Response:
-        prep, _ = anthropic.prepare(serving, await request.json())
+        prep, _ = await asyncio.to_thread(anthropic.prepare, serving, await request.json())
         return await _run(request, prep, lambda p, g: anthropic.complete(serving, p, g),
                           lambda p, g: anthropic.sse(serving, p, g))
 
     @app.post("/anthropic/v1/messages/count_tokens", response_model=None, responses=_ERRORS)
     async def anthropic_count_tokens(body: AnthropicCountRequest, request: Request) -> dict:
-        return anthropic.count_tokens(serving, await request.json())
+        return await asyncio.to_thread(anthropic.count_tokens, serving, await request.json())
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": serving.model.id}
+    async def health() -> Response:
+        if getattr(serving.engine, "_error", None) is not None:  # the engine thread died
+            return JSONResponse({"status": "error", "model": serving.model.id}, status_code=503)
+        return JSONResponse({"status": "ok", "model": serving.model.id})
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:

@@ -10,19 +10,14 @@ the output constraint). :class:`Generation` drives the engine and the
 formatting is at the bottom of this file, the Anthropic one in :mod:`openk3.server.anthropic`, both
 over the same events.
 
-Decisions (documented where the specs leave a choice):
+Decisions (documented where the specs leave a choice; the request-contract ones are in
+:mod:`openk3.server.validation`):
 
 * Thinking is on by default; ``thinking.type: "disabled"`` / ``chat_template_kwargs.thinking:
   false`` / ``reasoning_effort: "none"`` switch to instant mode as the open template and vLLM do
   (the hosted K3 never disables it). Effort precedence is the chat-format spec's (§8:
   ``thinking.effort`` beats ``reasoning_effort``, as the vendor verifier checks); ``medium`` is
   accepted (the template supports it).
-* Fixed sampling (api.md §1.5; release notes §2): ``top_p`` 0.95, ``n`` 1, penalties 0; temperature
-  0.6 without thinking and, with thinking, 1.0 — the vendor verifier also expects 0.6 and 0.0 to be
-  accepted there. Accepted values are not applied: the server always samples at the fixed values.
-* ``reasoning_content`` in history: K3 preserves all thinking (keep=all), so key presence is what
-  counts (``""`` is accepted, api.md §11); a tool-call turn without the key is a 400. An explicit
-  ``thinking.keep: "all"`` extends the check to every assistant message (api.md §3).
 * ``usage.prompt_tokens`` follows the chat-format spec §12 (the 3-token generation stub is not
   counted); ``cached_tokens`` comes from the engine's prefix cache, capped at ``prompt_tokens``.
 * Stop strings are applied to the reasoning and the content text; the text from the match on is
@@ -32,8 +27,6 @@ Decisions (documented where the specs leave a choice):
 from __future__ import annotations
 
 import json
-import math
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -43,12 +36,13 @@ from openk3.chat_format import OutputParser, encode_request, next_tool_call_inde
 from openk3.chat_format.parser import (
     ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
-from openk3.chat_format.request import DynamicTools, parse_messages, parse_options
+from openk3.chat_format.request import parse_messages, parse_options
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
+from openk3.server.validation import (
+    THINKING_BOOL, Limits, check_image_parts, check_messages, check_sampling, check_stops, check_tools,
+)
 
-TOOL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_-]{0,255}$")  # api.md §1.1
 OVERLOADED = "The engine is currently overloaded, please try again later"  # api.md §6.1
-THINKING_BOOL = "the thinking field in the request (expected type object) is illegal, and bool is not acceptable"
 
 
 @dataclass(frozen=True)
@@ -62,20 +56,6 @@ class ModelInfo:
     supports_reasoning: bool = True
     created: int = 0
     owned_by: str = "openk3"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Request limits (api.md §1.1: ≤128 tools, ≤5 stop strings of ≤32 bytes; K3 default output
-    budget 131,072)."""
-
-    max_body_bytes: int = 32 * 2**20
-    max_messages: int = 10_000
-    max_tools: int = 128
-    max_stop: int = 5
-    max_stop_bytes: int = 32
-    default_max_tokens: int = 131_072
-    retry_after_s: int = 1
 
 
 @dataclass
@@ -111,135 +91,6 @@ def usage_dict(prompt_tokens: int, cached: int, completion: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "cached_tokens": cached,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _fmt(v: float) -> str:
-    return f"{v:g}"
-
-
-def check_sampling(req: ChatCompletionRequest, thinking: bool) -> None:
-    """The immutable sampling contract (api.md §1.5, release notes §2).
-
-    Raises:
-        APIError: 400 ``invalid <param>: only <value> is allowed for this model``.
-    """
-    temps = (1.0, 0.6, 0.0) if thinking else (0.6,)
-    fixed = [("temperature", req.temperature, temps), ("top_p", req.top_p, (0.95,)), ("n", req.n, (1,)),
-             ("presence_penalty", req.presence_penalty, (0.0,)),
-             ("frequency_penalty", req.frequency_penalty, (0.0,))]
-    for name, value, allowed in fixed:
-        if value is None:
-            continue
-        if not math.isfinite(value) or not any(abs(value - a) <= 1e-9 for a in allowed):
-            raise bad_request(f"invalid {name}: only {_fmt(allowed[0])} is allowed for this model")
-
-
-def _is_empty_content(content: Any) -> bool:
-    if content is None or content == "":
-        return True
-    if isinstance(content, list):
-        return all(isinstance(p, dict) and p.get("type", "text") == "text" and not p.get("text") for p in content)
-    return False
-
-
-def check_messages(body: dict, thinking: bool, keep: str | None) -> None:
-    """Per-message platform rules (api.md §1.2, §3; release notes §2 "Tools").
-
-    Raises:
-        APIError: 400 naming the message index.
-    """
-    msgs = body["messages"]
-    last = len(msgs) - 1
-    for i, m in enumerate(msgs):
-        role = m.get("role")
-        if role in ("user", "assistant", "tool") and m.get("tools"):
-            raise bad_request(f"messages[{i}].tools: dynamic tools are only allowed in system messages")
-        if role in ("system", "developer") and m.get("tools"):
-            if not _is_empty_content(m.get("content")):
-                raise bad_request(f"messages[{i}].content: a system message with tools must have empty content")
-            continue
-        if role in ("system", "developer", "user", "tool") and _is_empty_content(m.get("content")):
-            raise bad_request(f"messages[{i}].content: content must not be empty for {role} messages")
-        if role == "tool" and not m.get("tool_call_id"):
-            raise bad_request(f"messages[{i}].tool_call_id: required for tool messages")
-        if role == "assistant" and thinking and not (i == last and m.get("partial")):
-            has_reasoning = m.get("reasoning_content") is not None or m.get("reasoning") is not None
-            if has_reasoning:
-                continue
-            if keep == "all":
-                raise bad_request("preserved thinking (thinking.keep=all) requires reasoning_content on every "
-                                  f"assistant message, but assistant message at index {i} is missing reasoning_content")
-            if m.get("tool_calls"):
-                raise bad_request("thinking is enabled but reasoning_content is missing in assistant tool call "
-                                  f"message at index {i}")
-
-
-def check_tools(body: dict, opts: Any, limits: Limits) -> list[dict]:
-    """Tools and tool_choice rules (api.md §1.7, release notes §2); returns every declared tool
-    (request-level, then dynamic) for the constraint.
-
-    Raises:
-        APIError: 400 for an empty ``tools`` list, too many tools, a non-function tool, a bad name,
-            the named ``tool_choice`` form, or ``required`` without any tool.
-    """
-    if body.get("tools") is not None and not body["tools"]:
-        raise bad_request("tools: must not be an empty list (omit the field instead)")
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        raise bad_request("tool_choice: the named-function form is not supported for this model; "
-                          "use auto, none or required")
-    declared: list[dict] = list(opts.tools)
-    for m in parse_messages(body):
-        if isinstance(m, DynamicTools):
-            declared.extend(m.tools)
-    if len(declared) > limits.max_tools:
-        raise bad_request(f"tools: at most {limits.max_tools} tools are allowed, got {len(declared)}")
-    for j, t in enumerate(declared):
-        if t.get("type", "function") != "function":
-            raise bad_request(f"tools[{j}].type: only 'function' tools are supported, got {t.get('type')!r}")
-        fn = t.get("function") if isinstance(t.get("function"), dict) else None
-        name = fn.get("name") if fn else None
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise bad_request(f"tools[{j}].function.name: {name!r} does not match {TOOL_NAME.pattern}")
-        params = fn.get("parameters")
-        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
-            raise bad_request(f"tools[{j}].function.parameters: the root must be an object schema")
-    if opts.tool_choice == "required" and not declared:
-        raise bad_request("tool_choice: 'required' needs at least one tool")
-    return declared
-
-
-def _stops(stop: str | list[str] | None, limits: Limits) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if len(stops) > limits.max_stop:
-        raise bad_request(f"stop: at most {limits.max_stop} stop strings are allowed, got {len(stops)}")
-    for s in stops:
-        if not s or len(s.encode("utf-8")) > limits.max_stop_bytes:
-            raise bad_request(f"stop: each stop string must be 1 to {limits.max_stop_bytes} bytes, got {s!r}")
-    return stops
-
-
-def check_image_parts(images: list[dict], supports_image_in: bool) -> None:
-    """Images must be base64 data URLs (api.md §1.2, §11: http(s) URLs are a 400), and the model
-    must have a vision tower.
-
-    Raises:
-        APIError: 400.
-    """
-    for part in images:
-        ref = part.get("image_url", part.get("image"))
-        url = ref.get("url") if isinstance(ref, dict) else ref
-        if not isinstance(url, str):
-            raise bad_request("image_url.url: missing image URL")
-        if url.startswith(("http://", "https://")):
-            raise bad_request("image_url.url: http(s) image URLs are not supported; send the image as a base64 "
-                              "data URL (data:image/png;base64,...)")
-        if not url.startswith("data:") or ";base64," not in url:
-            raise bad_request("image_url.url: must be a base64 data URL (data:image/<type>;base64,...)")
-    if images and not supports_image_in:
-        raise bad_request("model does not support image input")
 
 
 class StopFilter:
@@ -329,6 +180,12 @@ class Generation:
             if isinstance(e, RuntimeError) and "shutting down" in str(e):
                 raise APIError(503, "the server is shutting down") from None
             raise
+
+    def usage_so_far(self) -> dict:
+        """Usage as of the latest engine output (after :meth:`start`: prompt and cache hits known)."""
+        u = self.usage if self.usage is not None else getattr(self._pending, "usage", None)
+        cached = min(int(getattr(u, "cached_tokens", 0) or 0), self.prep.prompt_tokens)
+        return usage_dict(self.prep.prompt_tokens, cached, int(getattr(u, "completion_tokens", 0) or 0))
 
     async def events(self) -> AsyncIterator[Any]:
         try:
@@ -489,7 +346,7 @@ class ChatServing:
         check_sampling(req, opts.thinking)
         tools = check_tools(body, opts, self.limits)
         check_messages(body, opts.thinking, opts.keep)
-        stops = _stops(req.stop, self.limits)
+        stops = check_stops(req.stop, self.limits)
         if req.top_logprobs is not None and (not req.logprobs or not 0 <= req.top_logprobs <= 20):
             raise bad_request("top_logprobs: must be 0-20 and requires logprobs: true")
         prompt, opts = self.render(body)

@@ -151,7 +151,10 @@ class RunConfig:
         if self.qat is not None:
             from openk3.quant.qat import resolve_scheme
 
-            resolve_scheme(self.qat)  # ValueError naming the known schemes
+            try:
+                resolve_scheme(self.qat)
+            except ValueError as e:
+                raise ValueError(f"RunConfig.qat={self.qat!r}: {e}") from None
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr={self.lr!r}: must be > 0")
         self.step_config()  # validates the schedule and clip fields

@@ -208,7 +208,7 @@ def train_step(
             continue  # nothing to learn from; its routing still counts for QB
         loss = out.loss
         if not bool(torch.isfinite(loss.detach())):
-            raise NonFiniteError(step, "loss", float(loss))
+            raise NonFiniteError(step, "loss", float(loss.detach()))
         loss_sum += float(loss.detach()) * n_mb
         (loss * (n_mb / denom)).backward()
 

@@ -402,6 +402,10 @@ def test_bad_input():
         OutputParser(tok()).feed([-1])
     with pytest.raises(ValueError, match="token_ids"):
         OutputParser(tok()).feed(["a"])
+    # Not an id and not a sequence of ids: a ValueError naming the argument, never a TypeError.
+    for bad in (1.5, None, "12", b"\x01", True, object(), [1, 2.0], [True], {1: 2}):
+        with pytest.raises(ValueError, match="token_ids"):
+            OutputParser(tok()).feed(bad)
     with pytest.raises(ValueError, match="decode"):
         OutputParser(tok()).feed([tok().vocab_size])
     with pytest.raises(ValueError, match="start_channel"):

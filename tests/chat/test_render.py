@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openk3.chat_format import encode_request, render_assistant_output, render_training
+from openk3.chat_format import (
+    OutputParser, encode_request, render_assistant_output, render_template, render_training,
+    template_variables,
+)
 from tests.conftest import kimi_tokenizer, shared_path
 
 tok = kimi_tokenizer
@@ -184,7 +188,23 @@ _CALL = {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": 
 _U = {"role": "user", "content": "hi"}
 
 
-@pytest.mark.parametrize("request_, field", [
+def _with_args(args, **call_fields):
+    return {"messages": [_U, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": args}, **call_fields}]}]}
+
+
+def _rf(json_schema):
+    return {"messages": [_U], "response_format": {"type": "json_schema", "json_schema": json_schema}}
+
+
+def _tool(function):
+    return {"type": "function", "function": function}
+
+
+_A = r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"
+_PARTIAL = {"role": "assistant", "content": "x", "partial": True}
+
+MALFORMED = [
     ({"messages": [_U, _CALL, {"role": "tool", "tool_call_id": "zzz", "content": "r"}]},
      r"messages\[2\]\.tool_call_id"),
     ({"messages": [_U, {"role": "tool", "content": "r"}]}, r"messages\[1\]\.tool_call_id"),
@@ -218,10 +238,121 @@ _U = {"role": "user", "content": "hi"}
     ({"messages": ["hello"]}, r"messages\[0\]"),
     ({"messages": []}, r"^messages"),
     ({}, r"^messages"),
-])
+    # wrong container types at every level
+    ([_U], r"^request: must be a JSON object"),
+    ("hi", r"^request: must be a JSON object"),
+    ({"messages": _U}, r"^messages: must be a non-empty list"),
+    ({"messages": [_U, {"role": "assistant", "tool_calls": ["f"]}]}, r"messages\[1\]\.tool_calls\[0\]: tool call"),
+    ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": "f"}]}]},
+     r"messages\[1\]\.tool_calls\[0\]\.function: must be an object"),
+    (_with_args("{}", id=["a"]), r"messages\[1\]\.tool_calls\[0\]\.id"),
+    ({"messages": [_U, _CALL, {"role": "tool", "tool_call_id": {"id": "a"}, "content": "r"}]},
+     r"messages\[2\]\.tool_call_id"),
+    ({"messages": [_U, {"role": "tool", "tool": 7, "content": "r"}]}, r"messages\[1\]\.tool\b"),
+    ({"messages": [_U, {"role": "assistant", "content": "", "reasoning_content": 0, "reasoning": "r"}]},
+     r"messages\[1\]\.reasoning_content"),
+    ({"messages": [_U, {"role": "assistant", "content": "", "reasoning": 5}]}, r"messages\[1\]\.reasoning\b"),
+    ({"messages": [_U, {"role": "assistant", "content": {"text": "x"}}]}, r"messages\[1\]\.content"),
+    ({"messages": [{"role": "user", "content": ["x"]}]}, r"messages\[0\]\.content\[0\]"),
+    ({"messages": [_U], "tools": [_tool({"name": "f"}), "g"]}, r"^tools\[1\]: must be an object"),
+    ({"messages": [_U], "tools": [{"type": "function", "function": "f"}]}, r"^tools\[0\]\.function: must be"),
+    ({"messages": [_U], "chat_template_kwargs": ["thinking"]}, r"^chat_template_kwargs"),
+    ({"messages": [_U], "response_format": "json_object"}, r"^response_format: must be an object"),
+    # arguments objects holding non-JSON data (Python callers: training data)
+    (_with_args({"s": {1, 2}}), _A + r'\["s"\]: set'),
+    (_with_args({"x": [1, float("nan")]}), _A + r'\["x"\]\[1\]: nan'),
+    (_with_args({"x": {"y": float("inf")}}), _A + r'\["x"\]\["y"\]: inf'),
+    (_with_args({1: "one"}), _A + r": object key 1"),
+    (_with_args({"x": object()}), _A + r'\["x"\]: object'),
+    # partial: a JSON boolean, true only on the final message, which is an assistant message
+    ({"messages": [_U, {"role": "assistant", "content": "x", "partial": "false"}]},
+     r"messages\[1\]\.partial: must be a boolean"),
+    ({"messages": [_U, {"role": "assistant", "content": "x", "partial": 1}]}, r"messages\[1\]\.partial"),
+    ({"messages": [_U, _PARTIAL, _U]}, r"messages\[1\]\.partial: only the final message"),
+    ({"messages": [{"role": "user", "content": "x", "partial": True}]}, r"messages\[0\]\.partial: .*user"),
+    ({"messages": [{"role": "system", "content": "s", "partial": True}, _U]}, r"messages\[0\]\.partial"),
+    ({"messages": [_U, _CALL, {"role": "tool", "tool_call_id": "a", "content": "r", "partial": True}]},
+     r"messages\[2\]\.partial"),
+    # response_format json_schema needs an object schema (api.md §1.6)
+    ({"messages": [_U], "response_format": {"type": "json_schema"}}, r"^response_format\.json_schema: required"),
+    (_rf(None), r"^response_format\.json_schema: required"),
+    (_rf("{}"), r"^response_format\.json_schema: must be an object"),
+    (_rf({"name": "w", "strict": True}), r"^response_format\.json_schema\.schema: missing"),
+    (_rf({}), r"^response_format\.json_schema\.schema: missing"),
+    (_rf({"name": "w", "schema": None}), r"^response_format\.json_schema\.schema: the schema must be a JSON object"),
+    (_rf({"name": "w", "schema": True}), r"^response_format\.json_schema\.schema: .*JSON object"),
+    (_rf({"name": "w", "schema": "{}"}), r"^response_format\.json_schema\.schema: .*JSON object"),
+    (_rf({"json_schema": [1]}), r"^response_format\.json_schema\.json_schema: .*JSON object"),
+    (_rf({"schema": {"maximum": float("nan")}}), r'^response_format\.json_schema\.schema\["maximum"\]: nan'),
+    # tools need a non-empty string name; request-level and dynamic declarations alike
+    ({"messages": [_U], "tools": [_tool({"parameters": {}})]}, r"^tools\[0\]\.function\.name"),
+    ({"messages": [_U], "tools": [_tool({"name": "f"}), _tool({"name": 5})]}, r"^tools\[1\]\.function\.name.*5"),
+    ({"messages": [_U], "tools": [_tool({"name": ""})]}, r"^tools\[0\]\.function\.name"),
+    ({"messages": [_U], "tools": [{"type": "function", "name": None}]}, r"^tools\[0\]\.name"),
+    ({"messages": [_U], "tools": [_tool({"name": "f", "parameters": {"enum": {1}}})]},
+     r'^tools\[0\]\["function"\]\["parameters"\]\["enum"\]: set'),
+    ({"messages": [{"role": "system", "tools": [_tool({"name": 5})]}, _U]}, r"messages\[0\]\.tools\[0\]\.function\.name"),
+    ({"messages": [{"role": "system", "tools": [_tool({"description": "d"})]}, _U]},
+     r"messages\[0\]\.tools\[0\]\.function\.name"),
+    ({"messages": [{"role": "system", "tools": "f"}, _U]}, r"messages\[0\]\.tools: must be a list"),
+    ({"messages": [{"role": "system", "tools": [7]}, _U]}, r"messages\[0\]\.tools\[0\]: must be an object"),
+]
+
+
+@pytest.mark.parametrize("request_, field", MALFORMED)
 def test_malformed_requests(kimi, request_, field):
     with pytest.raises(ValueError, match=field):
         encode_request(request_, kimi)
+
+
+@pytest.mark.parametrize("request_, field", MALFORMED)
+def test_malformed_requests_template_path(request_, field):
+    """The template path rejects every malformed request: ``template_variables`` with the renderer's
+    checks and field names, except tool-result resolution, which the template itself checks."""
+    try:
+        variables = template_variables(request_)
+    except ValueError as e:
+        assert re.search(field, str(e)), str(e)
+        return
+    assert field.endswith(r"\.tool_call_id")
+    with pytest.raises(ValueError, match="chat template: tool result"):
+        render_template(variables)
+
+
+def test_partial_false_and_null_are_plain_messages(kimi):
+    """``partial: false`` / ``null`` anywhere is the same as no ``partial`` key."""
+    history = {"role": "assistant", "content": "x"}
+    plain = encode_request({"messages": [_U, history, _U]}, kimi)
+    for value in (False, None):
+        msgs = [dict(_U, partial=value), dict(history, partial=value), dict(_U, partial=value)]
+        assert encode_request({"messages": msgs}, kimi).token_ids == plain.token_ids
+    last = encode_request({"messages": [_U, dict(history, partial=False)]}, kimi)
+    assert not last.partial and last.pending_tokens == 3 and last.channel == "think"
+
+
+def test_json_schema_forms(kimi):
+    """§5.4 lookup order: ``json_schema.schema``, then ``json_schema.json_schema``, then the wrapper
+    itself when it is the schema; all three render the same schema text."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    texts = {encode_request(_rf(w), kimi).text for w in
+             ({"name": "n", "strict": True, "schema": schema}, {"json_schema": schema}, schema)}
+    assert len(texts) == 1
+    assert '```json\n{"properties":{"a":{"type":"string"}},"type":"object"}\n```' in texts.pop()
+
+
+@pytest.mark.parametrize("raw", ['{"a": NaN}', '{"a": -Infinity, "b": 1}', '{"a": 1e400}'])
+def test_non_standard_json_arguments_are_a_raw_block(kimi, raw):
+    """NaN / Infinity / overflowing numbers are not JSON (§6 "does not parse as JSON"): the string is
+    rendered verbatim as a json block, never as a ``number`` argument, and the parser reads such a
+    block back to the same arguments string, so the model's own output replays unchanged."""
+    p = encode_request(_with_args(raw), kimi)
+    assert f'<|open|>json type="object"<|sep|>{raw}<|close|>json<|sep|>' in p.text
+    assert 'type="number"' not in p.text
+    msg = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": raw}}]}
+    parser = OutputParser(kimi)
+    parser.feed(render_assistant_output(msg, kimi))
+    parser.finish()
+    assert [c["function"]["arguments"] for c in parser.message().tool_calls] == [raw]
 
 
 # ----------------------------------------------------------------------------- training and output

@@ -207,6 +207,25 @@ def test_kimi_save_pretrained_round_trip(kimi, tmp_path):
     assert again.encode_text(text) == kimi.encode_text(text)
 
 
+@pytest.mark.slow
+def test_kimi_save_pretrained_loads_in_transformers_without_remote_code(kimi, tmp_path):
+    """The official config's ``auto_map`` names ``tokenization_kimi.py``, which openk3 does not ship;
+    it is left out of the written config, so AutoTokenizer loads the directory without remote code
+    (converting ``tiktoken.model``) and agrees with openk3 on ids and the chat template."""
+    transformers = pytest.importorskip("transformers")
+    assert "auto_map" in kimi.config  # the source config has it; only the written copy drops it
+    kimi.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert "auto_map" not in written
+    assert written == {k: v for k, v in kimi.config.items() if k != "auto_map"}
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), trust_remote_code=False)
+    text = "Café ☕️ 拉面 1234567 it's\n\n  x\tÿ"  # plain text (HF would map a typed <|open|> to markup)
+    assert hf.encode(text, add_special_tokens=False) == kimi.encode_text(text)
+    assert hf.decode(kimi.encode_text(text)) == text
+    assert hf.convert_tokens_to_ids(["<|open|>", "<|end_of_msg|>"]) == [kimi.open_id, kimi.end_of_msg_id]
+    assert hf.chat_template == chat_template()
+
+
 def test_trained_bpe(trained, tmp_path):
     """A project-trained BPE: own ids for the same strings, same guarantees, renders requests."""
     assert trained.backend == "tokenizers" and trained.vocab_size <= 600

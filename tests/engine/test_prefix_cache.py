@@ -168,3 +168,28 @@ def test_the_logits_gate_detects_a_wrong_kda_state(mild_model):
         _, cached, logits = generate(eng, log, ext)
         assert cached == 16
         assert (logits - ref).abs().max() > 1e-4, part
+
+
+def test_many_short_prompts_share_one_parent(mild_model):
+    """Regression (seen under server load): different tails of the same length after the same full
+    blocks coexist in the snapshot index, stay findable, and evict in any order."""
+    model = mild_model
+    cfg = model.config
+    snap_b = snapshot_bytes(cfg, 8, torch.float32)
+    memory = 4 * snap_b + kda_state_bytes(cfg, torch.float32)["total"] * 2 + 60 * 8 * kv_bytes_per_token(cfg, torch.float32)
+    eng, log = logged_engine(model, block_size=8, snapshot_interval=8, cache_memory=memory, max_num_seqs=1,
+                             snapshot_fraction=4 * snap_b / memory + 1e-9)
+    assert eng.layout.num_snapshots == 4
+    shared = prompts_of((8,), seed=13)[0]
+    ta, tb, *more = prompts_of((5, 5, 5, 5, 5, 5), seed=14)
+    for t in (ta, tb):  # one snapshot at 8 (shared), one tail of 5 tokens each
+        check_hit(model, eng, log, shared + t, 8 if t is tb else 0, n=1)
+    check_hit(model, eng, log, shared + ta + [3], 13, n=1)  # the older same-length tail is still found
+    for i, t in enumerate(more):  # churn: other tails and other parents, evicting in mixed order
+        check_hit(model, eng, log, shared + t, 8, n=1)
+        check_hit(model, eng, log, t + shared, 0, n=1)
+    assert eng.stats()["kda_snapshots"]["evictions"] >= 6
+    snaps = eng.snapshots
+    indexed = {k for tails in snaps._tails.values() for k in tails}
+    assert indexed == {k for k, v in snaps._index.items() if v.parent is not None}
+    assert_idle(eng)
