@@ -89,6 +89,7 @@ class Cost:
 
     @property
     def total_usd(self) -> float:
+        """Sum of the three classes."""
         return self.cache_hit_usd + self.cache_miss_usd + self.output_usd
 
 

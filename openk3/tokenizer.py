@@ -104,6 +104,23 @@ def _byte_level_alphabet() -> dict[str, int]:
     return char_to_byte
 
 
+def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The pair whose merge creates `token` when byte-pair encoding runs over its bytes with only
+    lower ranks (tiktoken's procedure); None if BPE cannot build it (tiktoken then only emits it for
+    a pre-token equal to it, which ``ignore_merges`` reproduces)."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best, at = rank, -1
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1], rank)
+            if r < best:
+                best, at = r, i
+        if at < 0:
+            return None
+        parts[at:at + 2] = [parts[at] + parts[at + 1]]
+    return parts[0], parts[1]
+
+
 class _TiktokenBackend:
     """Kimi BPE: ranks file + regex + 256 special slots (spec §1.1-§1.2)."""
 
@@ -132,6 +149,7 @@ class _TiktokenBackend:
         self.enc = tiktoken.Encoding(name=f"kimi:{model_file}", pat_str=KIMI_PAT_STR,
                                      mergeable_ranks=ranks, special_tokens=self.special)
         self.n_vocab = n_ranks + NUM_SPECIAL_SLOTS
+        self._hf_json: str | None = None
 
     def encode_ordinary(self, text: str) -> list[int]:
         out: list[int] = []
@@ -143,10 +161,51 @@ class _TiktokenBackend:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return self.enc.decode_bytes(ids)
 
-    def save(self, directory: Path) -> None:
+    def hf_tokenizer_json(self, config: dict[str, Any]) -> str:
+        """The same tokenizer as a `tokenizers` ``tokenizer.json``: byte-level BPE over the ranks
+        (merges in rank order, ``ignore_merges`` like tiktoken's whole-piece lookup), the Kimi regex
+        as pre-tokenizer, the 256 slots as added tokens (flags from ``added_tokens_decoder``).
+
+        transformers converts a bare ``tiktoken.model`` with its own default regex, which splits
+        text differently (``it's`` -> ``it`` + ``'s``), so without this file AutoTokenizer, vLLM and
+        SGLang would load different ids. The 400k-character / 25k-run cuts of :meth:`encode_ordinary`
+        are not reproduced (they matter only for pathological inputs)."""
+        if self._hf_json is None:  # ~4 s for the Kimi vocabulary: computed once per tokenizer
+            from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+            from tokenizers import Tokenizer as HFTokenizer
+
+            to_char = {b: c for c, b in _byte_level_alphabet().items()}
+
+            def spell(b: bytes) -> str:
+                return "".join(to_char[x] for x in b)
+
+            merges = []
+            for tok, rank in sorted(self.ranks.items(), key=lambda kv: kv[1]):
+                pair = _last_merge(tok, rank, self.ranks) if len(tok) > 1 else None
+                if pair is not None:
+                    merges.append((spell(pair[0]), spell(pair[1])))
+            hf = HFTokenizer(models.BPE(vocab={spell(t): r for t, r in self.ranks.items()}, merges=merges,
+                                        ignore_merges=True))
+            hf.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+            hf.decoder = decoders.ByteLevel()
+            flags = {int(k): v for k, v in (config.get("added_tokens_decoder") or {}).items() if isinstance(v, dict)}
+            # Added in id order, so each lands on its slot (they follow the ranks without gaps).
+            hf.add_tokens([AddedToken(name, special=flags.get(i, {}).get("special", True), normalized=False)
+                           for name, i in sorted(self.special.items(), key=lambda kv: kv[1])])
+            moved = [(n, i) for n, i in self.special.items() if hf.token_to_id(n) != i]
+            if moved:  # a slot name that is also a BPE token would keep the BPE id
+                raise ValueError(f"tokenizer.json: special token {moved[0][0]!r} would not get id {moved[0][1]}")
+            self._hf_json = hf.to_str()
+        return self._hf_json
+
+    def save(self, directory: Path, config: dict[str, Any]) -> None:
         lines = [base64.b64encode(tok) + b" " + str(rank).encode() for tok, rank in
                  sorted(self.ranks.items(), key=lambda kv: kv[1])]
         (directory / "tiktoken.model").write_bytes(b"\n".join(lines) + b"\n")
+        (directory / "tokenizer.json").write_text(self.hf_tokenizer_json(config), encoding="utf-8")
 
 
 class _ByteLevelBPEBackend:
@@ -192,7 +251,7 @@ class _ByteLevelBPEBackend:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return b"".join(self.token_bytes[i] for i in ids)
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, config: dict[str, Any]) -> None:
         (directory / "tokenizer.json").write_text(self.json, encoding="utf-8")
 
 
@@ -355,27 +414,33 @@ class Tokenizer:
     def save_pretrained(self, directory: str | os.PathLike) -> list[Path]:
         """Write the tokenizer files and ``chat_template.jinja`` into `directory` (created if needed).
 
-        Kimi BPE: ``tiktoken.model`` + ``tokenizer_config.json``; trained BPE: ``tokenizer.json`` +
+        Kimi BPE: ``tiktoken.model`` + an equivalent ``tokenizer.json`` (for transformers / vLLM /
+        SGLang, see below) + ``tokenizer_config.json``; trained BPE: ``tokenizer.json`` +
         ``tokenizer_config.json``. The template is openk3's K3 template
         (``openk3/chat_format/template.jinja``). Returns the written paths; :func:`load_tokenizer`
-        reads them back to an identical tokenizer.
+        reads them back to an identical tokenizer (it prefers ``tiktoken.model``).
 
         The written config leaves out ``auto_map`` (the official Kimi config has one pointing at
         ``tokenization_kimi.py``): openk3 ships no remote code, and an ``auto_map`` naming a file
         that is not there makes transformers' ``AutoTokenizer`` demand ``trust_remote_code`` and
-        then fail. Without it, transformers loads ``tiktoken.model`` with its built-in converter.
+        then fail. Without remote code, transformers reads ``tokenizer.json``, which carries the
+        Kimi pre-tokenisation regex (its own conversion of ``tiktoken.model`` would not).
         ``self.config`` itself is not changed.
+
+        Raises:
+            ValueError: (Kimi BPE) a special-slot name is also a BPE token, so ``tokenizer.json``
+                could not give it its slot id.
         """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self._b.save(d)
+        self._b.save(d, self.config)
         config = {k: v for k, v in self.config.items() if k != "auto_map"}
         (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                                                  encoding="utf-8")
         template = resources.files("openk3.chat_format").joinpath("template.jinja").read_text(encoding="utf-8")
         (d / "chat_template.jinja").write_text(template, encoding="utf-8")
-        model_file = "tiktoken.model" if self.backend == "tiktoken" else "tokenizer.json"
-        return [d / model_file, d / "tokenizer_config.json", d / "chat_template.jinja"]
+        model_files = ["tiktoken.model", "tokenizer.json"] if self.backend == "tiktoken" else ["tokenizer.json"]
+        return [d / f for f in model_files] + [d / "tokenizer_config.json", d / "chat_template.jinja"]
 
     def __repr__(self) -> str:
         return f"Tokenizer(backend={self.backend!r}, vocab_size={self.vocab_size})"

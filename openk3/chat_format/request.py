@@ -117,7 +117,7 @@ def check_json(value: Any, where: str) -> None:
     """
     try:
         # Only cycles and excessive depth are caught here; the walk below names any other problem.
-        json.dumps(value, default=lambda _: None)
+        json.dumps(value, default=lambda _: None, skipkeys=True)
     except (ValueError, RecursionError) as e:
         raise _fail(where, f"not JSON data ({e})") from None
     stack = [(value, where)]  # acyclic now, so an explicit walk terminates
@@ -264,7 +264,7 @@ def _parse_calls(calls: Any, where: str) -> list[ToolCall]:
 def _call_id(value: Any, where: str) -> Any:
     # Ids are only compared (as strings); anything but a string / integer is a client bug.
     if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int))):
-        raise _fail(where, f"must be a string, got {type(value).__name__}")
+        raise _fail(where, f"must be a string (or an integer), got {type(value).__name__}")
     return value
 
 

@@ -93,20 +93,25 @@ class Metrics:
             r.register(_EngineCollector(stats))
 
     def request(self, endpoint: str, status: int) -> None:
+        """Count one HTTP request by route and status."""
         self.requests.labels(endpoint, str(status)).inc()
 
     def overloaded(self) -> None:
+        """Count one 429 (waiting queue full)."""
         self.overloads.inc()
 
     def first_token(self, seconds: float) -> None:
+        """Observe a time to first token."""
         self.ttft.observe(seconds)
 
     def inter_token(self, seconds: float, n_tokens: int = 1) -> None:
+        """Observe the gap before `n_tokens` new tokens, split evenly between them."""
         per = seconds / max(n_tokens, 1)
         for _ in range(max(n_tokens, 1)):
             self.itl.observe(per)
 
     def finished(self, prep: Any, usage: dict, seconds: float) -> None:
+        """Record a finished generation's usage and latency."""
         self.prompt_tokens.inc(usage["prompt_tokens"])
         self.cached_tokens.inc(usage["cached_tokens"])
         self.completion_tokens.inc(usage["completion_tokens"])

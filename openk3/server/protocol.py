@@ -90,6 +90,8 @@ class _Open(BaseModel):
 
 
 class ImageURL(_Open):
+    """An image reference: a base64 ``data:`` URL (http(s) URLs are refused, api.md §11)."""
+
     url: str
     detail: str | None = None
 
@@ -103,17 +105,23 @@ class ContentPart(_Open):
 
 
 class FunctionCall(_Open):
+    """``function`` of an assistant tool call; ``arguments`` a JSON-object string (or object)."""
+
     name: str
     arguments: Union[str, dict[str, Any], None] = None
 
 
 class ToolCallIn(_Open):
+    """An assistant tool call sent back in history (OpenAI shape)."""
+
     id: str | None = None
     type: str | None = "function"
     function: FunctionCall
 
 
 class FunctionDef(_Open):
+    """A function tool: name (api.md §1.1 pattern), description, JSON-Schema ``parameters``."""
+
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -143,10 +151,14 @@ class ChatMessage(_Open):
 
 
 class StreamOptions(_Open):
+    """``stream_options``: ``include_usage`` adds the empty-choices usage chunk (api.md §2.2)."""
+
     include_usage: bool | None = None
 
 
 class JSONSchemaFormat(_Open):
+    """``response_format.json_schema``: ``schema``, ``strict`` (default true, api.md §1.6)."""
+
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -154,6 +166,8 @@ class JSONSchemaFormat(_Open):
 
 
 class ResponseFormat(_Open):
+    """``response_format``: text, json_object or json_schema (api.md §1.6)."""
+
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JSONSchemaFormat | None = None
 
@@ -206,17 +220,23 @@ class TokenCountRequest(_Open):
 
 
 class ToolCallFunction(BaseModel):
+    """Name and JSON-string arguments of a generated tool call."""
+
     name: str
     arguments: str
 
 
 class ToolCallOut(BaseModel):
+    """A generated tool call; ``id`` is ``functions.NAME:IDX`` (api.md §2.1)."""
+
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
 class PromptTokensDetails(BaseModel):
+    """OpenAI location of ``cached_tokens``."""
+
     cached_tokens: int
 
 
@@ -232,6 +252,8 @@ class Usage(BaseModel):
 
 
 class AssistantMessageOut(BaseModel):
+    """``choices[].message``: content, reasoning_content (thinking on), tool_calls."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None
@@ -239,6 +261,8 @@ class AssistantMessageOut(BaseModel):
 
 
 class Choice(BaseModel):
+    """One choice of a completion (``n`` is always 1)."""
+
     index: int
     message: AssistantMessageOut
     finish_reason: Literal["stop", "length", "tool_calls"]
@@ -246,6 +270,8 @@ class Choice(BaseModel):
 
 
 class ChatCompletion(BaseModel):
+    """``chat.completion`` response object (api.md §2.1)."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -255,6 +281,8 @@ class ChatCompletion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One ``/v1/models`` entry with Kimi's capability flags (api.md §6.3)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -266,19 +294,27 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class TokenCountData(BaseModel):
+    """``data`` of the token-count response."""
+
     total_tokens: int
 
 
 class TokenCountResponse(BaseModel):
+    """``{"data": {"total_tokens": N}}`` (api.md §6.2)."""
+
     data: TokenCountData
 
 
 class ErrorDetail(BaseModel):
+    """``error`` of the Kimi envelope."""
+
     message: str
     type: str
 
@@ -310,11 +346,15 @@ class AnthropicBlock(_Open):
 
 
 class AnthropicMessage(_Open):
+    """A Messages-API turn: string content or content blocks."""
+
     role: Literal["user", "assistant"]
     content: Union[str, list[AnthropicBlock]]
 
 
 class AnthropicTool(_Open):
+    """An Anthropic tool: ``name``, ``description``, ``input_schema``."""
+
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None

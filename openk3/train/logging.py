@@ -154,9 +154,29 @@ class Progress:
             self._bar = None
 
 
-def plot_metrics(jsonl_path: str | os.PathLike, png_path: str | os.PathLike) -> str:
-    """Plot loss (train, and eval when present) and expert load (QB max/mean, per MoE layer and
-    the worst layer) against step into a PNG; returns ``png_path``.
+def _pooled_worst(train: list[dict], window: int) -> list[tuple[int, float]]:
+    """(step, worst layer's max/mean of the expert loads summed over the last ``window`` steps).
+    One step's loads carry the sampling noise of few tokens per expert; pooling shows the
+    balance the bias actually achieves."""
+    out = []
+    for i in range(window - 1, len(train)):
+        recs = train[i - window + 1:i + 1]
+        if not all(r.get("expert_loads") for r in recs):
+            continue
+        worst = 0.0
+        for layer in recs[-1]["expert_loads"]:
+            sums = [sum(col) for col in zip(*(r["expert_loads"].get(layer, []) for r in recs))]
+            mean = sum(sums) / max(len(sums), 1)
+            if mean > 0:
+                worst = max(worst, max(sums) / mean)
+        out.append((train[i]["step"], worst))
+    return out
+
+
+def plot_metrics(jsonl_path: str | os.PathLike, png_path: str | os.PathLike, window: int = 20) -> str:
+    """Plot loss (train, and eval when present) and expert load (QB max/mean, per MoE layer, the
+    worst layer, and the worst layer with loads pooled over ``window`` steps) against step into
+    a PNG; returns ``png_path``.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -186,6 +206,9 @@ def plot_metrics(jsonl_path: str | os.PathLike, png_path: str | os.PathLike) -> 
     worst = [(r["step"], r["qb_max_over_mean"]) for r in train if isinstance(r.get("qb_max_over_mean"), (int, float))]
     if worst:
         ax_load.plot(*zip(*worst), color="k", lw=1.2, label="worst layer")
+        pooled = _pooled_worst(train, window)
+        if pooled:
+            ax_load.plot(*zip(*pooled), color="tab:red", lw=1.5, label=f"worst layer, loads pooled over {window} steps")
         ax_load.axhline(1.0, color="gray", ls="--", lw=0.8)
         ax_load.legend(fontsize=7, ncol=4)
     ax_load.set_ylabel("expert load max/mean")

@@ -152,6 +152,8 @@ def train_step(
     step: int,
     token_normalizer: float | None = None,
     group=None,
+    clip_grad_norm_fn=None,
+    qk_clip_fn=None,
 ) -> dict:
     """One optimizer step over the micro-batches of ``batch`` (gradient accumulation).
 
@@ -171,6 +173,12 @@ def train_step(
             R ranks pass ``global_tokens / R``, so the result is the global token mean.
         group: process group for the QB count SUM and the max-logit MAX all-reduces (no-op
             without torch.distributed).
+        clip_grad_norm_fn: ``(params, max_norm) -> total norm``; default
+            ``torch.nn.utils.clip_grad_norm_`` (sharded models pass
+            :func:`openk3.train.parallel.clip_grad_norm_`).
+        qk_clip_fn: ``(model, {layer: [H] max logits}, tau) -> {layer: gamma [H]}``; default
+            :func:`openk3.train.muon.qk_clip_` (sharded models pass
+            :func:`openk3.train.dist_muon.qk_clip_sharded_`).
     Returns:
         metrics: ``loss`` (token-mean over the step, float), ``tokens``, ``grad_norm``
         (before clipping), ``lr`` (of the first group), ``qb_max_over_mean`` (worst MoE layer),
@@ -214,7 +222,8 @@ def train_step(
 
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     clip = cfg.grad_clip if cfg.grad_clip is not None else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
+    clip_fn = clip_grad_norm_fn or torch.nn.utils.clip_grad_norm_
+    grad_norm = float(clip_fn(params, clip)) if params else 0.0
     if not math.isfinite(grad_norm):
         raise NonFiniteError(step, "gradient norm", grad_norm)
     mult = cfg.lr_multiplier(step)
@@ -232,7 +241,10 @@ def train_step(
     clipped = 0
     seen = {i: s for i, s in max_logits.items() if bool(torch.isfinite(s).all())}
     if cfg.qk_clip_tau is not None and seen:
-        gammas = qk_clip_(model, seen, cfg.qk_clip_tau, _config_of(model))
+        if qk_clip_fn is None:
+            gammas = qk_clip_(model, seen, cfg.qk_clip_tau, _config_of(model))
+        else:
+            gammas = qk_clip_fn(model, seen, cfg.qk_clip_tau)
         clipped = int(sum(int((gm < 1).sum()) for gm in gammas.values()))
 
     metrics_loads, per_layer = {}, {}

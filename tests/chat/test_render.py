@@ -263,6 +263,7 @@ MALFORMED = [
     (_with_args({"x": [1, float("nan")]}), _A + r'\["x"\]\[1\]: nan'),
     (_with_args({"x": {"y": float("inf")}}), _A + r'\["x"\]\["y"\]: inf'),
     (_with_args({1: "one"}), _A + r": object key 1"),
+    (_with_args({"x": {(1, 2): "pair"}}), _A + r'\["x"\]: object key \(1, 2\)'),
     (_with_args({"x": object()}), _A + r'\["x"\]: object'),
     # partial: a JSON boolean, true only on the final message, which is an assistant message
     ({"messages": [_U, {"role": "assistant", "content": "x", "partial": "false"}]},
@@ -291,7 +292,8 @@ MALFORMED = [
     ({"messages": [_U], "tools": [{"type": "function", "name": None}]}, r"^tools\[0\]\.name"),
     ({"messages": [_U], "tools": [_tool({"name": "f", "parameters": {"enum": {1}}})]},
      r'^tools\[0\]\["function"\]\["parameters"\]\["enum"\]: set'),
-    ({"messages": [{"role": "system", "tools": [_tool({"name": 5})]}, _U]}, r"messages\[0\]\.tools\[0\]\.function\.name"),
+    ({"messages": [{"role": "system", "tools": [_tool({"name": 5})]}, _U]},
+     r"messages\[0\]\.tools\[0\]\.function\.name"),
     ({"messages": [{"role": "system", "tools": [_tool({"description": "d"})]}, _U]},
      r"messages\[0\]\.tools\[0\]\.function\.name"),
     ({"messages": [{"role": "system", "tools": "f"}, _U]}, r"messages\[0\]\.tools: must be a list"),

@@ -4,6 +4,7 @@ UTF-8-safe incremental decoding, trained byte-level BPEs, save/load round trips.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +18,7 @@ from openk3.tokenizer import (
     _split_runs,
     load_tokenizer,
 )
-from tests.conftest import shared_path
+from tests.conftest import kimi_tokenizer, shared_path
 
 SPECIAL_STRINGS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOS]", "[BOS]", "<|media_pad|>",
                    "<|kimi_image_placeholder|>", "<|reserved_token_163600|>", "<osagent_mode>", "[PAD]"]
@@ -26,7 +27,8 @@ HYP = settings(max_examples=80, deadline=None, suppress_health_check=[HealthChec
 
 @pytest.fixture(scope="module")
 def kimi() -> Tokenizer:
-    return load_tokenizer(shared_path("kimi-tokenizer"))
+    # The session-wide instance: it caches the ~4 s tokenizer.json conversion of save_pretrained.
+    return kimi_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +132,8 @@ def test_long_whitespace_run_round_trips(kimi):
 
 # ----------------------------------------------------------------------------- streaming decode
 
-_KIMI = None
-
-
 def _kimi_cached() -> Tokenizer:
-    global _KIMI
-    if _KIMI is None:
-        _KIMI = load_tokenizer(shared_path("kimi-tokenizer"))
-    return _KIMI
+    return kimi_tokenizer()
 
 
 @st.composite
@@ -198,7 +194,8 @@ def test_decode_rejects_out_of_range(kimi):
 
 def test_kimi_save_pretrained_round_trip(kimi, tmp_path):
     paths = kimi.save_pretrained(tmp_path)
-    assert {p.name for p in paths} == {"tiktoken.model", "tokenizer_config.json", "chat_template.jinja"}
+    assert {p.name for p in paths} == {"tiktoken.model", "tokenizer.json", "tokenizer_config.json",
+                                       "chat_template.jinja"}
     assert (tmp_path / "tiktoken.model").read_bytes() == shared_path("kimi-tokenizer", "tiktoken.model").read_bytes()
     assert (tmp_path / "chat_template.jinja").read_text() == chat_template()
     again = load_tokenizer(tmp_path)
@@ -210,19 +207,25 @@ def test_kimi_save_pretrained_round_trip(kimi, tmp_path):
 @pytest.mark.slow
 def test_kimi_save_pretrained_loads_in_transformers_without_remote_code(kimi, tmp_path):
     """The official config's ``auto_map`` names ``tokenization_kimi.py``, which openk3 does not ship;
-    it is left out of the written config, so AutoTokenizer loads the directory without remote code
-    (converting ``tiktoken.model``) and agrees with openk3 on ids and the chat template."""
+    it is left out of the written config, and the written ``tokenizer.json`` carries the Kimi regex,
+    so AutoTokenizer loads the directory without remote code and gives openk3's ids (transformers'
+    own conversion of ``tiktoken.model`` splits ``it's`` as ``it`` + ``'s``)."""
     transformers = pytest.importorskip("transformers")
     assert "auto_map" in kimi.config  # the source config has it; only the written copy drops it
     kimi.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    assert "auto_map" not in written
     assert written == {k: v for k, v in kimi.config.items() if k != "auto_map"}
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), trust_remote_code=False)
-    text = "Café ☕️ 拉面 1234567 it's\n\n  x\tÿ"  # plain text (HF would map a typed <|open|> to markup)
-    assert hf.encode(text, add_special_tokens=False) == kimi.encode_text(text)
-    assert hf.decode(kimi.encode_text(text)) == text
-    assert hf.convert_tokens_to_ids(["<|open|>", "<|end_of_msg|>"]) == [kimi.open_id, kimi.end_of_msg_id]
+    rng = random.Random(0)
+    alphabet = "aZq'sTé中文拉面 \n\t\r0123.,!?😀Ωßǅ\u0301ـ한"
+    texts = ["it's", "THEY'LL ve'd", "Café ☕️ 拉面 1234567\n\n  x\tÿ", "中文English混合テスト한국어 iPhone's",
+             "def f(x):\n    return x**2  # ok\r\n"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(300)]
+    for text in texts:  # plain text: HF (like any HF tokenizer) would map a typed <|open|> to markup
+        assert hf.encode(text, add_special_tokens=False) == kimi.encode_text(text), text
+    assert hf.decode(kimi.encode_text(texts[2])) == texts[2]
+    names = sorted(kimi.special_tokens, key=kimi.special_tokens.get)
+    assert hf.convert_tokens_to_ids(names) == sorted(kimi.special_ids) and len(hf) == kimi.vocab_size
     assert hf.chat_template == chat_template()
 
 

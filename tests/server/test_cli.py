@@ -5,20 +5,19 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from openk3.cli import main as cli
 from tests.server.conftest import API_KEY, REPO
 
 
-def test_serve_without_model_exits_2():
-    r = subprocess.run([sys.executable, "-m", "openk3.cli", "serve"], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2
-    assert "no MODEL given" in r.stderr and "openk3 serve CHECKPOINT_DIR" in r.stderr
+def test_serve_without_model_exits_2(capsys):
+    assert cli(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "no MODEL given" in err and "openk3 serve CHECKPOINT_DIR" in err
 
 
-def test_serve_rejects_a_missing_directory(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "openk3.cli", "serve", str(tmp_path / "nope")], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "not a checkpoint directory" in r.stderr
+def test_serve_rejects_a_missing_directory(tmp_path, capsys):
+    assert cli(["serve", str(tmp_path / "nope")]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
 
 
 def test_capabilities_example(server):

@@ -1,0 +1,91 @@
+"""Server pieces without a server: stop-string filtering, the Anthropic -> chat mapping, metrics."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openk3.server.anthropic import to_chat_body
+from openk3.server.metrics import Metrics
+from openk3.server.protocol import APIError
+from openk3.server.serving import StopFilter
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30), stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=3),
+                                                                  max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=6))
+def test_stop_filter_matches_a_one_shot_search(text, stops, cuts):
+    """However the text is split into deltas, the emitted text is the prefix before the earliest
+    stop string (reference: a plain search over the whole text), and the match is reported."""
+    f = StopFilter(stops)
+    bounds = sorted({0, len(text), *[min(c, len(text)) for c in cuts]})
+    out, hit = [], None
+    for a, b in zip(bounds, bounds[1:]):
+        piece, hit = f.feed(text[a:b])
+        out.append(piece)
+        if hit is not None:
+            break
+    if hit is None:
+        out.append(f.flush())
+    found = [(text.find(s), s) for s in stops if s in text]
+    if found:
+        pos = min(p for p, _ in found)
+        assert "".join(out) == text[:pos]
+        assert hit is not None and text.find(hit) == pos
+    else:
+        assert "".join(out) == text and hit is None
+
+
+def test_anthropic_mapping():
+    req = {"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}],
+           "tools": [{"name": "t", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"},
+           "stop_sequences": ["END"], "messages": [
+               {"role": "user", "content": "hi"},
+               {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                                 {"type": "text", "text": "ok"},
+                                                 {"type": "tool_use", "id": "functions.t:0", "name": "t",
+                                                  "input": {"a": 1}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "functions.t:0", "content": "42"},
+                                            {"type": "text", "text": "thanks"}]}]}
+    body = to_chat_body(req)
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok", "reasoning_content": "hm", "tool_calls": [
+            {"id": "functions.t:0", "type": "function", "function": {"name": "t", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "functions.t:0", "content": "42"},
+        {"role": "user", "content": [{"type": "text", "text": "thanks"}]}]
+    assert body["tool_choice"] == "required" and body["stop"] == ["END"] and body["max_completion_tokens"] == 9
+    assert body["tools"][0]["function"]["parameters"] == {"type": "object"}
+    prefill = to_chat_body({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"},
+                                                                       {"role": "assistant", "content": "Sure"}]})
+    assert prefill["messages"][-1] == {"role": "assistant", "content": "Sure", "partial": True}
+    no_thinking = dict(req, messages=[req["messages"][0], {"role": "assistant", "content": [
+        req["messages"][1]["content"][2]]}])
+    with pytest.raises(APIError, match="thinking block is missing"):
+        to_chat_body(no_thinking)
+    assert "reasoning_content" not in to_chat_body(no_thinking, thinking_on=False)["messages"][1]
+
+
+def test_metrics_read_engine_stats():
+    stats = {"running": 2, "waiting": 5, "mla_blocks": {"used": 7, "free": 3},
+             "prefix_cache": {"enabled": True, "mla": {"queries": 40, "hits": 16},
+                              "kda": {"queries": 4, "hits": 1, "hit_tokens": 512}}}
+    m = Metrics(lambda: stats)
+    m.finished(None, {"prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 3}, 0.5)
+    text = m.render().decode()
+
+    def value(pattern: str) -> float:
+        return float(re.search(rf"^{pattern} (\S+)$", text, re.M).group(1))
+
+    assert value("openk3_requests_running") == 2 and value("openk3_requests_waiting") == 5
+    assert value(r'openk3_prefix_cache_hits_total\{pool="mla"\}') == 16
+    assert value(r'openk3_prefix_cache_queries_total\{pool="kda"\}') == 4
+    assert value(r'openk3_engine_stat\{key="mla_blocks.used"\}') == 7
+    assert value("openk3_prompt_tokens_total") == 10 and value("openk3_cached_tokens_total") == 4
+    broken = Metrics(lambda: 1 / 0).render().decode()  # a failing stats call never breaks a scrape
+    assert "openk3_requests_running 0.0" in broken
