@@ -143,13 +143,13 @@ class _TinyMoELM(nn.Module):
     which every routed-expert GEMM is on the training path (the full tiny model is too slow to train
     in a unit test on two shared CPU cores)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, vocab: int):
         super().__init__()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(vocab, cfg.hidden_size)
         nn.init.normal_(self.embed.weight, std=1.0)
         self.norm1, self.norm2 = RMSNorm(cfg.hidden_size, 1e-6), RMSNorm(cfg.hidden_size, 1e-6)
         self.moe = LatentMoE(cfg, 1)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.hidden_size, vocab, bias=False)
 
     def forward(self, ids):
         h = self.embed(ids)
@@ -159,9 +159,8 @@ class _TinyMoELM(nn.Module):
 
 def _train(qat: str | None, steps: int = 40) -> list[float]:
     torch.manual_seed(11)
-    cfg = _cfg().replace(vocab_size=64, initializer_range=0.1, hidden_size=64, moe_intermediate_size=64,
-                         routed_expert_hidden_size=64)
-    net = _TinyMoELM(cfg)
+    cfg = _cfg().replace(initializer_range=0.1, hidden_size=64, moe_intermediate_size=64, routed_expert_hidden_size=64)
+    net = _TinyMoELM(cfg, vocab=64)
     model_qat(net, qat)
     data = torch.Generator().manual_seed(5)
     perm = torch.randperm(64, generator=data)
