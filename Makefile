@@ -31,8 +31,10 @@ test-deps: $(VENV)/.test-installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/openk3 serve $(ARGS)
 
+# One OpenMP thread: the suite runs many tiny-model forwards whose ops are far below the size
+# where a second thread pays off (and a busy machine makes thread hand-offs very slow).
 test: $(VENV)/.test-installed
-	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

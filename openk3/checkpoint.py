@@ -123,6 +123,8 @@ def to_hf_state_dict(
             if m["s"] == "weight_packed":  # its weight_scale is written with it
                 put_experts(m, None, (t, state_dict[f"{m['pre']}.{m['w']}.weight_scale"]))
             continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied to embed_tokens: stored once, as transformers does
         if name.endswith("self_attn.A_log") and not config.is_k3:
             t = t.reshape(1, 1, -1, 1)
         out[pre + name] = t
@@ -269,25 +271,50 @@ def from_hf_state_dict(
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (single file or sharded with an index)."""
+    """All tensors of a checkpoint directory (single file, or sharded with an index).
+
+    Raises:
+        FileNotFoundError: no weights, or a shard named by the index is missing.
+        ValueError: a malformed index (not an object, a shard outside the directory, a tensor
+            listed for a shard that does not hold it) or an unreadable safetensors file (named).
+    """
     index = os.path.join(path, INDEX_NAME)
-    files: list[str]
+    plan: dict[str, list[str] | None]  # shard file -> tensors to read (None: all of them)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{index}: not a readable JSON index ({e})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file")
+        plan = {}
+        for name, fn in weight_map.items():
+            if not isinstance(fn, str) or os.path.basename(fn) != fn or fn in ("", ".", ".."):
+                raise ValueError(f"{index}: tensor {name!r} maps to {fn!r}, not a file name in the checkpoint directory")
+            plan.setdefault(fn, []).append(name)
     elif os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
-        files = [WEIGHTS_NAME]
+        plan = {WEIGHTS_NAME: None}
     else:
         raise FileNotFoundError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path!r}")
     tensors: dict[str, torch.Tensor] = {}
-    for fn in files:
+    for fn in sorted(plan):
         full = os.path.join(path, fn)
         if not os.path.isfile(full):
             raise FileNotFoundError(f"checkpoint shard {full!r} listed in the index is missing")
-        with safe_open(full, framework="pt") as f:
-            for k in f.keys():
-                tensors[k] = f.get_tensor(k)
+        try:
+            with safe_open(full, framework="pt") as f:
+                keys = set(f.keys())
+                wanted = plan[fn] if plan[fn] is not None else sorted(keys)
+                for k in wanted:
+                    if k not in keys:
+                        raise ValueError(f"{full}: the index lists tensor {k!r} in this shard, but it is not there")
+                    tensors[k] = f.get_tensor(k)
+        except ValueError:
+            raise
+        except Exception as e:  # safetensors raises its own error type for damaged files
+            raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     return tensors
 
 

@@ -61,6 +61,7 @@ def count_parameters(config: K3Config) -> dict:
             by[comp]["active"] += n // E * k
         elif comp == "embedding" and not config.tie_word_embeddings:
             pass  # a lookup, not a matmul: active counts one vocabulary matrix (the head)
+        # (tied: named_parameters lists the shared matrix once, as the embedding, and it is active)
         else:
             by[comp]["active"] += n
     total = sum(v["total"] for v in by.values())

@@ -23,7 +23,21 @@ def build_model(config: K3Config, *, device: str | torch.device = "cpu", dtype: 
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     model.init_weights(generator=gen)
-    return model.to(dtype=dtype) if dtype != torch.float32 else model
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty() unties shared params
+    return cast_model_(model, dtype)
+
+
+def cast_model_(model: K3ForCausalLM, dtype: torch.dtype) -> K3ForCausalLM:
+    """Cast floating parameters and buffers to ``dtype`` in place, keeping the tensors the release
+    keeps in fp32 (``A_log``, ``dt_bias``, the router weight and ``e_score_correction_bias``)."""
+    from openk3.model import _keeps_fp32
+
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point():
+                t.data = t.data.to(torch.float32 if _keeps_fp32(name) else dtype)
+    return model
 
 
 def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cpu",
@@ -55,11 +69,26 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
         from openk3.quant.packed import pack_experts
 
         pack_experts(model)  # meta skeleton: packed buffers to be assigned from the file
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+    meta_state = model.state_dict()
+    tied = config.tie_word_embeddings
+    expected = {k: v.shape for k, v in meta_state.items() if not (tied and k == "lm_head.weight")}
     tensors = read_safetensors(path)
     state = from_hf_state_dict(tensors, config, expected)
-    if dtype is not None:
-        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-    state = {k: v.to(device) for k, v in state.items()}
+    for k, v in state.items():
+        if meta_state[k].is_floating_point() and not v.is_floating_point():
+            raise ValueError(f"checkpoint tensor {k}: dtype {v.dtype} where a floating tensor is expected")
+    # One compute dtype for the whole model (the file's embedding dtype unless `dtype` is given);
+    # the release's fp32 tensors stay fp32 whatever it is.
+    from openk3.model import _keeps_fp32
+
+    target = dtype or state["model.embed_tokens.weight"].dtype
+    state = {
+        k: (v.to(torch.float32 if _keeps_fp32(k) else target) if v.is_floating_point() else v).to(device)
+        for k, v in state.items()
+    }
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

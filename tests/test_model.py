@@ -229,3 +229,60 @@ def test_out_of_range_token_ids_raise_value_error():
             model(bad)
     with pytest.raises(ValueError, match="input_ids: expected an int64"):
         model(torch.tensor([[1.0]]))
+
+
+def test_damaged_checkpoints_raise_value_errors_naming_the_file(tmp_path):
+    model = build_model(preset("k3-test-tiny"))
+    model.save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        load_pretrained(tmp_path)
+    f.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_pretrained(tmp_path)
+    f.unlink()
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="weight_map"):
+        load_pretrained(tmp_path)
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "../../etc/passwd"}}))
+    with pytest.raises(ValueError, match="not a file name in the checkpoint directory"):
+        load_pretrained(tmp_path)
+
+
+def test_dtypes_on_load_and_build(tmp_path):
+    model = sharp(build_model(preset("k3-test-tiny"), seed=8))
+    tensors = None
+    model.save_pretrained(tmp_path)
+    tensors = read_safetensors(str(tmp_path))
+    mixed = dict(tensors)
+    mixed["lm_head.weight"] = mixed["lm_head.weight"].to(torch.bfloat16)  # a stray bf16 tensor
+    save_file(mixed, str(tmp_path / "model.safetensors"))
+    back = load_pretrained(tmp_path)
+    assert back.lm_head.weight.dtype == torch.float32
+    back(torch.randint(0, 512, (1, 5)))  # one compute dtype: runs
+    ints = dict(tensors)
+    ints["model.embed_tokens.weight"] = ints["model.embed_tokens.weight"].to(torch.int64)
+    save_file(ints, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.embed_tokens.weight: dtype torch.int64"):
+        load_pretrained(tmp_path)
+    bf = build_model(preset("k3-test-tiny"), dtype=torch.bfloat16)
+    dtypes = {n: t.dtype for n, t in list(bf.named_parameters()) + list(bf.named_buffers())}
+    assert dtypes["model.layers.0.self_attn.A_log"] == torch.float32
+    assert dtypes["model.layers.1.block_sparse_moe.gate.weight"] == torch.float32
+    assert dtypes["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"] == torch.float32
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+
+
+def test_tied_embeddings_stay_tied(tmp_path):
+    model = build_model(preset("k3-test-tiny").replace(tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in read_safetensors(str(tmp_path))
+    back = load_pretrained(tmp_path)
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    ids = torch.randint(0, 512, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
