@@ -6,7 +6,6 @@ import torch
 
 from openk3.engine import Engine, SamplingParams
 
-GREEDY = dict(temperature=0.0)
 
 
 def prompts_of(lengths, seed: int = 5, vocab: int = 512) -> list[list[int]]:
