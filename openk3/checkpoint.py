@@ -56,7 +56,9 @@ _PER_EXPERT = re.compile(
 )
 _PACKED_PAIR = ("weight_packed", "weight_scale")
 _MXFP4_FORMAT = "mxfp4-pack-quantized"
-# Tensors of the multimodal wrapper that the text model does not own (vision issue).
+# Tensors of the multimodal wrapper that the text model does not own: skipped by
+# from_hf_state_dict (openk3.pretrained loads them into K3ForConditionalGeneration), written under
+# their own names by to_hf_state_dict.
 _FOREIGN_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
@@ -85,7 +87,8 @@ def to_hf_state_dict(
 
     Args:
         state_dict: from ``K3ForCausalLM.state_dict()`` (dense ``experts.w1`` stacks and/or packed
-            ``experts.w1.weight_packed`` / ``.weight_scale`` stacks).
+            ``experts.w1.weight_packed`` / ``.weight_scale`` stacks); ``vision_tower.*`` /
+            ``mm_projector.*`` entries (``K3ForConditionalGeneration``) are written unchanged.
         config: decides the ``language_model.`` prefix and the ``A_log`` layout.
         quantization: None writes routed experts as float ``experts.{e}.wN.weight`` (packed stacks
             are dequantized exactly); "mxfp4" writes ``weight_packed`` uint8 [O, K/2] +
@@ -122,6 +125,9 @@ def to_hf_state_dict(
         if m:
             if m["s"] == "weight_packed":  # its weight_scale is written with it
                 put_experts(m, None, (t, state_dict[f"{m['pre']}.{m['w']}.weight_scale"]))
+            continue
+        if name.startswith(_FOREIGN_PREFIXES):
+            out[name] = t  # the vision tower and projector sit beside language_model.*, unprefixed
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied to embed_tokens: stored once, as transformers does

@@ -135,6 +135,45 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from openk3.bench import BENCHMARKS, format_targets, run_benchmark
+    from openk3.bench.common import write_json
+
+    if args.list or not args.name:
+        for name, (_, what) in BENCHMARKS.items():
+            print(f"{name:<18}{what}")
+        return 0 if args.list else 2
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"openk3 bench: --set {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    results = []
+    try:
+        for name in names:
+            results.append(run_benchmark(name, quick=args.quick, reps=args.reps, **overrides))
+            print(format_targets(results[-1]), file=sys.stderr, flush=True)
+    except ValueError as e:
+        print(f"openk3 bench: {e}", file=sys.stderr)
+        return 2
+    out = results[0] if len(results) == 1 else {"benchmarks": results}
+    if args.out:
+        write_json(out, args.out)
+    else:
+        print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openk3", description="Kimi K3 reference implementation")
     sub = p.add_subparsers(dest="command", required=True)
@@ -212,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer.add_argument("--min-frequency", type=int, default=2, help="minimum pair count to merge (default 2)")
     tokenizer.add_argument("--max-mb", type=float, help="train on at most this many MB of text")
     tokenizer.set_defaults(func=_cmd_train_tokenizer)
+
+    bench = sub.add_parser("bench", help="benchmarks vs peers, side by side (JSON out; see README 'Benchmarks')")
+    bench.add_argument("name", nargs="?", help="benchmark name, or 'all' (see --list)")
+    bench.add_argument("--out", help="write the JSON result here (default: print it)")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes, one repetition: checks it runs and agrees")
+    bench.add_argument("--reps", type=int, help="timed repetitions (default 5)")
+    bench.add_argument("--threads", type=int, help="torch CPU threads (default: torch's / OMP_NUM_THREADS)")
+    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a benchmark setting, e.g. --set hidden=512 (JSON values)")
+    bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    bench.set_defaults(func=_cmd_bench)
 
     train = sub.add_parser("train", help="train a model with a recipe (resumable; JSONL metrics, PNG plot)")
     train.add_argument("--recipe", help="registered recipe name (see --list) or module:function")

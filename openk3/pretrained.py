@@ -1,7 +1,9 @@
 """``load_pretrained``: build a :class:`~openk3.model.K3ForCausalLM` from a checkpoint directory.
 
 The model is constructed on the meta device (no memory, no init) and the checkpoint tensors are
-assigned directly, so loading costs one copy of the weights.
+assigned directly, so loading costs one copy of the weights. A ``kimi_k3`` config with a
+``vision_config`` builds :class:`~openk3.multimodal.K3ForConditionalGeneration` (the text model
+plus ``vision_tower`` / ``mm_projector``) when the file holds the vision tensors.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from openk3.model import K3ForCausalLM
 
 def build_model(config: K3Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int | None = 0) -> K3ForCausalLM:
-    """A freshly initialised model (``K3ForCausalLM.init_weights``) on ``device`` in ``dtype``."""
+    """A freshly initialised model (``K3ForCausalLM.init_weights``) on ``device`` in ``dtype``:
+    :class:`~openk3.multimodal.K3ForConditionalGeneration` when the config has a ``vision_config``
+    (its tower and projector get the same init rules), else the text-only ``K3ForCausalLM``."""
+    from openk3.multimodal import model_class_for
+
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = model_class_for(config)(config)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     model.init_weights(generator=gen)
@@ -56,23 +62,31 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
             take the dtype of ``embed_tokens``).
         keep_packed: hold routed experts packed (see above).
     Returns:
-        ``K3ForCausalLM`` in eval mode.
+        ``K3ForCausalLM`` in eval mode; a ``K3ForConditionalGeneration`` when the config has a
+        ``vision_config`` and the file has ``vision_tower.*`` / ``mm_projector.*`` tensors (a
+        wrapper config whose file has none of them loads as the text model).
     Raises:
         FileNotFoundError: no config or weights.
         ValueError: a missing / mis-shaped / unexpected tensor, named in the message.
     """
+    from openk3.multimodal import VISION_PREFIXES, K3ForConditionalGeneration, vision_config_of
+    from openk3.vision.weights import load_vision_weights
+
     path = os.fspath(path)
     config = K3Config.from_pretrained(path)
+    tensors = read_safetensors(path)
+    # Vision tensors without a vision_config are ignored, as the text model always did.
+    with_vision = vision_config_of(config) is not None and any(k.startswith(VISION_PREFIXES) for k in tensors)
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = K3ForConditionalGeneration(config) if with_vision else K3ForCausalLM(config)
     if keep_packed:
         from openk3.quant.packed import pack_experts
 
         pack_experts(model)  # meta skeleton: packed buffers to be assigned from the file
     meta_state = model.state_dict()
     tied = config.tie_word_embeddings
-    expected = {k: v.shape for k, v in meta_state.items() if not (tied and k == "lm_head.weight")}
-    tensors = read_safetensors(path)
+    expected = {k: v.shape for k, v in meta_state.items()
+                if not (tied and k == "lm_head.weight") and not k.startswith(VISION_PREFIXES)}
     state = from_hf_state_dict(tensors, config, expected)
     for k, v in state.items():
         if meta_state[k].is_floating_point() and not v.is_floating_point():
@@ -88,7 +102,17 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
     }
     if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
+    if with_vision:
+        vision = {k: (v.to(target) if v.is_floating_point() else v).to(device)
+                  for k, v in tensors.items() if k.startswith(VISION_PREFIXES)}
+        for module in (model.vision_tower, model.mm_projector):
+            load_vision_weights(module, vision, assign=True)  # strict per prefix: names and shapes
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if not k.startswith(VISION_PREFIXES)]
+        if missing or unexpected:  # from_hf_state_dict already checked both; kept as a guard
+            raise ValueError(f"checkpoint: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    else:
+        model.load_state_dict(state, strict=True, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

@@ -42,8 +42,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, constraint=None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request until it finishes.
+                       request_id: str | None = None, mm_inputs=None) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request until it finishes (``mm_inputs``: image inputs, see
+        :meth:`Engine.add_request`).
 
         Raises (on the first ``__anext__``):
             ValueError: invalid request (``Engine.check_request``) or a duplicate request id.
@@ -57,7 +58,7 @@ class AsyncEngine:
         if self._error is not None:
             raise RuntimeError("AsyncEngine: the engine thread failed") from self._error
         params = params or SamplingParams()
-        self.engine.check_request(prompt_ids, params, constraint)
+        self.engine.check_request(prompt_ids, params, constraint, mm_inputs)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -68,7 +69,7 @@ class AsyncEngine:
             if waiting >= self.engine.config.max_waiting:
                 raise EngineOverloaded(f"{waiting} requests waiting (max_waiting={self.engine.config.max_waiting})")
             self._streams[rid] = (loop, queue)
-            self._cmds.append(("add", rid, list(prompt_ids), params, constraint))
+            self._cmds.append(("add", rid, list(prompt_ids), params, constraint, mm_inputs))
             self._pending_adds += 1
             self._cond.notify()
         done = False
@@ -128,11 +129,11 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, constraint = cmd
+            _, rid, prompt, params, constraint, mm_inputs = cmd
             with self._cond:
                 self._pending_adds -= 1
             try:
-                self.engine.add_request(prompt, params, constraint, request_id=rid)
+                self.engine.add_request(prompt, params, constraint, request_id=rid, mm_inputs=mm_inputs)
             except Exception as e:  # noqa: BLE001 - handed to the waiting consumer
                 self._deliver(rid, e)
         elif kind == "abort":

@@ -1,5 +1,6 @@
 """The inference engine: continuous batching over a paged MLA latent pool, KDA state slots and a
-KDA-aware prefix cache. Token ids in, token ids out (engine API contract, notes/engine_api.md).
+KDA-aware prefix cache. Token ids in, token ids out (engine API contract, notes/engine_api.md);
+image requests also carry :class:`~openk3.engine.mm.ImageInput` (features for the pad positions).
 
 Shape legend: B rows of one batched forward, T tokens per row (right padded), V vocabulary,
 MB block-table width, L block size.
@@ -19,6 +20,12 @@ One :meth:`Engine.step`:
 The model runs unchanged: each forward gets a :class:`~openk3.cache.HybridCache` whose entries are
 pool views (:class:`~openk3.cache.SlotKDAState` rows of the slot pool,
 :class:`~openk3.cache.PagedMLACache` block tables into the latent pool).
+
+Images: the first prefill piece of a request that reaches an image runs the model's vision tower
+(``encode_images``) on all its not-yet-cached images at once; every piece then feeds
+``inputs_embeds`` = token embeddings with the piece's pad positions replaced by the matching rows of
+the features, so a prefill chunk may end anywhere inside an image's pad run. Features are dropped
+once the prompt is computed; prefix-cache keys of image blocks include the image content hash.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
 from openk3.config import KDA
 from openk3.engine.kv_pool import MLABlockPool, SlotPool, SnapshotPool, cache_layout
+from openk3.engine.mm import check_images, image_span, merged_count
 from openk3.engine.planner import sequence_bytes
 from openk3.engine.prefix_cache import PrefixCache, extend_keys
 from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
@@ -185,13 +193,20 @@ class Engine:
         return int(cfg.max_num_seqs * sequence_bytes(mc, tokens, self.dtype) / (1 - frac))
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, prompt_ids: list[int], params: SamplingParams, constraint=None) -> int:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, constraint=None,
+                      mm_inputs=None) -> int:
         """Validate a request without queueing it; returns its effective max_tokens.
 
+        Args:
+            mm_inputs: optional list of :class:`~openk3.engine.mm.ImageInput` (see :meth:`add_request`).
         Raises:
             ValueError: empty prompt, ids outside the vocabulary, bad params, stop strings without
-                ``detokenize``, or a prompt that can never fit (>= max_model_len).
+                ``detokenize``, a prompt that can never fit (>= max_model_len), or a bad image input
+                (:func:`~openk3.engine.mm.check_images`).
         """
+        return self._check(prompt_ids, params, constraint, mm_inputs)[0]
+
+    def _check(self, prompt_ids, params, constraint, mm_inputs) -> tuple[int, list]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
@@ -210,18 +225,28 @@ class Engine:
             )
         if constraint is not None and not callable(getattr(constraint, "allowed_tokens", None)):
             raise ValueError("constraint: needs allowed_tokens(), accept(token_id) and is_finished()")
-        return min(params.max_tokens, self.max_model_len - len(prompt_ids))
+        vc = getattr(self.model, "vision_config", None)
+        images = check_images(mm_inputs, prompt_ids, hidden_size=self.model_config.hidden_size,
+                              pad_id=self.model_config.media_placeholder_token_id,
+                              merge_kernel=vc.merge_kernel_size if vc is not None else None,
+                              patch_size=vc.patch_size if vc is not None else None)
+        return min(params.max_tokens, self.max_model_len - len(prompt_ids)), images
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, constraint=None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, mm_inputs=None) -> str:
         """Queue a request; returns its id.
 
+        Args:
+            prompt_ids: the prompt (images already expanded: one media pad id per image token).
+            mm_inputs: one :class:`~openk3.engine.mm.ImageInput` per image: its pad positions, its
+                content hash and either pixel values (the model's tower encodes them) or
+                precomputed [N, D] features.
         Raises:
             ValueError: see :meth:`check_request`; a request id already in use.
             EngineOverloaded: the waiting queue holds ``max_waiting`` requests.
         """
         params = params or SamplingParams()
-        max_tokens = self.check_request(prompt_ids, params, constraint)
+        max_tokens, images = self._check(prompt_ids, params, constraint, mm_inputs)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self._requests:
             raise ValueError(f"request_id={rid!r}: already in use")
@@ -229,7 +254,7 @@ class Engine:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests waiting (max_waiting="
                                    f"{self.config.max_waiting})")
         req = Request(rid, list(prompt_ids), params, constraint, next(self._arrival), max_tokens,
-                      tokens=list(prompt_ids))
+                      tokens=list(prompt_ids), images=images, spans=[image_span(im) for im in images])
         if not params.greedy:
             seed = params.seed
             if seed is None and self._seeds is not None:
@@ -312,7 +337,9 @@ class Engine:
         past = torch.tensor([s for _, s, _ in items], dtype=torch.long, device=dev)
         cache = HybridCache(layers=layers, lengths=past)
         full = all(e - s == T for _, s, e in items)
-        hidden = self.model.model(ids, cache, lengths=None if full else lens)
+        embeds = self._image_embeds(items, ids)
+        hidden = self.model.model(None if embeds is not None else ids, cache, inputs_embeds=embeds,
+                                  lengths=None if full else lens)
         for r, _, e in items:
             r.num_computed = e
         rows = [i for i in range(B) if need[i]]
@@ -322,18 +349,54 @@ class Engine:
         h = hidden[idx, lens[idx] - 1]
         return self.model.lm_head(h).float()
 
+    def _image_embeds(self, items: list[tuple[Request, int, int]], ids: torch.Tensor) -> torch.Tensor | None:
+        """[B, T, D] inputs for rows whose piece overlaps an image (None when no row does):
+        token embeddings with each overlapped pad position replaced by its feature row."""
+        hits = [(row, r, s, e) for row, (r, s, e) in enumerate(items)
+                if r.images and any(im.positions.start < e and s < im.positions.stop for im in r.images)]
+        if not hits:
+            return None
+        embeds = self.model.model.embed_tokens(ids)
+        for row, r, s, e in hits:
+            feats = self._features(r)
+            for im, f in zip(r.images, feats):
+                a, b = max(s, im.positions.start), min(e, im.positions.stop)
+                if a < b:
+                    off = im.positions.start
+                    embeds[row, a - s:b - s] = f[a - off:b - off].to(embeds.dtype)
+        return embeds
+
+    def _features(self, r: Request) -> list:
+        """Per image of ``r``, its [N, D] features on the model's device (None for images entirely
+        below ``num_computed``, i.e. served by the prefix cache). The tower runs once per request,
+        on every image it still needs, packed in one call."""
+        if r.image_features is None:
+            need = [i for i, im in enumerate(r.images) if im.features is None and im.positions.stop > r.num_computed]
+            feats = [im.features.to(self.device) if im.features is not None else None for im in r.images]
+            if need:
+                pv = torch.cat([r.images[i].pixel_values for i in need]).to(self.device)
+                grids = [tuple(int(v) for v in r.images[i].grid_thw) for i in need]
+                out = self.model.encode_images(pv, grids)
+                kernel = self.model.vision_config.merge_kernel_size
+                for i, f in zip(need, out.split([merged_count(g, kernel) for g in grids])):
+                    feats[i] = f
+            r.image_features = feats
+        return r.image_features
+
     def _computed(self, r: Request, logits: torch.Tensor | None) -> None:
         """Publish newly full blocks and take the snapshots due at ``r.num_computed``."""
+        if r.images and r.num_computed >= len(r.prompt):
+            r.images, r.image_features = [], None  # prompt done: pixels and features are no longer needed
         if not self.prefix.enabled:
             return
         L = self.layout.block_size
-        extend_keys(r.keys, r.tokens, L)
+        extend_keys(r.keys, r.tokens, L, r.key_salt)
         r.published = self.prefix.publish_blocks(r.keys, r.blocks, r.num_computed // L, r.published)
         p = r.num_computed
         if p == len(r.prompt) and logits is not None:
-            self.prefix.save(r.tokens, r.keys, p, self.slots, r.slot, r.blocks, logits)
+            self.prefix.save(r.tokens, r.keys, p, self.slots, r.slot, r.blocks, logits, salt=r.key_salt)
         elif p % self.prefix.interval == 0:
-            self.prefix.save(r.tokens, r.keys, p, self.slots, r.slot, r.blocks)
+            self.prefix.save(r.tokens, r.keys, p, self.slots, r.slot, r.blocks, salt=r.key_salt)
 
     # ------------------------------------------------------------------ sampling and stopping
     def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:
@@ -395,8 +458,8 @@ class Engine:
     def _finish(self, r: Request, new: list[int], reason: str, stop_reason, lps) -> RequestOutput:
         if reason in ("stop", "length") and self.prefix.enabled and r.slot is not None:
             # Sequence-end snapshot: a follow-up turn that extends this conversation resumes here.
-            extend_keys(r.keys, r.tokens, self.layout.block_size)
-            self.prefix.save(r.tokens, r.keys, r.num_computed, self.slots, r.slot, r.blocks)
+            extend_keys(r.keys, r.tokens, self.layout.block_size, r.key_salt)
+            self.prefix.save(r.tokens, r.keys, r.num_computed, self.slots, r.slot, r.blocks, salt=r.key_salt)
         self.scheduler.release(r)
         self._requests.pop(r.request_id, None)
         r.finished, r.finish_reason, r.stop_reason = True, reason, stop_reason

@@ -23,6 +23,10 @@ Design (the three granularities of §2.5 item 2, kept apart):
   tokens)``. A hit copies them into a private block (copy-on-write), so prompts shorter than one
   block and prompts of any length still hit (vllm #40696, #50235).
 
+* **Image positions** (issue 9): a block or tail that overlaps an image's pad run also hashes the
+  image's content hash and position (the ``salt`` arguments, :mod:`openk3.engine.mm`), so identical
+  ids with different images never share those blocks or snapshots.
+
 Hit rule (§2.5 item 4): walk the block chain as far as it matches (the MLA hit), then take the
 **deepest snapshot not beyond it** whose position is < the prompt length, or == the prompt length
 if it carries logits. The request resumes there: its KDA slot receives a copy of the snapshot
@@ -35,6 +39,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -47,21 +52,34 @@ def _token_bytes(tokens) -> bytes:
     return array("q", tokens).tobytes()
 
 
-def chain_key(parent: bytes, block_tokens) -> bytes:
-    """Key of a full block given its parent's key and its L tokens."""
-    return hashlib.sha256(parent + b"B" + _token_bytes(block_tokens)).digest()
+Salt = Callable[[int, int], bytes]  # (start, end) -> key material of non-token inputs in [start, end)
 
 
-def tail_key(parent: bytes, tail_tokens) -> bytes:
-    """Key of an unaligned boundary: ``len(tail_tokens)`` (1..L-1) tokens after block key ``parent``."""
-    return hashlib.sha256(parent + b"T" + _token_bytes(tail_tokens)).digest()
+def _salted(data: bytes, salt: bytes) -> bytes:
+    # Token bytes are a multiple of 8 long; b"M" + a 32-byte digest is not, so salted and unsalted
+    # inputs can never collide. Blocks without salt hash exactly as before.
+    return data + b"M" + hashlib.sha256(salt).digest() if salt else data
 
 
-def extend_keys(keys: list[bytes], tokens: list[int], block_size: int) -> None:
-    """Append chain keys to ``keys`` for every full block of ``tokens`` not keyed yet."""
+def chain_key(parent: bytes, block_tokens, salt: bytes = b"") -> bytes:
+    """Key of a full block given its parent's key, its L tokens and the key material of any image
+    features among its positions (:func:`openk3.engine.mm.spans_salt`)."""
+    return hashlib.sha256(_salted(parent + b"B" + _token_bytes(block_tokens), salt)).digest()
+
+
+def tail_key(parent: bytes, tail_tokens, salt: bytes = b"") -> bytes:
+    """Key of an unaligned boundary: ``len(tail_tokens)`` (1..L-1) tokens after block key ``parent``
+    (``salt``: as for :func:`chain_key`)."""
+    return hashlib.sha256(_salted(parent + b"T" + _token_bytes(tail_tokens), salt)).digest()
+
+
+def extend_keys(keys: list[bytes], tokens: list[int], block_size: int, salt: Salt | None = None) -> None:
+    """Append chain keys to ``keys`` for every full block of ``tokens`` not keyed yet; ``salt``
+    gives the extra key material of positions ``[start, end)`` (image requests)."""
     while (len(keys) + 1) * block_size <= len(tokens):
         i = len(keys)
-        keys.append(chain_key(keys[-1] if keys else ROOT, tokens[i * block_size:(i + 1) * block_size]))
+        a, b = i * block_size, (i + 1) * block_size
+        keys.append(chain_key(keys[-1] if keys else ROOT, tokens[a:b], salt(a, b) if salt else b""))
 
 
 @dataclass
@@ -108,11 +126,12 @@ class PrefixCache:
     def _usable(self, snap: Snapshot | None, prompt_len: int) -> bool:
         return snap is not None and (snap.position < prompt_len or (snap.position == prompt_len and snap.has_logits))
 
-    def match(self, tokens: list[int], keys: list[bytes]) -> PrefixHit:
+    def match(self, tokens: list[int], keys: list[bytes], salt: Salt | None = None) -> PrefixHit:
         """Find the reusable prefix of a prompt (no side effects).
 
         Args:
-            tokens: the prompt. keys: its full-block chain keys (:func:`extend_keys`).
+            tokens: the prompt. keys: its full-block chain keys (:func:`extend_keys`, same ``salt``).
+            salt: the request's extra key material (image requests), see :func:`extend_keys`.
         """
         if not self.enabled:
             return PrefixHit()
@@ -128,7 +147,8 @@ class PrefixCache:
             parent = keys[k - 1] if k else ROOT
             tails = self.snapshots.tails_after(parent)
             for r in sorted(set(tails.values()), reverse=True):
-                key = tail_key(parent, tokens[k * L:k * L + r]) if k * L + r <= n else None
+                a, b = k * L, k * L + r
+                key = tail_key(parent, tokens[a:b], salt(a, b) if salt else b"") if b <= n else None
                 if key in tails:
                     snap = self.snapshots.get(key)
                     if self._usable(snap, n):
@@ -176,20 +196,21 @@ class PrefixCache:
         return n_full
 
     def save(self, tokens: list[int], keys: list[bytes], position: int, slots: SlotPool, slot: int,
-             blocks: list[int], logits: torch.Tensor | None = None) -> None:
+             blocks: list[int], logits: torch.Tensor | None = None, salt: Salt | None = None) -> None:
         """Snapshot a request's state after ``position`` tokens (its slot must hold exactly that).
 
         Args:
             tokens: the request's tokens (at least ``position``); keys: chain keys covering
                 ``position // L`` blocks; blocks: its block table; logits: [V] the logits after
-                ``position`` (prompt ends), stored with the entry.
+                ``position`` (prompt ends), stored with the entry; salt: as for :func:`extend_keys`.
         """
         if not self.enabled or position <= 0:
             return
         L = self.block_size
         k, r = divmod(position, L)
         parent = keys[k - 1] if k else ROOT
-        key = keys[k - 1] if r == 0 else tail_key(parent, tokens[k * L:position])
+        key = keys[k - 1] if r == 0 else tail_key(parent, tokens[k * L:position],
+                                                   salt(k * L, position) if salt else b"")
         snap = self.snapshots.get(key, touch=True)
         if snap is None:
             snap = self.snapshots.put(key, position, r, parent if r else None)

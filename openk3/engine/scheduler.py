@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from openk3.engine.kv_pool import MLABlockPool, SlotPool
+from openk3.engine.mm import spans_salt
 from openk3.engine.prefix_cache import PrefixCache, extend_keys
 from openk3.engine.sampling import SamplingParams
 
@@ -38,7 +39,10 @@ class Request:
     """Engine-side state of one request.
 
     ``tokens`` = prompt + sampled tokens still to be fed (the stop token is never appended);
-    ``num_computed`` tokens of it are in the caches (KDA slot + MLA blocks).
+    ``num_computed`` tokens of it are in the caches (KDA slot + MLA blocks). Image requests:
+    ``images`` (:class:`~openk3.engine.mm.ImageInput`, dropped once the prompt is computed),
+    ``image_features`` (per image, [N, D] on the model's device, computed on first use) and
+    ``spans`` (kept: they salt the prefix-cache keys, :meth:`salt`).
     """
 
     request_id: str
@@ -62,6 +66,18 @@ class Request:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: Any = None
+    images: list = field(default_factory=list)
+    spans: list = field(default_factory=list)
+    image_features: list | None = None
+
+    def salt(self, start: int, end: int) -> bytes:
+        """Prefix-cache key material of the images overlapping positions ``[start, end)``."""
+        return spans_salt(self.spans, start, end) if self.spans else b""
+
+    @property
+    def key_salt(self):
+        """:meth:`salt` for image requests, None for text-only ones (keys hash tokens only)."""
+        return self.salt if self.spans else None
 
     @property
     def remaining(self) -> int:
@@ -111,8 +127,8 @@ class Scheduler:
     def _try_admit(self, req: Request) -> bool:
         if self.slots.num_free == 0 or len(self.running) >= self.max_num_seqs:
             return False
-        extend_keys(req.keys, req.prompt, self.block_size)
-        hit = self.prefix.match(req.prompt, req.keys)
+        extend_keys(req.keys, req.prompt, self.block_size, req.key_salt)
+        hit = self.prefix.match(req.prompt, req.keys, req.key_salt)
         need = self.blocks_needed(req) - len(hit.blocks)
         revived = sum(1 for b in hit.blocks if self.blocks.refcount[b] == 0)  # leave the evictable set
         if need > self.blocks.num_available - revived:
@@ -158,6 +174,7 @@ class Scheduler:
             self.slots.release(req.slot)
             req.slot = None
         req.pending_logits = None
+        req.images, req.image_features = [], None
 
     # ------------------------------------------------------------------ planning
     def _pieces(self, req: Request, n: int) -> list[tuple[Request, int, int]]:

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator
 from openk3.chat_format.parser import (
     ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
+from openk3.server.images import LOCATION_KEY
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
 from openk3.server.serving import ChatServing, Finished, Generation, Prepared
 
@@ -43,12 +44,13 @@ def _signature(thinking: str) -> str:
 
 
 def _image_part(block: dict, where: str) -> dict:
+    # LOCATION_KEY: image errors name the block as the client sent it, not the translated message
     src = block.get("source") or {}
     if src.get("type") == "base64":
-        return {"type": "image_url",
+        return {"type": "image_url", LOCATION_KEY: where,
                 "image_url": {"url": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"}}
     if src.get("type") == "url":
-        return {"type": "image_url", "image_url": {"url": str(src.get("url", ""))}}
+        return {"type": "image_url", LOCATION_KEY: where, "image_url": {"url": str(src.get("url", ""))}}
     raise bad_request(f"{where}.source.type: unsupported image source {src.get('type')!r} (base64)")
 
 

@@ -282,6 +282,8 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
                   max_waiting: int | None = None, max_model_len: int | None = None,
                   limits: Limits = Limits()) -> tuple[ChatServing, Any]:
     """Load a checkpoint directory (config + safetensors + tokenizer files) and start its engine.
+    A checkpoint with a vision tower (``K3ForConditionalGeneration``) serves image input
+    (``supports_image_in``; preprocessing from its ``preprocessor_config.json`` when present).
 
     Returns:
         ``(serving, async_engine)``.
@@ -292,6 +294,7 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
 
     from openk3.engine import AsyncEngine, Engine, EngineConfig
     from openk3.pretrained import load_pretrained
+    from openk3.server.images import image_config_for
     from openk3.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
@@ -306,9 +309,11 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
                     detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     context = int(getattr(engine, "max_model_len", None) or max_model_len or model.config.max_position_embeddings)
     name = served_model_name or os.path.basename(os.path.normpath(model_path))
-    info = ModelInfo(id=name, context_length=context, supports_image_in=False, created=int(time.time()))
+    image_config = image_config_for(model, model_path)  # None for a text-only model
+    info = ModelInfo(id=name, context_length=context, supports_image_in=image_config is not None,
+                     created=int(time.time()))
     async_engine = AsyncEngine(engine)
-    serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits)
+    serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits, image_config=image_config)
     return serving, async_engine
 
 

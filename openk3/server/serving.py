@@ -20,6 +20,7 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
   accepted (the template supports it).
 * ``usage.prompt_tokens`` follows the chat-format spec §12 (the 3-token generation stub is not
   counted); ``cached_tokens`` comes from the engine's prefix cache, capped at ``prompt_tokens``.
+  Images count with their expanded blocks (:mod:`openk3.server.images`).
 * Stop strings are applied to the reasoning and the content text; the text from the match on is
   never sent (held back while it could still become a match).
 """
@@ -37,6 +38,7 @@ from openk3.chat_format.parser import (
     ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from openk3.chat_format.request import parse_messages, parse_options
+from openk3.server.images import expand_images
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
 from openk3.server.validation import (
     THINKING_BOOL, Limits, check_image_parts, check_messages, check_sampling, check_stops, check_tools,
@@ -75,6 +77,8 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     t0: float = field(default_factory=time.monotonic)
+    prompt_ids: list[int] | None = None  # the engine's prompt: prompt.token_ids with images expanded
+    mm_inputs: list | None = None        # openk3.engine.ImageInput per image (None: no images)
 
 
 @dataclass(frozen=True)
@@ -163,8 +167,10 @@ class Generation:
         Raises:
             APIError: 429 (waiting queue full, with ``Retry-After``) or 400 (engine refused the input).
         """
-        self._agen = self.s.engine.generate(self.prep.prompt.token_ids, self.prep.params, self.prep.constraint,
-                                            request_id=self.prep.id).__aiter__()
+        prep = self.prep
+        ids = prep.prompt_ids if prep.prompt_ids is not None else prep.prompt.token_ids
+        extra = {"mm_inputs": prep.mm_inputs} if prep.mm_inputs else {}
+        self._agen = self.s.engine.generate(ids, prep.params, prep.constraint, request_id=prep.id, **extra).__aiter__()
         try:
             self._pending = await self._agen.__anext__()
         except StopAsyncIteration:
@@ -290,13 +296,17 @@ class ChatServing:
         model: :class:`ModelInfo` of the served model.
         metrics: a :class:`~openk3.server.metrics.Metrics`.
         limits: :class:`Limits`.
+        image_config: :class:`openk3.vision.ImageProcessorConfig` of a vision model (default: the
+            released preprocessing; only used when ``model.supports_image_in``).
         sampling_params: the ``SamplingParams`` class (default ``openk3.engine.sampling``).
         make_constraint: constraint factory (default ``openk3.engine.constraints.make_constraint``).
     """
 
     def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
-                 *, sampling_params: Callable | None = None, make_constraint: Callable | None = None):
+                 *, sampling_params: Callable | None = None, make_constraint: Callable | None = None,
+                 image_config: Any = None):
         self.engine, self.tokenizer, self.model, self.metrics, self.limits = engine, tokenizer, model, metrics, limits
+        self.image_config = image_config
         if sampling_params is None:
             from openk3.engine.sampling import SamplingParams as sampling_params
         self._sampling_params = sampling_params
@@ -350,8 +360,9 @@ class ChatServing:
         if req.top_logprobs is not None and (not req.logprobs or not 0 <= req.top_logprobs <= 20):
             raise bad_request("top_logprobs: must be 0-20 and requires logprobs: true")
         prompt, opts = self.render(body)
+        expanded = self._expand(prompt, body, pixels=True)
 
-        n_ids = len(prompt.token_ids)
+        n_ids = len(expanded.token_ids)
         ctx = self.model.context_length
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if asked is not None and asked < 1:
@@ -367,10 +378,11 @@ class ChatServing:
             logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model.id,
-                        prompt=prompt, prompt_tokens=prompt.prompt_tokens, params=params, constraint=constraint,
+                        prompt=prompt, prompt_tokens=expanded.prompt_tokens, params=params, constraint=constraint,
                         tool_index_start=next_tool_call_index(body["messages"]),
                         tools_enabled=opts.tool_choice != "none", stops=stops, stream=bool(req.stream),
-                        include_usage=include_usage)
+                        include_usage=include_usage, prompt_ids=expanded.token_ids,
+                        mm_inputs=expanded.mm_inputs or None)
 
     def _constraint(self, opts: Any, tools: list[dict], prompt: Any, body: dict) -> Any:
         """The output constraint: response_format (json_object / strict json_schema) and tool-call
@@ -419,10 +431,18 @@ class ChatServing:
                 return ids[i + len(pattern):]
         return []
 
+    def _expand(self, prompt: Any, body: dict, *, pixels: bool) -> Any:
+        """Images decoded and expanded (:func:`openk3.server.images.expand_images`); APIError 400s."""
+        config = self.image_config
+        if config is None and prompt.image_slots:
+            from openk3.vision.preprocess import DEFAULT_CONFIG as config
+        return expand_images(prompt, body, self.tokenizer, config, pixels=pixels)
+
     def count_tokens(self, body: dict) -> int:
-        """``prompt_tokens`` of a request rendered as completions would (api.md §6.2)."""
+        """``prompt_tokens`` of a request rendered as completions would (api.md §6.2), images
+        included (decoded for their size only)."""
         prompt, _ = self.render(body)
-        return prompt.prompt_tokens
+        return self._expand(prompt, body, pixels=False).prompt_tokens
 
     # ------------------------------------------------------------------ OpenAI surface
     async def complete(self, prep: Prepared, gen: Generation) -> dict:

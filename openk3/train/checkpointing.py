@@ -154,9 +154,6 @@ class CheckpointManager:
         self._remove_stale_tmp()
         name = step_dir_name(step)
         final = os.path.join(self.directory, name)
-        if os.path.isfile(os.path.join(final, STATE_JSON)):
-            self._point_latest(name)  # this exact state is already on disk
-            return final
         data_state = data.state_dict() if data is not None else None
         try:
             data_json = json.dumps(data_state)
@@ -183,13 +180,19 @@ class CheckpointManager:
             with open(os.path.join(tmp, STATE_JSON), "w", encoding="utf-8") as f:
                 json.dump(record, f, indent=1)
             _fsync_tree(tmp)
+            trash = None
             if os.path.exists(final):
-                shutil.rmtree(final)  # an incomplete leftover of the same step (no STATE_JSON)
+                # Same step saved before (e.g. a resumed run with other settings): move the old
+                # one aside first, so a crash here still leaves a complete directory behind.
+                trash = os.path.join(self.directory, f".tmp-old-{name}-{os.getpid()}")
+                os.rename(final, trash)
             os.rename(tmp, final)
             _fsync_dir(self.directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
         self._point_latest(name)
         self._prune()
         return final
@@ -214,7 +217,7 @@ class CheckpointManager:
 
     def _remove_stale_tmp(self) -> None:
         for name in os.listdir(self.directory):
-            if name.startswith(".tmp-step-"):
+            if name.startswith((".tmp-step-", ".tmp-old-")):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # ---------------------------------------------------------------------------------- load

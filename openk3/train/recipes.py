@@ -109,6 +109,11 @@ class RunConfig:
         ckpt_every, keep_checkpoints: checkpoint cadence and retention.
         seed: model init, data order. threads: torch CPU threads (None: torch's default).
         device: "cpu" / "cuda".
+        init_from: a checkpoint directory (``save_pretrained`` format, e.g. the last checkpoint
+            of a pretraining run) whose weights and router biases start this run; the optimizer,
+            schedule and data start fresh (an SFT phase after pretraining).
+        extra: free-form settings read by the recipe's own data factory (``num_docs`` for
+            :func:`synthetic_data`).
     Raises:
         ValueError: a value out of range, naming the field.
     """
@@ -137,6 +142,7 @@ class RunConfig:
     seed: int = 0
     threads: int | None = None
     device: str = "cpu"
+    init_from: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -172,13 +178,24 @@ class RunConfig:
         ``seed``, QAT switched on if asked, K3's optimizer, one balancer per MoE layer.
 
         Raises:
-            ValueError: an unknown ``qat`` scheme, or expert widths it cannot quantise.
+            ValueError: an unknown ``qat`` scheme, expert widths it cannot quantise, or an
+                ``init_from`` checkpoint that does not fit the model (tensor named).
+            FileNotFoundError: ``init_from`` holds no weights.
         """
         from openk3.pretrained import build_model
         from openk3.train.optim import build_optimizer
         from openk3.train.trainer import make_balancers
 
         model = build_model(self.model_config(), device=device, seed=self.seed)
+        if self.init_from is not None:
+            from openk3.checkpoint import from_hf_state_dict, read_safetensors
+
+            expected = {k: v.shape for k, v in model.state_dict().items()}
+            state = from_hf_state_dict(read_safetensors(self.init_from), model.config, expected)
+            with torch.no_grad():
+                own = model.state_dict()
+                for k, v in state.items():
+                    own[k].copy_(v)
         if self.qat is not None:
             from openk3.quant.qat import model_qat
 

@@ -5,7 +5,6 @@ the CLI, and the smoke recipe's learning signal."""
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import signal
@@ -218,6 +217,18 @@ def test_checkpoint_is_atomic_when_a_save_crashes(tmp_path, monkeypatch):
     mgr.save(4, model, opt, bals, data, run)
     assert not (tmp_path / "ck" / ".tmp-step-0000005-1").exists()
     assert [s for s, _ in mgr.complete()] == [2, 4]
+    # Saving a step again replaces it (a resumed run with other settings); keep=2 prunes the oldest.
+    train_step(model, [data.next_batch()], opt, bals, cfg, step=3)
+    mgr.save(4, model, opt, bals, data, run)
+    again, _, _ = run.build()
+    mgr.load(mgr.latest(), again, restore_rng=False)
+    assert all(torch.equal(p, model.state_dict()[n]) for n, p in again.state_dict().items())
+    mgr.save(6, model, opt, bals, data, run)
+    assert [s for s, _ in mgr.complete()] == [4, 6] and mgr.latest().endswith("step-0000006")
+    # init_from (e.g. SFT after pretraining): the weights and router biases, nothing else.
+    warm, opt3, _ = run.replace(init_from=mgr.latest()).build()
+    assert all(torch.equal(p, model.state_dict()[n]) for n, p in warm.state_dict().items())
+    assert not opt3.state
 
 
 def resume_recipe() -> RunConfig:
@@ -288,7 +299,7 @@ def straight_run(tmp_path_factory):
 
 
 def _kill_after_checkpoint(out: Path, sig: int) -> subprocess.Popen:
-    proc = _cli(out, popen=True, env_extra={"OPENK3_TEST_STEP_DELAY": "0.4"})
+    proc = _cli(out, popen=True, env_extra={"OPENK3_TEST_STEP_DELAY": "0.25"})
     first = out / "checkpoints" / "step-0000002" / "trainer_state.json"
     deadline = time.time() + 120
     while not first.exists():

@@ -1,0 +1,140 @@
+"""Image parts of a request: locate, decode, preprocess, expand into the prompt, count.
+
+The renderer leaves one ``<|media_pad|>`` slot per image part (chat-format spec §10). Here each
+slot's ``data:`` URL is decoded and preprocessed (:mod:`openk3.vision.preprocess`, the released
+``media_proc_cfg``), the slot is expanded into the official image block
+(``<|media_begin|>image {W}x{H}<|media_content|>`` + N pads + ``<|media_end|>``,
+:func:`openk3.vision.expand_image_slots`) and, for generation, one
+:class:`~openk3.engine.mm.ImageInput` per image carries the pixels, the pad positions and the
+content hash to the engine. ``usage.prompt_tokens`` is the expanded length minus the generation
+stub, so the token-count endpoints, the response usage and the engine's prompt length agree.
+
+Errors are 400s naming where the image is: ``messages[i].content[j]`` of the body as sent (for the
+Anthropic surface the location of the original block, recorded under :data:`LOCATION_KEY` when the
+request is translated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from openk3.server.protocol import bad_request
+
+LOCATION_KEY = "x_openk3_location"  # set on translated parts (Anthropic): the client's own location
+IMAGE_TYPES = ("image_url", "image")
+
+
+@dataclass
+class ExpandedImages:
+    """The prompt with its images expanded.
+
+    Attributes:
+        token_ids: expanded prompt ids (what the engine receives).
+        prompt_tokens: ``usage.prompt_tokens`` (expanded length minus the pending stub, §12).
+        mm_inputs: one ``ImageInput`` per image (empty when ``pixels=False``).
+    """
+
+    token_ids: list[int]
+    prompt_tokens: int
+    mm_inputs: list = field(default_factory=list)
+
+
+def image_locations(body: dict) -> dict[int, str]:
+    """``id(part) -> "messages[i].content[j]"`` for every image part of a chat body (the renderer
+    keeps the part objects, so identity finds them)."""
+    out: dict[int, str] = {}
+    for i, m in enumerate(body.get("messages") or ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_TYPES:
+                out[id(part)] = part.get(LOCATION_KEY) or f"messages[{i}].content[{j}]"
+    return out
+
+
+def _url(part: dict) -> str:
+    ref = part.get("image_url", part.get("image"))
+    return ref.get("url") if isinstance(ref, dict) else ref
+
+
+def expand_images(prompt: Any, body: dict, tokenizer: Any, config: Any, *, pixels: bool) -> ExpandedImages:
+    """Decode the prompt's images and expand their slots.
+
+    Args:
+        prompt: the rendered :class:`~openk3.chat_format.render.Prompt` (image URLs already checked
+            to be base64 data URLs and the model to support images).
+        body: the chat body the prompt was rendered from (for error locations).
+        tokenizer: the model's tokenizer. config: :class:`openk3.vision.ImageProcessorConfig`.
+        pixels: also resize / normalise / patchify for the engine (False: sizes only, for counting).
+    Raises:
+        APIError: 400 for too many images or an image that cannot be used (corrupt, empty, too
+            large, unsupported format), naming ``messages[i].content[j]``.
+    """
+    if not prompt.image_slots:
+        return ExpandedImages(list(prompt.token_ids), prompt.prompt_tokens)
+    from openk3.vision.expand import expand_image_slots
+    from openk3.vision.preprocess import ImageError, decode_image, image_bytes_from_data_url, navit_resize, process_image
+
+    if len(prompt.images) > config.max_images:
+        raise bad_request(f"messages: at most {config.max_images} images per request, got {len(prompt.images)}")
+    where = image_locations(body)
+    processed, sizes, counts = [], [], []
+    for k, part in enumerate(prompt.images):
+        loc = where.get(id(part), f"image {k}")
+        try:
+            data = image_bytes_from_data_url(_url(part))
+            if pixels:
+                im = process_image(data, config)
+                processed.append(im)
+                w, h, n = im.width, im.height, im.num_tokens
+            else:
+                w, h = decode_image(data, config).size
+                n = navit_resize(w, h, config).num_tokens
+        except ImageError as e:
+            raise bad_request(f"{loc}: invalid image ({e.code}): {e}") from None
+        sizes.append((w, h))
+        counts.append(n)
+    try:
+        expanded = expand_image_slots(prompt.token_ids, prompt.image_slots, sizes, counts, tokenizer)
+    except ValueError as e:
+        raise bad_request(f"Invalid request: {e}") from None
+    prompt_tokens = prompt.prompt_tokens_with_images(expanded.image_token_counts)
+    mm = []
+    if pixels:
+        from openk3.engine.mm import ImageInput
+
+        mm = [ImageInput.from_processed(im, pos) for im, pos in zip(processed, expanded.pad_positions)]
+    return ExpandedImages(expanded.token_ids, prompt_tokens, mm)
+
+
+def image_config_for(model: Any, checkpoint: str | None = None) -> Any:
+    """The preprocessing config of a vision model: the checkpoint's ``preprocessor_config.json``
+    ``media_proc_cfg`` when present, else the released defaults with the tower's patch and merge
+    sizes; None for a text-only model.
+
+    Raises:
+        ValueError: an unreadable or invalid ``preprocessor_config.json``.
+    """
+    vc = getattr(model, "vision_config", None)
+    if vc is None:
+        return None
+    import json
+    import os
+
+    from openk3.vision.preprocess import ImageProcessorConfig
+
+    path = os.path.join(checkpoint, "preprocessor_config.json") if checkpoint else None
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not readable JSON ({e})") from None
+        cfg = ImageProcessorConfig.from_dict(raw.get("media_proc_cfg", raw) if isinstance(raw, dict) else raw)
+        if cfg.patch_size != vc.patch_size or (cfg.merge_kernel_size,) * 2 != tuple(vc.merge_kernel_size):
+            raise ValueError(f"{path}: patch_size {cfg.patch_size} / merge_kernel_size {cfg.merge_kernel_size} "
+                             f"disagree with vision_config ({vc.patch_size}, {list(vc.merge_kernel_size)})")
+        return cfg
+    return ImageProcessorConfig(patch_size=vc.patch_size, merge_kernel_size=list(vc.merge_kernel_size))
