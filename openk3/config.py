@@ -524,8 +524,32 @@ def _kimi_linear_tiny() -> K3Config:
     )
 
 
+def _openk3_tiny() -> K3Config:
+    """The shipped default model (issue 8): every K3 component live at CPU-trainable size.
+
+    8 layers in the K3 pattern (layers 4 and 8 gated MLA, the rest KDA with the lower-bounded
+    gate and full-rank output gate), dense first layer, Stable LatentMoE (16 routed experts, top-2,
+    one shared expert, latent width 64) with SiTU-GLU, four Block AttnRes blocks of 2 layers.
+    Expert widths (``moe_intermediate_size``, ``routed_expert_hidden_size``) are multiples of 32
+    so MXFP4 QAT applies. Vocabulary: the project's 8192-id BPE (``openk3 train-tokenizer``; its
+    special block at 7936..8191: [BOS] 7936, [EOS] 7937, [PAD] 8191, <|media_pad|> 7957).
+    Parameter counts and training speed: :func:`openk3.train.default_model.default_model`.
+    """
+    return K3Config(
+        vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        linear_num_heads=4, linear_head_dim=32,
+        n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
+        routed_expert_hidden_size=64, attn_res_block_size=2,
+        bos_token_id=7936, eos_token_id=7937, pad_token_id=8191, media_placeholder_token_id=7957,
+        max_position_embeddings=8192,
+    )
+
+
 PRESETS = {
     "kimi-k3": _kimi_k3,
+    "openk3-tiny": _openk3_tiny,
     "k3-test-tiny": _k3_test_tiny,
     "k3-test-tiny-noqlora": _k3_test_tiny_noqlora,
     "kimi-linear-tiny": _kimi_linear_tiny,

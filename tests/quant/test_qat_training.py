@@ -1,0 +1,50 @@
+"""Issue 7 acceptance: a short training run with ``qat: mxfp4`` converges to within 2% of the
+unquantized loss on the tiny preset, and the MXFP4-packed checkpoint of the QAT model has the same
+eval loss as the fake-quantized model it was saved from."""
+
+import pytest
+import torch
+
+from openk3.config import preset
+from openk3.pretrained import load_pretrained
+from openk3.quant.qat import model_qat
+from openk3.train.recipes import get_recipe
+from openk3.train.trainer import _take, evaluate, train
+
+# The tiny preset with expert widths that MXFP4 can block (multiples of 32).
+CFG = preset("k3-test-tiny").replace(moe_intermediate_size=32)
+STEPS = 120
+
+
+def _final_eval(run, ckpt, qat):
+    model = load_pretrained(ckpt)
+    if qat:
+        model_qat(model, qat)
+    with torch.no_grad():
+        return model, evaluate(model, _take(run.data(run, "eval"), 8))["eval_loss"]
+
+
+@pytest.mark.slow
+def test_qat_mxfp4_converges_like_fp32_and_packed_eval_equals_fake_quant(tmp_path):
+    results = {}
+    for qat in (None, "mxfp4"):
+        run = get_recipe("smoke", model=CFG, qat=qat, total_steps=STEPS, eval_every=0, ckpt_every=STEPS,
+                         keep_checkpoints=1, threads=1)
+        res = train(run, tmp_path / str(qat), progress=False)
+        assert res.step == STEPS and res.checkpoint is not None
+        results[qat] = (run, res.checkpoint, *_final_eval(run, res.checkpoint, qat))
+    fp32_loss, qat_loss = results[None][3], results["mxfp4"][3]
+    unigram = 2.86  # the synthetic corpus' unigram entropy (nats): both runs must really learn
+    assert fp32_loss < unigram / 2 and qat_loss < unigram / 2
+    # "within 2% of the unquantized loss": QAT may not cost more than 2%; (it may land lower —
+    # measured 0.350 vs 0.358 here — but not in another regime altogether).
+    assert qat_loss <= 1.02 * fp32_loss, (qat_loss, fp32_loss)
+    assert abs(qat_loss - fp32_loss) <= 0.05 * fp32_loss, (qat_loss, fp32_loss)
+
+    run, ckpt, fake_quant_model, fake_quant_loss = results["mxfp4"]
+    fake_quant_model.save_pretrained(tmp_path / "packed", quantization="mxfp4")
+    packed = load_pretrained(tmp_path / "packed", keep_packed=True)
+    model_qat(packed, "mxfp4")  # MXFP8 expert inputs, as in training; weights already MXFP4
+    with torch.no_grad():
+        packed_loss = evaluate(packed, _take(run.data(run, "eval"), 8))["eval_loss"]
+    assert abs(packed_loss - fake_quant_loss) <= 1e-5, (packed_loss, fake_quant_loss)
