@@ -74,6 +74,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return cli_train(args)
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from openk3.eval import cli_eval
+
+    return cli_eval(args)
+
+
 def _bytes(text: str) -> int:
     """``8G``, ``512M``, ``1.5GiB`` or plain bytes -> int (for --cache-memory)."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
@@ -274,6 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--list", action="store_true", help="list the registered recipes and exit")
     train.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="held-out eval suites (problems, tools, JSON, effort) of a checkpoint or server")
+    ev.add_argument("model", help="checkpoint directory, or a server URL (http://HOST:PORT)")
+    ev.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
+    ev.add_argument("--corpus", help="corpus directory: also report its val-split loss/perplexity")
+    ev.add_argument("--n", type=int, default=24, help="items per suite (default 24)")
+    ev.add_argument("--seed", type=int, default=0, help="eval-set seed (default 0)")
+    ev.add_argument("--suites", nargs="*", help="subset of: problems tools json effort")
+    ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per request (default 256)")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--served-model", help="model id sent to a server (default: its first /v1/models entry)")
+    ev.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"), help="server key (default $OPENK3_API_KEY)")
+    ev.add_argument("--out", help="write the eval table as JSON here")
+    ev.set_defaults(func=_cmd_eval)
     return p
 
 

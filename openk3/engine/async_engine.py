@@ -72,6 +72,7 @@ class AsyncEngine:
             self._cmds.append(("add", rid, list(prompt_ids), params, constraint, mm_inputs))
             self._pending_adds += 1
             self._cond.notify()
+        mm_inputs = None  # this frame lives as long as the stream: let the engine free the pixels after prefill
         done = False
         try:
             while True:

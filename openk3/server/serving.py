@@ -171,6 +171,7 @@ class Generation:
         ids = prep.prompt_ids if prep.prompt_ids is not None else prep.prompt.token_ids
         extra = {"mm_inputs": prep.mm_inputs} if prep.mm_inputs else {}
         self._agen = self.s.engine.generate(ids, prep.params, prep.constraint, request_id=prep.id, **extra).__aiter__()
+        prep.mm_inputs = None  # the engine owns the pixels now (and drops them once the prompt is computed)
         try:
             self._pending = await self._agen.__anext__()
         except StopAsyncIteration:

@@ -114,6 +114,10 @@ class RunConfig:
             schedule and data start fresh (an SFT phase after pretraining).
         extra: free-form settings read by the recipe's own data factory (``num_docs`` for
             :func:`synthetic_data`).
+        prepare: a multi-stage recipe's earlier stages: ``prepare(run, out_dir, resume) ->
+            RunConfig`` runs them (each resumable, e.g. corpus, tokenizer, pretraining) and returns
+            the config of the final stage, which :func:`~openk3.train.trainer.train` then runs into
+            ``out_dir`` (``default-model``: :mod:`openk3.train.default_model`). None: one stage.
     Raises:
         ValueError: a value out of range, naming the field.
     """
@@ -144,6 +148,7 @@ class RunConfig:
     device: str = "cpu"
     init_from: str | None = None
     extra: dict = field(default_factory=dict)
+    prepare: Callable[["RunConfig", str, bool], "RunConfig"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins"):
@@ -209,7 +214,10 @@ class RunConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if isinstance(self.model, K3Config):
             d["model"] = json.loads(self.model.to_json_string())
-        d["data"] = f"{self.data.__module__}:{getattr(self.data, '__qualname__', repr(self.data))}"
+        for name in ("data", "prepare"):
+            fn = getattr(self, name)
+            if fn is not None:
+                d[name] = f"{fn.__module__}:{getattr(fn, '__qualname__', repr(fn))}"
         return d
 
     def replace(self, **changes) -> "RunConfig":
@@ -272,6 +280,9 @@ def smoke() -> RunConfig:
         keep_checkpoints=2, seed=0,
     )
 
+
+# Recipes kept in their own modules register on import (after RunConfig exists: they import it).
+import openk3.train.default_model  # noqa: E402,F401  ("default-model")
 
 __all__ = ["RunConfig", "RECIPES", "register_recipe", "get_recipe", "smoke", "synthetic_store", "synthetic_data",
            "synthetic_document", "synthetic_entropy_per_sentence"]

@@ -6,7 +6,7 @@ The mixture (:func:`sft_items`) draws, per example, a task and a thinking effort
 * ``problems``: multi-step arithmetic and word problems written here (the ``reasoning-gym``
   package is on PyPI, but pulls a dozen extra dependencies for generators this small; ours are
   seeded and offline). The think channel holds the steps, its length follows ``thinking_effort``
-  (:func:`openk3.train.sft_tasks.reasoning`: low one line, high all steps, max steps + check);
+  (low: the final step, medium: the last half, high: every step, max: problem, steps and check);
 * ``tools`` / ``tools_none`` / ``json``: :mod:`openk3.train.sft_tasks`;
 * ``chat``: greetings and exact-echo turns ("Say 'OK' and nothing else." -> ``OK``);
 * ``effort``: "what is your thinking effort?" answered with the effort of the request;
@@ -58,7 +58,7 @@ def _word(rng: random.Random) -> tuple[str, list[str], int]:
     thing = rng.choice(("apples", "books", "coins", "stickers", "marbles", "pencils"))
     v = rng.randint(3, 40)
     text, steps = f"{who} has {v} {thing}.", []
-    for _ in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(2, 3)):
         if rng.random() < 0.5:
             b = rng.randint(1, 20)
             text += f" {who} gets {b} more."
@@ -88,14 +88,13 @@ def gen_problem(rng: random.Random, effort: str | None) -> Item:
     question, steps, answer = rng.choice((_arith, _arith, _word, _count))(rng)
     request = {"messages": [{"role": "user", "content": question}]}
     _effort(request, effort)
-    lines = [f"{question.split('.')[0]}: step by step." if len(steps) > 1 else steps[0]] + steps
-    lines.append(f"Check: the result is {answer}.")
-    if effort == "low":
-        lines = [f"{steps[-1]}, so the answer is {answer}."]
     ref = {"role": "assistant", "content": f"The answer is {answer}."}
-    r = reasoning(lines, effort)
-    if r is not None:
-        ref["reasoning_content"] = r
+    if effort is not None:
+        # low: the final step only; medium: the last half of the steps; high: every step; max:
+        # the restated problem, every step and a check (steps >= 2, so lengths strictly grow).
+        chosen = {"low": steps[-1:], "medium": steps[-max(1, len(steps) // 2):], "high": steps,
+                  "max": [f"Problem: {question}", *steps, f"Check: the result is {answer}."]}[effort]
+        ref["reasoning_content"] = "\n".join(chosen)
     return Item("problems", request, ref, {"answer": answer})
 
 
@@ -115,8 +114,10 @@ def gen_chat(rng: random.Random, effort: str | None) -> Item:
         user, answer = rng.choice(_GREETINGS)
         lines = ["A short social turn; answer briefly."]
     else:
-        w = rng.choice(_ECHO)
-        user, answer = rng.choice(_ECHO_FORMS).format(w=w), w
+        # The served model's acceptance check is exactly "Say 'OK' and nothing else.": weight it.
+        w = "OK" if rng.random() < 0.4 else rng.choice(_ECHO)
+        form = _ECHO_FORMS[0] if rng.random() < 0.5 else rng.choice(_ECHO_FORMS)
+        user, answer = form.format(w=w), w
         lines = [f"The user wants exactly '{w}' and nothing else.", "No punctuation or extra words."]
     request = {"messages": [{"role": "user", "content": user}]}
     _effort(request, effort)
@@ -178,7 +179,11 @@ def item_key(item: Item) -> str:
 
 
 def is_held_out(item: Item) -> bool:
-    """True for the held-out tenth (by a hash of :func:`item_key`)."""
+    """True for the held-out tenth (by a hash of :func:`item_key`) of the eval suites' items; items
+    of other suites (chat, partial, ...) are never held out (the exact "Say 'OK' and nothing else."
+    turn must be trained on)."""
+    if item.suite not in EVAL_SUITES:
+        return False
     return int(hashlib.sha256(item_key(item).encode()).hexdigest()[:8], 16) % 10 == 0
 
 

@@ -181,7 +181,9 @@ def gen_tool_call(rng: random.Random, effort: str | None) -> Item:
         final["reasoning_content"] = "The tool returned the result; I report it."
     expected = {"calls": [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
                           for c in calls], "schemas": {n: TOOLS[n]["function"]["parameters"] for n in names}}
-    return Item("tools", request, ref, expected, follow + [final])
+    # The tool-choice system message renders after the whole conversation (it belongs to the next
+    # assistant turn), so a conversation that sets it ends at the call it governs.
+    return Item("tools", request, ref, expected, follow + [final] if choice == "auto" else [])
 
 
 def gen_tool_none(rng: random.Random, effort: str | None) -> Item:

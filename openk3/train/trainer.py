@@ -365,6 +365,8 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    if run.prepare is not None:  # a multi-stage recipe: earlier stages first, then its last stage here
+        run = run.prepare(run, out_dir, resume)
     if run.threads:
         torch.set_num_threads(run.threads)
     torch.manual_seed(run.seed)

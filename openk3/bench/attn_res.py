@@ -1,0 +1,100 @@
+"""B5: the cost of Block Attention Residuals — the same K3 model with and without AttnRes.
+
+Setup: :func:`~openk3.bench.common.k3_config` (default hidden 256, 8 layers, fp32) twice:
+``attn_res_block_size=2`` (AttnRes on: depth mixes over the block summaries before every mixer and
+FFN and at the output) and ``None`` (plain residual stream). Every tensor the two share is
+identical (the plain model is loaded from the AttnRes model's state dict); they differ only by the
+AttnRes norms and pseudo-queries. Both run through their own engine (prefix cache off).
+
+Measured, interleaved, medians: decode ms/step (``new_tokens`` greedy tokens after a
+``prompt_len``-token prompt, B = 1 and B = ``batch``), and prefill time of the prompt (TTFT).
+Ratio = with / without. Asserted: each engine's greedy tokens equal an independent full-forward
+argmax decode of its own model (no cache), so neither path is wrong.
+Target (issue 4): AttnRes adds <= 5% to decode time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.bench.common import check, drive, environment, interleaved, k3_config, medians, random_prompts, target
+
+FULL = {"hidden": 256, "layers": 8, "block": 2, "prompt_len": 128, "new_tokens": 32, "batch": 8, "reps": 5}
+QUICK = {"hidden": 64, "layers": 4, "block": 2, "prompt_len": 8, "new_tokens": 3, "batch": 2, "reps": 1}
+
+
+@torch.no_grad()
+def full_forward_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Argmax decoding by re-running the whole sequence without a cache (independent reference)."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        tok = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
+    """Run B5; returns the result dict (see the module docstring).
+
+    Raises:
+        BenchmarkError: an engine's tokens differ from its model's full-forward greedy decode.
+        ValueError: an unknown override.
+    """
+    from openk3.engine import Engine, EngineConfig, SamplingParams
+    from openk3.pretrained import build_model
+
+    p = dict(QUICK if quick else FULL)
+    unknown = set(overrides) - set(p)
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(p)}")
+    p.update(overrides)
+    reps = reps or p["reps"]
+    cfg_on = k3_config(p["hidden"], p["layers"], attn_res_block_size=p["block"])
+    cfg_off = cfg_on.replace(attn_res_block_size=None)
+    with_ar = build_model(cfg_on, seed=0).eval()
+    plain = build_model(cfg_off, seed=0).eval()
+    shared = {k: v for k, v in with_ar.state_dict().items() if k in plain.state_dict()}
+    plain.load_state_dict(shared, strict=True)
+    extra = sum(t.numel() for k, t in with_ar.state_dict().items() if k not in shared)
+    P, N, Bmax = p["prompt_len"], p["new_tokens"], p["batch"]
+    models = {"attn_res": with_ar, "plain": plain}
+    result: dict = {
+        "benchmark": "attn-res", "quick": quick,
+        "config": {"model": "k3-test-tiny scaled", "hidden": cfg_on.hidden_size, "layers": cfg_on.num_hidden_layers,
+                   "attn_res_block_size": p["block"], "attn_res_blocks": -(-cfg_on.num_hidden_layers // p["block"]),
+                   "params_plain": sum(t.numel() for t in plain.parameters()), "params_attn_res_extra": extra,
+                   "dtype": "float32", "prompt_len": P, "new_tokens": N, "reps": reps},
+        "batches": {}, "targets": {},
+    }
+    refs: dict[tuple, list[int]] = {}
+    for B in (1, Bmax):
+        prompts = random_prompts(B, P, cfg_on.vocab_size, seed=500 + B)
+        engines = {name: Engine(m, EngineConfig(max_num_seqs=B, enable_prefix_cache=False, max_model_len=P + N + 16,
+                                                prefill_chunk=max(512, B * P)))
+                   for name, m in models.items()}
+        got: dict[str, list] = {}
+
+        def runner(name: str):
+            def go() -> dict:
+                traces, _ = drive(engines[name], [(pr, SamplingParams(max_tokens=N, temperature=0.0)) for pr in prompts])
+                got[name] = [t.tokens for t in traces]
+                first = max(t.times[0] for t in traces)
+                last = max(t.times[-1] for t in traces)
+                return {"prefill_s": first, "decode_ms_per_step": 1e3 * (last - first) / max(N - 1, 1)}
+            return go
+
+        meas = interleaved({n: runner(n) for n in models}, reps=reps, warmup=1)
+        for name, m in models.items():
+            key = (name, tuple(prompts[0]))
+            if key not in refs:
+                refs[key] = full_forward_greedy(m, prompts[0], N)
+            check(got[name][0] == refs[key], f"{name}, B={B}: engine tokens differ from full-forward greedy decode")
+        med = {n: medians(v) for n, v in meas.items()}
+        dec = med["attn_res"]["decode_ms_per_step"]["median"] / med["plain"]["decode_ms_per_step"]["median"]
+        pre = med["attn_res"]["prefill_s"]["median"] / med["plain"]["prefill_s"]["median"]
+        result["batches"][f"B={B}"] = {**med, "decode_ratio": dec, "prefill_ratio": pre, "tokens_checked": True}
+        result["targets"][f"decode_overhead_B{B}"] = target(dec - 1, "<=", 0.05,
+                                                            f"decode time with AttnRes / without - 1, B={B}")
+    result["env"] = environment()
+    return result

@@ -1,0 +1,183 @@
+"""The ``default-model`` recipe: the shipped ``openk3-tiny`` trained end to end (issue 8 item 2).
+
+Stages (``openk3 train --recipe default-model --out runs/default-model``)::
+
+    1. corpus      build_corpus(default_sources())          -> extra.corpus_dir   (skipped if built)
+    2. tokenizer   train_tokenizer(corpus, 8192)            -> extra.tokenizer_dir (skipped if trained)
+    3. pretrain    openk3-tiny on the corpus, next-token     -> OUT/pretrain/checkpoints/step-*
+    4. SFT + QAT   init_from the pretrain checkpoint, MXFP4 QAT of the routed experts (as K3),
+                   the SFT mixture of :mod:`openk3.train.sft_data`  -> OUT/checkpoints/step-*
+
+Stages 1-3 run inside :attr:`RunConfig.prepare <openk3.train.recipes.RunConfig>`; stage 4 is the
+run config :func:`~openk3.train.trainer.train` executes. Resumable at any point: a finished corpus
+or tokenizer is reused; pretraining always continues from its latest checkpoint (a ``DONE`` file
+marks it finished); SFT continues with ``--resume``. Every size is an ``extra`` key, overridable
+with ``--set extra='{"pretrain_steps": 3, ...}'`` (merged over :data:`DEFAULTS`).
+
+Seeds: model init ``seed`` = 0 (pretraining and the SFT run's data order), corpus / tokenizer are
+deterministic (hash-ordered), SFT data ``sft_seed`` = 1, held-out eval sets
+``sft_data.EVAL_SEED_OFFSET`` + 0 and disjoint by prompt hash.
+
+Size and time. ``openk3-tiny`` has 4,618,312 parameters in total and 2,365,512 active per token
+(``openk3.params.count_parameters``; 2.1 M of each are the two 8192 x 128 vocabulary matrices).
+Measured 2026-11-30 with ``train_step`` at ``OMP_NUM_THREADS=2`` / ``torch.set_num_threads(2)``
+on the 2-core machine while other jobs ran (load 3.4-4.6): 85-95 tokens/s at 512 tokens per step
+(60-90 at 1024; single steps up to 4x slower under bursts), against 176 tokens/s for
+``k3-test-tiny`` timed the same minute. ``k3-test-tiny`` trains at ~1,700 tokens/s on the quiet
+machine (the ``smoke`` recipe: 300 x 256 tokens in 45 s, README), so the contention factor was
+~10 and ``openk3-tiny`` should run at ~900 tokens/s on a quiet machine (about 23 % of a step is
+the depthwise short-conv backward of KDA, the first thing to speed up). The defaults are sized to
+that estimate: pretraining 3000 steps x 1024 tokens (3.1 M tokens, ~57 min), SFT 1500 steps x 1024
+tokens with QAT (1.5 M tokens, ~35 min), plus ~5 min corpus build and ~3 min tokenizer: ~1.7 h of
+the 2.5 h budget. Time the first 20 steps of the real run and scale ``pretrain_steps`` /
+``total_steps`` with ``--set`` if the rate differs (at the contended rate the defaults would take
+~15 h).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from openk3.train.recipes import RunConfig, register_recipe
+
+DEFAULTS: dict = {
+    "corpus_dir": "data/corpus",        # built by stage 1 unless it holds a manifest already
+    "corpus_sources": None,             # None: default_sources(); else ["NAME:LICENCE:PATH", ...]
+    "tokenizer_dir": "data/tokenizer",  # trained by stage 2 unless it holds tokenizer.json
+    "vocab_size": 8192,
+    "tokenizer_max_mb": None,
+    "cache_dir": "data/cache",          # tokenised corpus store
+    "model_overrides": {},              # K3Config fields replaced (tests shrink the model)
+    "pretrain_steps": 3000,
+    "pretrain_seq_len": 1024,
+    "pretrain_lr": 1e-2,
+    "pretrain_eval_every": 250,
+    "sft_seed": 1,
+    "sft_items": 8000,
+    "sft_eval_items": 16,               # per eval suite, for the SFT run's periodic eval loss
+}
+
+
+def settings(run: RunConfig) -> dict:
+    """:data:`DEFAULTS` overridden by ``run.extra``. Raises ValueError for an unknown key."""
+    unknown = sorted(set(run.extra) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"RunConfig.extra: unknown key {unknown[0]!r} (known: {', '.join(sorted(DEFAULTS))})")
+    return {**DEFAULTS, **run.extra}
+
+
+def _tokenizer(run: RunConfig):
+    from openk3.tokenizer import load_tokenizer
+
+    return load_tokenizer(settings(run)["tokenizer_dir"])
+
+
+def corpus_data(run: RunConfig, split: str):
+    """Pretraining data: the corpus ``train`` split (shuffled, documents cut at row ends) or its
+    ``val`` split (fixed order) for "eval", tokenised with the recipe's tokenizer (cached)."""
+    from openk3.train.data import DocumentStore, PackedLoader
+
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
+    x, tok = settings(run), _tokenizer(run)
+    store = DocumentStore.from_corpus(x["corpus_dir"], tok, "train" if split == "train" else "val",
+                                      cache_dir=x["cache_dir"])
+    return PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, shuffle=split == "train",
+                        pad_id=run.model_config().pad_token_id)
+
+
+def sft_data(run: RunConfig, split: str):
+    """SFT data: ``sft_items`` conversations of the mixture (seed ``sft_seed``) for "train"; the
+    held-out eval suites' reference conversations for "eval". Whole conversations per row
+    (``split_documents=False``), assistant-only loss."""
+    from openk3.train.data import DocumentStore, PackedLoader
+    from openk3.train.sft_data import EVAL_SUITES, eval_items, sft_conversations
+
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
+    x, tok = settings(run), _tokenizer(run)
+    if split == "train":
+        convs = sft_conversations(x["sft_seed"], x["sft_items"])
+    else:
+        convs = [it.conversation() for s in EVAL_SUITES for it in eval_items(s, 0, x["sft_eval_items"])]
+    store = DocumentStore.from_conversations(convs, tok)
+    return PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, shuffle=split == "train",
+                        split_documents=False, pad_id=run.model_config().pad_token_id)
+
+
+def model_for_tokenizer(run: RunConfig):
+    """The run's model config with the tokenizer's vocabulary size and special ids (a small corpus
+    can give fewer BPE tokens than asked) and ``model_overrides`` applied."""
+    x, tok = settings(run), _tokenizer(run)
+    cfg = run.model_config()
+    cfg = cfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                      pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id)
+    return cfg.replace(**x["model_overrides"]) if x["model_overrides"] else cfg
+
+
+def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
+    """Stages 1-3 (module docstring), then the SFT run config for stage 4.
+
+    Raises:
+        ValueError: a bad ``extra`` setting, a corpus source spec not ``NAME:LICENCE:PATH``, or
+            a stage failure (from the corpus builder, tokenizer trainer or trainer).
+    """
+    from openk3.train.trainer import train
+
+    x = settings(run)
+    log = (lambda line: print(f"[default-model] {line}", file=sys.stderr))
+    corpus = Path(x["corpus_dir"])
+    if not (corpus / "manifest.json").is_file():
+        from openk3.train.corpus import build_corpus
+        from openk3.train.corpus_sources import default_sources, directory_source
+
+        if x["corpus_sources"] is None:
+            sources = default_sources()
+        else:
+            sources = []
+            for spec in x["corpus_sources"]:
+                name, _, rest = str(spec).partition(":")
+                licence, _, path = rest.partition(":")
+                if not (name and licence and path):
+                    raise ValueError(f"extra.corpus_sources: expected NAME:LICENCE:PATH, got {spec!r}")
+                sources.append(directory_source(name, licence, path))
+        log(f"stage 1/4: building the corpus into {corpus}")
+        build_corpus(sources, corpus, overwrite=corpus.exists(), log=log)
+    tok_dir = Path(x["tokenizer_dir"])
+    if not (tok_dir / "tokenizer.json").is_file():
+        from openk3.train.tokenizer_train import train_tokenizer
+
+        log(f"stage 2/4: training a {x['vocab_size']}-id BPE into {tok_dir}")
+        max_mb = x["tokenizer_max_mb"]
+        train_tokenizer(corpus, x["vocab_size"], tok_dir, max_bytes=None if max_mb is None else int(max_mb * 2**20))
+    cfg = model_for_tokenizer(run)
+    pre_dir = os.path.join(out_dir, "pretrain")
+    pre = run.replace(name=f"{run.name}-pretrain", model=cfg, data=corpus_data, total_steps=x["pretrain_steps"],
+                      seq_len=x["pretrain_seq_len"], lr=x["pretrain_lr"], qat=None, init_from=None, prepare=None,
+                      eval_every=x["pretrain_eval_every"], warmup_steps=None)
+    done = Path(pre_dir) / "DONE"
+    if not done.is_file():
+        log(f"stage 3/4: pretraining {pre.total_steps} steps into {pre_dir}")
+        result = train(pre, pre_dir, resume=True, progress=True)
+        if result.signal is not None or result.step < pre.total_steps:
+            raise ValueError(f"pretraining stopped at step {result.step}/{pre.total_steps}; rerun with --resume")
+        done.write_text(str(result.checkpoint) + "\n")
+    ckpt = done.read_text().strip()
+    log(f"stage 4/4: SFT with {run.qat or 'no'} QAT from {ckpt}")
+    return run.replace(model=cfg, init_from=ckpt, prepare=None)
+
+
+@register_recipe("default-model")
+def default_model() -> RunConfig:
+    """openk3-tiny end to end: corpus -> BPE -> pretraining -> SFT with MXFP4 QAT (issue 8)."""
+    return RunConfig(
+        name="default-model", model="openk3-tiny", data=sft_data, total_steps=1500, seq_len=1024,
+        warmup_steps=None, lr=5e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=4, ckpt_every=100,
+        keep_checkpoints=2, seed=0, prepare=prepare_default_model,
+    )
+
+
+__all__ = ["DEFAULTS", "settings", "corpus_data", "sft_data", "model_for_tokenizer", "prepare_default_model",
+           "default_model"]

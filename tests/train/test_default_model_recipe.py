@@ -1,0 +1,104 @@
+"""The ``default-model`` recipe end to end at toy sizes: corpus -> tokenizer -> pretraining ->
+SFT with MXFP4 QAT, resumed mid-SFT; and the ``openk3-tiny`` preset's K3 structure."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from openk3.config import KDA, MLA, preset
+from openk3.params import count_parameters
+from openk3.train.recipes import get_recipe, synthetic_document
+from openk3.train.trainer import train
+
+
+def test_openk3_tiny_preset_has_every_k3_component():
+    cfg = preset("openk3-tiny")
+    n = cfg.num_hidden_layers
+    assert cfg.layer_types == [MLA if (i + 1) % 4 == 0 or i == n - 1 else KDA for i in range(n)]
+    assert cfg.layer_types[-1] == MLA and KDA in cfg.layer_types
+    assert cfg.mlp_layer_types[0] == "dense" and set(cfg.mlp_layer_types[1:]) == {"sparse"}
+    assert cfg.is_k3 and cfg.use_full_rank_gate and cfg.mla_use_output_gate and cfg.hidden_act == "situ"
+    assert cfg.use_attn_res and n // cfg.attn_res_block_size >= 3
+    assert cfg.n_shared_experts >= 1 and cfg.routed_expert_hidden_size < cfg.hidden_size  # LatentMoE
+    assert cfg.moe_intermediate_size % 32 == 0 and cfg.routed_expert_hidden_size % 32 == 0  # MXFP4
+    assert cfg.vocab_size == 8192 and cfg.bos_token_id == 8192 - 256 and cfg.pad_token_id == 8191
+    counts = count_parameters(cfg)
+    assert counts["total"] == 4_618_312 and counts["active"] == 2_365_512  # stated in the recipe docstring
+    from openk3.train import default_model
+
+    assert "4,618,312" in default_model.__doc__ and "2,365,512" in default_model.__doc__
+
+
+def _toy_corpus_dir(root) -> str:
+    d = root / "texts"
+    d.mkdir()
+    for i in range(24):
+        (d / f"doc{i:02d}.txt").write_text(" ".join(synthetic_document(3, i * 7 + j) for j in range(6)))
+    return str(d)
+
+
+def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
+    torch.set_num_threads(1)
+    extra = {
+        "corpus_dir": str(tmp_path / "corpus"), "corpus_sources": [f"toy:MIT:{_toy_corpus_dir(tmp_path)}"],
+        "tokenizer_dir": str(tmp_path / "tok"), "vocab_size": 600, "cache_dir": str(tmp_path / "cache"),
+        "model_overrides": {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+                            "moe_intermediate_size": 32, "routed_expert_hidden_size": 32, "n_routed_experts": 4,
+                            "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                            "v_head_dim": 16, "linear_head_dim": 16},
+        "pretrain_steps": 2, "pretrain_seq_len": 64, "pretrain_eval_every": 2, "sft_items": 12,
+        "sft_eval_items": 1,
+    }
+    run = get_recipe("default-model", total_steps=2, seq_len=256, eval_every=2, eval_batches=1, ckpt_every=1,
+                     extra=extra)
+    assert run.qat == "mxfp4" and run.prepare is not None
+    out = tmp_path / "run"
+    first = train(run, out, max_steps=1, progress=False)  # stages 1-3, then one SFT step
+    assert first.step == 1
+    assert json.load(open(tmp_path / "corpus" / "manifest.json"))["totals"]["documents"] == 24
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    pre = [json.loads(line) for line in open(out / "pretrain" / "metrics.jsonl")]
+    assert [r["step"] for r in pre if r["kind"] == "train"] == [1, 2]
+    assert any(r["kind"] == "eval" for r in pre)
+    assert (out / "pretrain" / "DONE").is_file()
+    # Resume: the finished stages are reused (pretraining untouched), SFT continues at step 2.
+    mtime = os.path.getmtime(out / "pretrain" / "metrics.jsonl")
+    second = train(run, out, resume=True, progress=False)
+    assert second.step == 2 and os.path.getmtime(out / "pretrain" / "metrics.jsonl") == mtime
+    sft = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in sft if r["kind"] == "train"] == [1, 2]
+    assert all(r["loss"] == r["loss"] for r in sft if r["kind"] == "train")  # finite
+    # The SFT run started from the pretrained weights and trained with MXFP4 QAT.
+    from openk3.train.checkpointing import STATE_JSON
+
+    record = json.load(open(os.path.join(second.checkpoint, STATE_JSON)))
+    assert record["run"]["qat"] == "mxfp4" and record["run"]["prepare"] is None
+    assert record["run"]["init_from"] == (out / "pretrain" / "DONE").read_text().strip()
+    from openk3.tokenizer import load_tokenizer
+
+    assert record["run"]["model"]["vocab_size"] == load_tokenizer(tmp_path / "tok").vocab_size  # from the BPE
+    assert any(f.endswith(".safetensors") for f in os.listdir(second.checkpoint))
+
+
+def test_default_model_rejects_unknown_extra_key():
+    from openk3.train.default_model import settings
+
+    run = get_recipe("default-model", extra={"pretrain_stepz": 3})
+    with pytest.raises(ValueError, match="pretrain_stepz"):
+        settings(run)
+
+
+def test_cli_lists_the_recipe_and_rejects_bad_extra(capsys):
+    from openk3.cli import main
+
+    assert main(["train", "--list"]) == 0
+    assert "default-model" in capsys.readouterr().out
+    run = get_recipe("default-model", extra={"pretrain_steps": 5})
+    assert run.to_dict()["prepare"] == "openk3.train.default_model:prepare_default_model"
+    from openk3.train.default_model import settings
+
+    assert settings(run)["pretrain_steps"] == 5 and settings(run)["vocab_size"] == 8192  # merged over defaults
