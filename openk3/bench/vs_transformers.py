@@ -16,6 +16,9 @@ greedy tokens each, no stop token), interleaved, medians:
 The engine runs with the prefix cache off (the same prompts repeat across repetitions) and a step
 budget that prefills the whole batch in one step. Correctness: every row's tokens are identical.
 Targets (issue 4): decode >= 5x at B=1, >= 10x at B=8; TTFT <= 0.5x.
+
+Also reported: the *GEMV floor* (:func:`gemv_floor`), the time of the weight products alone of one
+decode step, and the largest decode speed-up over transformers that it leaves room for.
 """
 
 from __future__ import annotations
@@ -43,6 +46,33 @@ class _Stamps:
 
     def end(self) -> None:
         pass
+
+
+@torch.no_grad()
+def gemv_floor(model, B: int, reps: int) -> dict:
+    """Median seconds of only the weight products of one decode step at batch ``B``: every
+    ``nn.Linear`` on a [B, in] input, plus per MoE layer the routed experts' three products for
+    ``min(E, B * top_k)`` distinct experts. What any eager fp32 implementation must spend at least
+    (embedding lookups, attention, KDA state updates, norms and sampling come on top)."""
+    k = model.config.num_experts_per_tok
+    ops = []
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            ops.append((torch.randn(B, mod.in_features), mod.weight))
+        elif all(hasattr(mod, w) for w in ("w1", "w2", "w3")):
+            E = mod.w1.shape[0]
+            used = min(E, B * k)
+            rows = -(-B * k // used)
+            for e in range(used):
+                ops += [(torch.randn(rows, mod.w1.shape[2]), mod.w1[e]), (torch.randn(rows, mod.w3.shape[2]), mod.w3[e]),
+                        (torch.randn(rows, mod.w2.shape[2]), mod.w2[e])]
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        for x, w in ops:
+            torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t)
+    return {"seconds": sorted(times[1:])[len(times[1:]) // 2], "products": len(ops)}
 
 
 def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
@@ -116,6 +146,10 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
             row[who]["decode_ms_per_step"] = 1e3 * m[who]["decode_s"]["median"] / max(N - 1, 1)
         speed = (row["openk3"]["decode_tok_per_s"] / row["transformers"]["decode_tok_per_s"]) if N > 1 else None
         ttft_ratio = m["openk3"]["ttft_s"]["median"] / m["transformers"]["ttft_s"]["median"]
+        floor = gemv_floor(ours, B, max(reps, 3))
+        row["gemv_floor"] = {"ms_per_step": 1e3 * floor["seconds"], "products": floor["products"],
+                             "max_decode_speedup_vs_transformers": row["transformers"]["decode_ms_per_step"]
+                             / (1e3 * floor["seconds"])}
         row["decode_speedup"] = speed
         row["ttft_ratio"] = ttft_ratio
         result["batches"][f"B={B}"] = row

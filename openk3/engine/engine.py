@@ -31,6 +31,7 @@ once the prompt is computed; prefix-cache keys of image blocks include the image
 from __future__ import annotations
 
 import itertools
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,7 +42,7 @@ from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
 from openk3.config import KDA
 from openk3.engine.kv_pool import MLABlockPool, SlotPool, SnapshotPool, cache_layout
 from openk3.engine.mm import check_images, image_span, merged_count
-from openk3.engine.planner import sequence_bytes
+from openk3.engine.planner import kda_state_bytes, sequence_bytes
 from openk3.engine.prefix_cache import PrefixCache, extend_keys
 from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
 from openk3.engine.scheduler import Request, Scheduler
@@ -59,7 +60,7 @@ class EngineConfig:
         max_num_seqs: most requests running at once (also the number of KDA slots wanted).
         cache_memory: bytes for MLA blocks + KDA slots + prefix snapshots; None = 80% of free GPU
             memory on CUDA, else room for ``max_num_seqs`` sequences of min(max_model_len, 32768)
-            tokens plus the snapshot share.
+            tokens (each at least twice a KDA state, so every one gets a slot) plus the snapshot share.
         block_size: L, tokens per MLA latent block and per prefix-hash block.
         max_model_len: longest prompt + output; default ``max_position_embeddings``, always capped
             by the block pool's capacity.
@@ -190,7 +191,10 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.8)  # the rest is for activations of the forward passes
         tokens = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, 32768)
-        return int(cfg.max_num_seqs * sequence_bytes(mc, tokens, self.dtype) / (1 - frac))
+        # cache_layout gives max_num_seqs KDA slots only if they take at most half of the non-snapshot
+        # budget; with short contexts the KDA state dominates a sequence, so budget at least twice it.
+        per_seq = max(sequence_bytes(mc, tokens, self.dtype), 2 * kda_state_bytes(mc, self.dtype)["total"])
+        return math.ceil(cfg.max_num_seqs * per_seq / (1 - frac)) + 1
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_ids: list[int], params: SamplingParams, constraint=None,

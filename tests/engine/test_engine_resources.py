@@ -118,6 +118,18 @@ def test_waiting_queue_bound(model):
     assert_idle(eng)
 
 
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
+@pytest.mark.parametrize("max_len,seqs", [(8, 1), (24, 8), (64, 5), (3000, 3)])
+def test_default_budget_gives_every_sequence_a_slot_and_its_tokens(model, prefix, max_len, seqs):
+    # Short contexts: the KDA state outweighs the latent tokens, and the layout only grants
+    # max_num_seqs slots when they take at most half the (non-snapshot) budget.
+    eng = Engine(model, EngineConfig(block_size=8, max_num_seqs=seqs, max_model_len=max_len,
+                                     enable_prefix_cache=prefix))
+    assert eng.layout.num_slots == seqs and eng.scheduler.max_num_seqs == seqs
+    assert eng.layout.num_blocks * 8 >= seqs * max_len
+    assert eng.max_model_len == max_len
+
+
 def test_allocations_equal_the_planner_formulas(model):
     eng = Engine(model, EngineConfig(block_size=8, cache_memory=4_000_000))
     cfg, lay = model.config, eng.layout

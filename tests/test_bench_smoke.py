@@ -1,0 +1,117 @@
+"""Smoke runs of the ``openk3 bench`` suite: every benchmark runs end to end in ``--quick`` mode (tiny
+sizes, one repetition) and its correctness assertions hold (openk3 and its peer computed the same
+thing). No timing is asserted anywhere: the numbers are only checked to be present and positive."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from openk3.bench import BENCHMARKS, run_benchmark  # noqa: E402
+from openk3.bench.common import BenchmarkError  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _targets_are_numbers(result: dict) -> None:
+    assert result["targets"], "a benchmark reports at least one target"
+    for name, t in result["targets"].items():
+        assert isinstance(t["measured"], (int, float)) and math.isfinite(t["measured"]), (name, t)
+        assert t["target"].startswith(("<=", ">=")) and isinstance(t["met"], bool), (name, t)
+    assert result["env"]["torch"] == torch.__version__
+
+
+def test_vs_transformers_quick():
+    pytest.importorskip("transformers")
+    r = run_benchmark("vs-transformers", quick=True)
+    _targets_are_numbers(r)
+    for row in r["batches"].values():
+        assert row["tokens_identical"] is True
+        assert row["openk3"]["decode_tok_per_s"] > 0 and row["transformers"]["decode_tok_per_s"] > 0
+        assert row["gemv_floor"]["products"] > 0
+
+
+def test_prefix_cache_quick():
+    r = run_benchmark("prefix-cache", quick=True)
+    _targets_are_numbers(r)
+    assert r["ttft"]["hit_logits_max_abs_diff"] <= 1e-5 * max(1.0, r["ttft"]["logits_scale"])
+    s = r["session"]
+    assert s["tokens_identical"] and s["per_turn_cached"][0] == 0
+    assert all(c > 0 for c in s["per_turn_cached"][1:])  # every later turn resumes from a snapshot
+    assert s["cached_tokens"] == sum(s["per_turn_cached"])
+
+
+def test_batching_quick():
+    r = run_benchmark("batching", quick=True)
+    _targets_are_numbers(r)
+    assert r["throughput"]["tokens_identical"]
+    ov = r["scheduler_overhead"]["all_steps"]
+    assert ov["steps"] > 0 and 0 <= ov["share_of_total_time"] < 1
+
+
+def test_kda_quick_and_its_equality_check_bites(monkeypatch):
+    pytest.importorskip("transformers")
+    r = run_benchmark("kda", quick=True)
+    _targets_are_numbers(r)
+    for row in r["by_T"].values():
+        assert row["max_abs_diff_vs_recurrent"]["openk3_chunk"]["output"] < 1e-5
+    # a contender that is slightly wrong must stop the benchmark
+    from openk3.ops import kda_reference
+
+    real = kda_reference.kda_chunk
+    monkeypatch.setattr(kda_reference, "kda_chunk", lambda *a, **k: (lambda o, s: (o * 1.01, s))(*real(*a, **k)))
+    with pytest.raises(BenchmarkError, match="openk3_chunk differs"):
+        run_benchmark("kda", quick=True, T=(64,))
+
+
+def test_attn_res_quick():
+    r = run_benchmark("attn-res", quick=True)
+    _targets_are_numbers(r)
+    assert all(b["tokens_checked"] for b in r["batches"].values())
+    assert r["config"]["params_attn_res_extra"] > 0
+
+
+def test_memory_quick_through_the_cli(tmp_path):
+    from openk3.cli import main
+
+    out = tmp_path / "memory.json"
+    assert main(["bench", "memory", "--quick", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "memory"
+    _targets_are_numbers(r)
+    bench = r["results"]["bench"]
+    assert bench["real_request"]["bytes_in_use"] == bench["real_request"]["planner_bytes"]
+    for row in bench["by_T"].values():  # T are block multiples: the pools hold exactly the planner's bytes
+        assert row["hybrid"]["relative_error"] == 0 and row["all_mla"]["relative_error"] == 0
+    assert bench["by_T"]["T=4096"]["hybrid_over_all_mla"] < 1  # past the crossover the hybrid is smaller
+
+
+def test_server_quick():
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    r = run_benchmark("server", quick=True)
+    _targets_are_numbers(r)
+    assert r["outputs_identical"]
+    assert r["latency"]["server"]["ttft_ms"]["n"] == r["config"]["requests_per_side"]
+
+
+def test_registry_and_bad_input():
+    assert set(BENCHMARKS) == {"vs-transformers", "prefix-cache", "batching", "kda", "attn-res", "memory", "server"}
+    with pytest.raises(ValueError, match="unknown"):
+        run_benchmark("nope")
+    with pytest.raises(ValueError, match="unknown settings"):
+        run_benchmark("memory", quick=True, hidden=3)
+    with pytest.raises(ValueError, match="reps"):
+        run_benchmark("memory", reps=0)
