@@ -130,6 +130,23 @@ class StopFilter:
         return out
 
 
+def _text_chars(messages: Any) -> int:
+    """Characters of the message texts that are rendered verbatim (content strings and text parts,
+    reasoning); image parts and wire keys are not counted, so the count never exceeds the rendered text."""
+    total = 0
+    for m in messages if isinstance(messages, list) else ():
+        if not isinstance(m, dict):
+            continue
+        for key in ("content", "reasoning_content", "reasoning"):
+            v = m.get(key)
+            if isinstance(v, str):
+                total += len(v)
+            elif isinstance(v, list):
+                total += sum(len(p["text"]) for p in v if isinstance(p, dict) and p.get("type", "text") == "text"
+                             and isinstance(p.get("text"), str))
+    return total
+
+
 def _is_overloaded(exc: BaseException) -> bool:
     return type(exc).__name__ == "EngineOverloaded"
 
@@ -319,6 +336,38 @@ class ChatServing:
         if model != self.model.id:
             raise APIError(404, f"Not found the model {model} or Permission denied")
 
+    def max_token_bytes(self) -> int:
+        """Bytes of the tokenizer's longest token (computed once; 0 when the tokenizer cannot say)."""
+        cached = getattr(self, "_max_token_bytes", None)
+        if cached is None:
+            tok = self.tokenizer
+            try:
+                cached = max(len(tok.decode_bytes([i])) for i in range(tok.vocab_size))
+            except (AttributeError, TypeError, ValueError):
+                cached = 0
+            self._max_token_bytes = cached
+        return cached
+
+    def check_text_size(self, body: dict) -> None:
+        """Reject a prompt that certainly exceeds the context before tokenizing it (tokenizing
+        megabytes holds the GIL for seconds and freezes the server).
+
+        Soundness: the rendered prompt contains every counted text verbatim (escaping only adds),
+        a character is at least one UTF-8 byte and a token at most :meth:`max_token_bytes` bytes, so
+        ``chars > context_length * max_token_bytes`` implies more than ``context_length`` tokens.
+
+        Raises:
+            APIError: 400 with the platform's context-length message (api.md §6.1).
+        """
+        per_token = self.max_token_bytes()
+        if per_token <= 0:
+            return
+        ctx = self.model.context_length
+        chars = _text_chars(body.get("messages"))
+        if chars > ctx * per_token:
+            raise bad_request(f"Your request exceeded model token limit: {ctx} "
+                              f"(requested: at least {-(-chars // per_token)})")
+
     def render(self, body: dict) -> tuple[Any, Any]:
         """Validate the request-level options and render; returns ``(prompt, options)``.
 
@@ -360,6 +409,7 @@ class ChatServing:
         stops = check_stops(req.stop, self.limits)
         if req.top_logprobs is not None and (not req.logprobs or not 0 <= req.top_logprobs <= 20):
             raise bad_request("top_logprobs: must be 0-20 and requires logprobs: true")
+        self.check_text_size(body)
         prompt, opts = self.render(body)
         expanded = self._expand(prompt, body, pixels=True)
 
