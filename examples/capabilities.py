@@ -159,17 +159,31 @@ CAPABILITIES = [("thinking + effort", "thinking_and_effort"), ("preserved thinki
                 ("dynamic tools", "dynamic_tools")]
 
 
+def output_budget(requested: int | None, context_length: int) -> int:
+    """Per-request output budget: `requested` (default 8192) capped at half the model's context,
+    so that prompt + budget fits a small model's window (the server 400s a request that cannot)."""
+    cap = max(1, context_length // 2)
+    return min(requested if requested is not None else 8192, cap)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default=os.environ.get("OPENK3_BASE_URL", "http://127.0.0.1:8000/v1"))
-    p.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY") or os.environ.get("MOONSHOT_API_KEY") or "none")
+    p.add_argument("--api-key",
+                   default=os.environ.get("OPENK3_API_KEY") or os.environ.get("MOONSHOT_API_KEY") or "none")
     p.add_argument("--model", help="model id (default: the first one the server lists)")
-    p.add_argument("--max-tokens", type=int, default=8192, help="output budget per request (reasoning included)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="output budget per request, reasoning included (default 8192; always capped at half the "
+                        "model's context_length from /v1/models)")
     args = p.parse_args(argv)
     client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=5, timeout=600)
     http = httpx.Client(base_url=args.base_url, headers={"Authorization": f"Bearer {args.api_key}"}, timeout=600)
-    model = args.model or client.models.list().data[0].id
-    check = Check(client, http, model, args.max_tokens)
+    cards = client.models.list().data
+    model = args.model or cards[0].id
+    card = next((c for c in cards if c.id == model), None)
+    context = getattr(card, "context_length", None) or (card.model_extra or {}).get("context_length") if card else None
+    max_tokens = output_budget(args.max_tokens, int(context)) if context else (args.max_tokens or 8192)
+    check = Check(client, http, model, max_tokens)
     failed = 0
     for name, method in CAPABILITIES:
         try:

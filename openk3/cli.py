@@ -180,6 +180,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port 0-65535 (0: pick a free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openk3", description="Kimi K3 reference implementation")
     sub = p.add_subparsers(dest="command", required=True)
@@ -212,10 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: as stored)")
     gen.set_defaults(func=_cmd_generate)
 
+    from openk3.chat_repl import add_parser as add_chat_parser
+
+    add_chat_parser(sub)
+
     serve = sub.add_parser("serve", help="Kimi-compatible API server (OpenAI + Anthropic surfaces)")
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the shipped default model)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at startup)")
+    serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed at startup)")
     serve.add_argument("--api-key", help="require this key (Bearer or x-api-key); default $OPENK3_API_KEY")
     serve.add_argument("--served-model-name", help="model id clients send (default: the directory name)")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")

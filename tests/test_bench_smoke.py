@@ -113,5 +113,7 @@ def test_registry_and_bad_input():
         run_benchmark("nope")
     with pytest.raises(ValueError, match="unknown settings"):
         run_benchmark("memory", quick=True, hidden=3)
+    with pytest.raises(ValueError, match="setting T='x'"):
+        run_benchmark("memory", quick=True, T="x")
     with pytest.raises(ValueError, match="reps"):
         run_benchmark("memory", reps=0)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from openk3.bench.common import check, drive, environment, interleaved, k3_config, medians, random_prompts, target
+from openk3.bench.common import (
+    check, drive, environment, interleaved, k3_config, medians, random_prompts, settings, target,
+)
 
 FULL = {"hidden": 256, "layers": 8, "block": 2, "prompt_len": 128, "new_tokens": 32, "batch": 8, "reps": 5}
 QUICK = {"hidden": 64, "layers": 4, "block": 2, "prompt_len": 8, "new_tokens": 3, "batch": 2, "reps": 1}
@@ -44,11 +46,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     from openk3.engine import Engine, EngineConfig, SamplingParams
     from openk3.pretrained import build_model
 
-    p = dict(QUICK if quick else FULL)
-    unknown = set(overrides) - set(p)
-    if unknown:
-        raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(p)}")
-    p.update(overrides)
+    p = settings(QUICK if quick else FULL, overrides)
     reps = reps or p["reps"]
     cfg_on = k3_config(p["hidden"], p["layers"], attn_res_block_size=p["block"])
     cfg_off = cfg_on.replace(attn_res_block_size=None)
@@ -77,7 +75,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
 
         def runner(name: str):
             def go() -> dict:
-                traces, _ = drive(engines[name], [(pr, SamplingParams(max_tokens=N, temperature=0.0)) for pr in prompts])
+                params = SamplingParams(max_tokens=N, temperature=0.0)
+                traces, _ = drive(engines[name], [(pr, params) for pr in prompts])
                 got[name] = [t.tokens for t in traces]
                 first = max(t.times[0] for t in traces)
                 last = max(t.times[-1] for t in traces)

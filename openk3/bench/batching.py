@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 
 from openk3.bench.common import (
-    ForwardTimer, check, drive, environment, interleaved, k3_config, medians, random_prompts, summary, target,
+    ForwardTimer, check, drive, environment, interleaved, k3_config, medians, random_prompts, settings, summary,
+    target,
 )
 
 FULL = {"hidden": 256, "layers": 8, "n_requests": 8, "prompt_lens": (32, 64, 96, 128), "new_tokens": 48, "reps": 5}
@@ -41,11 +42,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     from openk3.engine import Engine, EngineConfig, SamplingParams
     from openk3.pretrained import build_model
 
-    p = dict(QUICK if quick else FULL)
-    unknown = set(overrides) - set(p)
-    if unknown:
-        raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(p)}")
-    p.update(overrides)
+    p = settings(QUICK if quick else FULL, overrides)
     reps = reps or p["reps"]
     cfg = k3_config(p["hidden"], p["layers"])
     model = build_model(cfg, seed=0).eval()
@@ -127,7 +124,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                        "decode_concurrent_over_serial": ratio_dec, "tokens_identical": True},
         "scheduler_overhead": {"all_steps": ov_all, f"decode_steps_{n}_running": ov_dec},
         "targets": {
-            "batching_speedup": target(ratio, ">=", 4, f"aggregate tokens/s incl. prefill, {n} concurrent / 1 at a time"),
+            "batching_speedup": target(ratio, ">=", 4,
+                                       f"aggregate tokens/s incl. prefill, {n} concurrent / 1 at a time"),
             "batching_speedup_decode": target(ratio_dec, ">=", 4,
                                               f"aggregate tokens/s of decode-only steps, {n} concurrent / 1 at a time"),
             "scheduler_overhead": target(share, "<=", 0.10,

@@ -171,6 +171,34 @@ def k3_config(hidden: int = 256, layers: int = 8, vocab: int = 1024, attn_res_bl
     )
 
 
+def settings(defaults: dict, overrides: dict) -> dict:
+    """``defaults`` updated with ``overrides`` (``--set KEY=VALUE``), each checked against the
+    default's type: an int for an int (bool for bool), a list/tuple of ints for a sequence.
+
+    Raises:
+        ValueError: an unknown key, or a value of the wrong type (naming the key and value).
+    """
+    unknown = set(overrides) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(defaults)}")
+    out = dict(defaults)
+    for key, value in overrides.items():
+        ref = defaults[key]
+        if isinstance(ref, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(ref, int):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        elif isinstance(ref, (list, tuple)):
+            ok = isinstance(value, (list, tuple)) and bool(value) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+        else:
+            ok = isinstance(value, type(ref))
+        if not ok:
+            raise ValueError(f"setting {key}={value!r}: expected a value like {ref!r}")
+        out[key] = tuple(value) if isinstance(ref, (list, tuple)) else value
+    return out
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` prompts of ``length`` uniform random token ids (seeded)."""
     g = torch.Generator().manual_seed(seed)
@@ -194,7 +222,8 @@ class Trace:
         return self.times[0]
 
 
-def drive(engine, requests: list[tuple[list[int], object]], on_step: Callable[[int], None] | None = None) -> tuple[list[Trace], float]:
+def drive(engine, requests: list[tuple[list[int], object]],
+          on_step: Callable[[int], None] | None = None) -> tuple[list[Trace], float]:
     """Queue ``(prompt_ids, SamplingParams)`` requests at once and step the engine until idle.
 
     Returns:

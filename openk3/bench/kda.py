@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from openk3.bench.common import check, environment, interleaved, medians, target
+from openk3.bench.common import check, environment, interleaved, medians, settings, target
 
 FULL = {"T": (64, 128, 256, 512, 1024, 2048, 4096), "H": 4, "K": 64, "B": 1, "reps": 5}
 QUICK = {"T": (64, 128), "H": 2, "K": 16, "B": 1, "reps": 1}
@@ -58,11 +58,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
 
     from openk3.ops.kda_reference import kda_chunk, kda_recurrent
 
-    p = dict(QUICK if quick else FULL)
-    unknown = set(overrides) - set(p)
-    if unknown:
-        raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(p)}")
-    p.update(overrides)
+    p = settings(QUICK if quick else FULL, overrides)
     reps = reps or p["reps"]
     B, H, K = p["B"], p["H"], p["K"]
     scale = K ** -0.5
@@ -92,7 +88,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         for name in ("openk3_chunk", "transformers_chunk"):
             o, s = outs[name]
             diffs[name] = {"output": float((o - ref_o).abs().max()), "state": float((s - ref_s).abs().max())}
-            check(diffs[name]["output"] <= 1e-4 * o_scale and diffs[name]["state"] <= 1e-4 * max(1.0, float(ref_s.abs().max())),
+            s_scale = max(1.0, float(ref_s.abs().max()))
+            check(diffs[name]["output"] <= 1e-4 * o_scale and diffs[name]["state"] <= 1e-4 * s_scale,
                   f"T={T}: {name} differs from the recurrence by {diffs[name]}")
         m = {n: medians(v) for n, v in meas.items()}
         sec = {n: m[n]["seconds"]["median"] for n in m}
@@ -108,7 +105,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                                                          f"openk3 chunked / transformers chunked speed at T={T}")
     return {
         "benchmark": "kda", "quick": quick,
-        "config": {"B": B, "H": H, "K": K, "V": K, "T": list(p["T"]), "chunk_size": 64, "dtype": "float32", "reps": reps,
-                   "gate": "g = -softplus(N(0,1) - 2)", "peer": "transformers chunk_kimi_delta_attention (torch fallback)"},
+        "config": {"B": B, "H": H, "K": K, "V": K, "T": list(p["T"]), "chunk_size": 64, "dtype": "float32",
+                   "reps": reps, "gate": "g = -softplus(N(0,1) - 2)",
+                   "peer": "transformers chunk_kimi_delta_attention (torch fallback)"},
         "by_T": rows, "targets": targets, "env": environment(),
     }

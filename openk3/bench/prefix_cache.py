@@ -1,8 +1,9 @@
 """B2: KDA-aware prefix cache — hit TTFT vs cold, and the hit rate of a multi-turn session.
 
 Setup: the K3-shaped model of :func:`~openk3.bench.common.k3_config` (default hidden 256, 8 layers
-= 6 KDA + 2 MLA, LatentMoE, Block AttnRes; fp32), one engine with the prefix cache on (64 MiB of cache, a quarter for snapshots; block 16,
-KDA snapshots every ``snapshot_interval`` = 512 tokens, the engine default) and a reference engine with it off.
+= 6 KDA + 2 MLA, LatentMoE, Block AttnRes; fp32), one engine with the prefix cache on (64 MiB of
+cache, a quarter for snapshots; block 16; KDA snapshots every ``snapshot_interval`` = 512 tokens,
+the engine default) and a reference engine with it off.
 
 1. **Hit vs cold TTFT.** Each repetition draws a fresh random ``prefix_len``-token prefix. *Cold*:
    prefix + suffix A, nothing cached (it also populates the cache); *hit*: the same prefix +
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from openk3.bench.common import check, drive, environment, k3_config, medians, random_prompts, target
+from openk3.bench.common import (
+    check, drive, environment, k3_config, medians, random_prompts, settings, target,
+)
 
 FULL = {"hidden": 256, "layers": 8, "prefix_len": 1024, "suffix_len": 64, "turns": 20, "first_len": 256,
         "user_len": 48, "gen_len": 24, "snapshot_interval": 512, "reps": 5}
@@ -42,11 +45,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     from openk3.engine import Engine, EngineConfig, SamplingParams
     from openk3.pretrained import build_model
 
-    p = dict(QUICK if quick else FULL)
-    unknown = set(overrides) - set(p)
-    if unknown:
-        raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(p)}")
-    p.update(overrides)
+    p = settings(QUICK if quick else FULL, overrides)
     reps = reps or p["reps"]
     cfg = k3_config(p["hidden"], p["layers"])
     model = build_model(cfg, seed=0).eval()
@@ -133,7 +132,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     result = {
         "benchmark": "prefix-cache", "quick": quick,
         "config": {"model": "k3-test-tiny scaled", "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                   "params": sum(t.numel() for t in model.parameters()), "dtype": "float32", **{k: v for k, v in p.items() if k != "reps"},
+                   "params": sum(t.numel() for t in model.parameters()), "dtype": "float32",
+                   **{k: v for k, v in p.items() if k != "reps"},
                    "reps": reps, "block_size": cached.layout.block_size, "snapshot_interval": cached.prefix.interval},
         "ttft": {"cold": m["cold"], "hit": m["hit"], "hit_over_cold": ratio,
                  "hit_logits_max_abs_diff": worst["max_abs"], "logits_scale": worst["scale"]},

@@ -29,7 +29,9 @@ import time
 
 import torch
 
-from openk3.bench.common import check, drive, environment, interleaved, kimi_linear_config, medians, random_prompts, target
+from openk3.bench.common import (
+    check, drive, environment, interleaved, kimi_linear_config, medians, random_prompts, settings, target,
+)
 
 FULL = {"hidden": 256, "layers": 4, "prompt_len": 128, "new_tokens": 32, "batches": (1, 8), "reps": 5}
 QUICK = {"hidden": 64, "layers": 4, "prompt_len": 16, "new_tokens": 4, "batches": (1, 2), "reps": 1}
@@ -64,8 +66,7 @@ def gemv_floor(model, B: int, reps: int) -> dict:
             used = min(E, B * k)
             rows = -(-B * k // used)
             for e in range(used):
-                ops += [(torch.randn(rows, mod.w1.shape[2]), mod.w1[e]), (torch.randn(rows, mod.w3.shape[2]), mod.w3[e]),
-                        (torch.randn(rows, mod.w2.shape[2]), mod.w2[e])]
+                ops += [(torch.randn(rows, w.shape[2]), w[e]) for w in (mod.w1, mod.w3, mod.w2)]
     times = []
     for _ in range(reps + 1):
         t = time.perf_counter()
@@ -86,11 +87,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         ValueError: an unknown override.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    p = dict(QUICK if quick else FULL)
-    unknown = set(overrides) - set(p)
-    if unknown:
-        raise ValueError(f"unknown settings {sorted(unknown)}; known: {sorted(p)}")
-    p.update(overrides)
+    p = settings(QUICK if quick else FULL, overrides)
     reps = reps or p["reps"]
     from transformers import KimiLinearForCausalLM
 
@@ -105,8 +102,9 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     peer.generation_config.eos_token_id = None  # run exactly new_tokens steps, like the engine
     P, N = p["prompt_len"], p["new_tokens"]
     result: dict = {"benchmark": "vs-transformers", "quick": quick,
-                    "config": {"model": "kimi-linear-tiny scaled", "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                               "layer_types": cfg.layer_types, "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}",
+                    "config": {"model": "kimi-linear-tiny scaled", "hidden": cfg.hidden_size,
+                               "layers": cfg.num_hidden_layers, "layer_types": cfg.layer_types,
+                               "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}",
                                "vocab": cfg.vocab_size, "params": sum(t.numel() for t in ours.parameters()),
                                "dtype": "float32", "prompt_len": P, "new_tokens": N, "reps": reps,
                                "transformers_attn": "eager", "engine": "prefix cache off, one-step prefill"},
@@ -154,7 +152,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         row["ttft_ratio"] = ttft_ratio
         result["batches"][f"B={B}"] = row
         goal = 5 if B == 1 else 10
-        result["targets"][f"decode_speedup_B{B}"] = target(speed, ">=", goal, f"decode tokens/s openk3 / transformers at B={B}")
+        result["targets"][f"decode_speedup_B{B}"] = target(speed, ">=", goal,
+                                                           f"decode tokens/s openk3 / transformers at B={B}")
         result["targets"][f"ttft_ratio_B{B}"] = target(ttft_ratio, "<=", 0.5, f"TTFT openk3 / transformers at B={B}")
     result["env"] = environment()
     return result

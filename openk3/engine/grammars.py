@@ -376,7 +376,8 @@ class GrammarBuilder:
             # An escaped attribute value (§2) that is none of the declared keys.
             key = r'/([^"&]|&amp;|&quot;)*/'
             if props:
-                key = f"({key} & ~({' | '.join('/' + regex_literal(escape_attr(k)) + '/' for k in props)}))"
+                # (?:...) keeps an empty key ("") a valid regex
+                key = f"({key} & ~({' | '.join('/(?:' + regex_literal(escape_attr(k)) + ')/' for k in props)}))"
             rule = self.add(self.name("extra"), f"{self.m.ref('open')} {lark_literal('argument key=' + QUOTE)} "
                                                 f"{self.terminal(key)} {lark_literal(QUOTE + ' type=' + QUOTE)} "
                                                 f"({' | '.join(alts)}) {self.close_tag('argument')}")

@@ -144,6 +144,10 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
 
     body: dict[str, Any] = {"model": req.get("model"), "messages": messages,
                             "max_completion_tokens": req.get("max_tokens")}
+    for j, t in enumerate(req.get("tools") or ()):
+        if t.get("type") not in (None, "custom"):  # server tools (web_search_..., bash_..., ...) run nowhere here
+            raise bad_request(f"tools[{j}].type: unsupported tool type {t.get('type')!r}; only client tools "
+                              "(name, description, input_schema) are supported")
     if req.get("tools"):
         body["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                                            "parameters": t.get("input_schema") or {"type": "object"}}}
@@ -165,6 +169,19 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
     return body
 
 
+# chat-completions field names in shared validation messages -> the Anthropic request's names
+_NAMES = (("max_completion_tokens", "max_tokens"), ("tool_choice: 'required'", "tool_choice: 'any'"),
+          ("'required' needs", "'any' needs"), ("stop: ", "stop_sequences: "),
+          ("stop strings", "stop sequences"), ("function.parameters", "input_schema"))
+
+
+def anthropic_names(message: str) -> str:
+    """A serving-core error message with the Anthropic surface's field names."""
+    for chat, anth in _NAMES:
+        message = message.replace(chat, anth)
+    return message
+
+
 def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
     """Validate an Anthropic body and prepare its generation; returns ``(prepared, chat_body)``.
 
@@ -179,7 +196,11 @@ def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
         validated = ChatCompletionRequest.model_validate(body)
     except ValueError as e:
         raise bad_request(f"Invalid request: {e}") from None
-    prep = serving.prepare(body, validated)
+    try:
+        prep = serving.prepare(body, validated)
+    except APIError as e:
+        e.message = anthropic_names(e.message)
+        raise
     prep.id = "msg_" + uuid.uuid4().hex
     return prep, body
 

@@ -6,7 +6,8 @@ Routes (``../shared/spec/api.md`` §0.1): ``POST /v1/chat/completions``, ``GET /
 
 Guards, in order, as one ASGI middleware in front of the routes (api.md §11 validation order):
 the API key (``Authorization: Bearer`` or ``x-api-key``, compared in constant time; only ``/v1`` and
-``/anthropic`` are protected — ``/health`` and ``/metrics`` stay open for probes and scrapers),
+``/anthropic`` are protected — ``/health`` and ``/metrics`` stay open for probes and scrapers, and the
+API description ``/openapi.json``, ``/docs``, ``/redoc`` for tooling such as the schemathesis run),
 then the body size (``Content-Length`` first, then the bytes actually received) -> 413.
 
 Every error answers with the Kimi envelope ``{"error": {"message", "type"}}`` (the Anthropic one

@@ -15,9 +15,13 @@ the original JSON dict, so nothing the client sent is lost or coerced before ren
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
+
+# JSON types are not coerced: "1", true or "yes" for a number / boolean field is a 400 naming the
+# field (a JSON integer is still a valid number).
+StrictFloat = Annotated[float, Strict()]
 
 # --------------------------------------------------------------------------------------- errors
 
@@ -153,7 +157,7 @@ class ChatMessage(_Open):
 class StreamOptions(_Open):
     """``stream_options``: ``include_usage`` adds the empty-choices usage chunk (api.md §2.2)."""
 
-    include_usage: bool | None = None
+    include_usage: StrictBool | None = None
 
 
 class JSONSchemaFormat(_Open):
@@ -178,24 +182,24 @@ class ChatCompletionRequest(_Open):
 
     model: str
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    max_tokens: StrictInt | None = None
     thinking: Union[dict[str, Any], bool, None] = None
     reasoning_effort: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stream: bool | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    n: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    seed: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     user: str | None = None
@@ -364,16 +368,16 @@ class AnthropicMessagesRequest(_Open):
     """``POST /anthropic/v1/messages`` body (api.md §7)."""
 
     model: str
-    max_tokens: int
+    max_tokens: StrictInt
     messages: list[AnthropicMessage]
     system: Union[str, list[AnthropicBlock], None] = None
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     stop_sequences: list[str] | None = None
-    stream: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    stream: StrictBool | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
 

@@ -19,7 +19,8 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
   ``thinking.effort`` beats ``reasoning_effort``, as the vendor verifier checks); ``medium`` is
   accepted (the template supports it).
 * ``usage.prompt_tokens`` follows the chat-format spec §12 (the 3-token generation stub is not
-  counted); ``cached_tokens`` comes from the engine's prefix cache, capped at ``prompt_tokens``.
+  counted); ``cached_tokens`` comes from the engine's prefix cache, capped at ``prompt_tokens`` and
+  reported in whole 256-token blocks (api.md §11; :func:`usage_dict`).
   Images count with their expanded blocks (:mod:`openk3.server.images`).
 * Stop strings are applied to the reasoning and the content text; the text from the match on is
   never sent (held back while it could still become a match).
@@ -40,8 +41,10 @@ from openk3.chat_format.parser import (
 from openk3.chat_format.request import parse_messages, parse_options
 from openk3.server.images import expand_images
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
+from openk3.server.stops import StopFilter
 from openk3.server.validation import (
-    THINKING_BOOL, Limits, check_image_parts, check_messages, check_sampling, check_stops, check_tools,
+    THINKING_BOOL, Limits, check_image_parts, check_keep, check_messages, check_sampling, check_stops,
+    check_tool_history, check_tools, text_chars,
 )
 
 OVERLOADED = "The engine is currently overloaded, please try again later"  # api.md §6.1
@@ -90,61 +93,22 @@ class Finished:
     stop_sequence: str | None = None
 
 
+CACHE_REPORT_BLOCK = 256  # api.md §11: reported cache hits are whole 256-token blocks
+
+
 def usage_dict(prompt_tokens: int, cached: int, completion: int) -> dict:
-    """Kimi usage: ``cached_tokens`` top level and in ``prompt_tokens_details`` (api.md §11)."""
+    """Kimi usage: ``cached_tokens`` top level and in ``prompt_tokens_details`` (api.md §11).
+
+    The one place reported cache hits are decided (every surface, the metrics and so ``openk3
+    cost`` read this dict): the engine's reused length, capped at ``prompt_tokens`` and rounded
+    down to a multiple of :data:`CACHE_REPORT_BLOCK`, as the platform reports them (api.md §5 /
+    §11: 256-token alignment, no minimum beyond one block). The engine may reuse more (its blocks
+    are smaller); the difference is billed as a miss, the conservative side.
+    """
+    cached = max(0, min(int(cached), prompt_tokens)) // CACHE_REPORT_BLOCK * CACHE_REPORT_BLOCK
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "cached_tokens": cached,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-class StopFilter:
-    """Cuts one text field at the first stop string; holds back a tail that may still grow into one.
-
-    ``feed(text) -> (safe_text, matched_stop_or_None)``; ``flush()`` releases the held tail.
-    """
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.buf = ""
-
-    def feed(self, text: str) -> tuple[str, str | None]:
-        if not self.stops:
-            return text, None
-        self.buf += text
-        hit = min(((self.buf.find(s), s) for s in self.stops if s in self.buf), default=None)
-        if hit is not None:
-            out, self.buf = self.buf[:hit[0]], ""
-            return out, hit[1]
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.buf)), keep, -1):
-                if self.buf.endswith(s[:k]):
-                    keep = k
-                    break
-        out = self.buf[:len(self.buf) - keep]
-        self.buf = self.buf[len(self.buf) - keep:]
-        return out, None
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
-
-
-def _text_chars(messages: Any) -> int:
-    """Characters of the message texts that are rendered verbatim (content strings and text parts,
-    reasoning); image parts and wire keys are not counted, so the count never exceeds the rendered text."""
-    total = 0
-    for m in messages if isinstance(messages, list) else ():
-        if not isinstance(m, dict):
-            continue
-        for key in ("content", "reasoning_content", "reasoning"):
-            v = m.get(key)
-            if isinstance(v, str):
-                total += len(v)
-            elif isinstance(v, list):
-                total += sum(len(p["text"]) for p in v if isinstance(p, dict) and p.get("type", "text") == "text"
-                             and isinstance(p.get("text"), str))
-    return total
 
 
 def _is_overloaded(exc: BaseException) -> bool:
@@ -208,7 +172,7 @@ class Generation:
     def usage_so_far(self) -> dict:
         """Usage as of the latest engine output (after :meth:`start`: prompt and cache hits known)."""
         u = self.usage if self.usage is not None else getattr(self._pending, "usage", None)
-        cached = min(int(getattr(u, "cached_tokens", 0) or 0), self.prep.prompt_tokens)
+        cached = int(getattr(u, "cached_tokens", 0) or 0)
         return usage_dict(self.prep.prompt_tokens, cached, int(getattr(u, "completion_tokens", 0) or 0))
 
     async def events(self) -> AsyncIterator[Any]:
@@ -264,9 +228,12 @@ class Generation:
             kind = type(ev)
             if kind in self._filters:
                 other = self._filters[ContentDelta if kind is ReasoningDelta else ReasoningDelta]
-                held = other.flush()
+                held, hit = other.flush()
                 if held:
                     result.append((ContentDelta if kind is ReasoningDelta else ReasoningDelta)(held))
+                if hit is not None:
+                    self.stop_hit = hit
+                    return result
                 text, hit = self._filters[kind].feed(ev.text)
                 if text:
                     result.append(kind(text))
@@ -275,6 +242,8 @@ class Generation:
                     return result
             elif kind in (ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd):
                 result.extend(self._flush())
+                if self.stop_hit is not None:
+                    return result
                 if kind is ToolCallEnd:
                     self.n_calls += 1
                 result.append(ev)
@@ -285,9 +254,12 @@ class Generation:
             return []
         out = []
         for kind, f in self._filters.items():
-            held = f.flush()
+            held, hit = f.flush()
             if held:
                 out.append(kind(held))
+            if hit is not None:
+                self.stop_hit = hit
+                break
         return out
 
     def _finish(self) -> Finished:
@@ -299,7 +271,7 @@ class Generation:
             reason = self.engine_reason or "abort"
         u = self.usage
         completion = int(getattr(u, "completion_tokens", 0) or 0)
-        cached = min(int(getattr(u, "cached_tokens", 0) or 0), self.prep.prompt_tokens)
+        cached = int(getattr(u, "cached_tokens", 0) or 0)
         usage = usage_dict(self.prep.prompt_tokens, cached, completion)
         self.s.metrics.finished(self.prep, usage, time.monotonic() - self.prep.t0)
         return Finished(reason, usage, self.stop_hit)
@@ -363,7 +335,7 @@ class ChatServing:
         if per_token <= 0:
             return
         ctx = self.model.context_length
-        chars = _text_chars(body.get("messages"))
+        chars = text_chars(body.get("messages"))
         if chars > ctx * per_token:
             raise bad_request(f"Your request exceeded model token limit: {ctx} "
                               f"(requested: at least {-(-chars // per_token)})")
@@ -403,9 +375,11 @@ class ChatServing:
             opts = parse_options(body, parse_messages(body))
         except (ValueError, TypeError) as e:
             raise bad_request(f"Invalid request: {e}") from None
+        check_keep(opts.keep)
         check_sampling(req, opts.thinking)
         tools = check_tools(body, opts, self.limits)
         check_messages(body, opts.thinking, opts.keep)
+        check_tool_history(body)
         stops = check_stops(req.stop, self.limits)
         if req.top_logprobs is not None and (not req.logprobs or not 0 <= req.top_logprobs <= 20):
             raise bad_request("top_logprobs: must be 0-20 and requires logprobs: true")
@@ -540,10 +514,19 @@ class ChatServing:
 
     async def sse(self, prep: Prepared, gen: Generation) -> AsyncIterator[str]:
         """``chat.completion.chunk`` SSE events (api.md §2.2): role chunk, reasoning / content /
-        tool-call deltas, the final chunk with ``usage`` in the choice and at the top level, the
+        tool-call deltas (with ``logprobs`` of the tokens since the previous chunk when requested),
+        the final chunk with ``usage`` in the choice and at the top level, the
         ``include_usage`` chunk, ``[DONE]``; an error event if the request is aborted."""
+        want_logprobs = getattr(prep.params, "logprobs", None) is not None
+        sent = 0
+
         def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+            nonlocal sent
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            if want_logprobs:  # the tokens generated since the previous chunk (OpenAI stream shape)
+                new = gen.logprobs[sent:]
+                sent += len(new)
+                choice["logprobs"] = self._logprobs(new) if new else None
             body: dict[str, Any] = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created,
                                     "model": prep.model, "choices": [choice]}
             if usage is not None:

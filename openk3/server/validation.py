@@ -17,6 +17,7 @@ Decisions recorded here (api.md §11 and the release notes leave a choice):
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -72,6 +73,17 @@ def _is_empty_content(content: Any) -> bool:
     return False
 
 
+def check_keep(keep: str | None) -> None:
+    """``thinking.keep`` is null or ``"all"`` (api.md §1.3 table: K3-class models preserve all
+    thinking; other values are an error there).
+
+    Raises:
+        APIError: 400 naming ``thinking.keep`` and the value.
+    """
+    if keep is not None and keep != "all":
+        raise bad_request(f"thinking.keep: only null or 'all' is allowed for this model, got {keep!r}")
+
+
 def check_messages(body: dict, thinking: bool, keep: str | None) -> None:
     """Per-message platform rules (api.md §1.2, §3; release notes §2 "Tools").
 
@@ -104,6 +116,72 @@ def check_messages(body: dict, thinking: bool, keep: str | None) -> None:
                                   f"message at index {i}")
 
 
+def check_tool_history(body: dict) -> None:
+    """Tool-call structure of the history (api.md §4): every call of an assistant message is
+    ``type: "function"`` with an id unique in the conversation, and every id gets a ``tool``
+    result before the next user / assistant message. A platform rule (OpenAI and Kimi answer 400),
+    not a chat-format one: the renderer accepts any sequence.
+
+    Raises:
+        APIError: 400 naming the message index and the tool-call id.
+    """
+    msgs = body["messages"]
+    seen: set[str] = set()
+    pending: dict[str, int] = {}
+
+    def unanswered() -> None:
+        if pending:
+            cid, at = next(iter(pending.items()))
+            raise bad_request(f"messages[{at}].tool_calls: tool call id {cid!r} has no tool result message "
+                              "(each tool call must be answered by a tool message before the next user or "
+                              "assistant message)")
+
+    last = len(msgs) - 1
+    for i, m in enumerate(msgs):
+        role = m.get("role")
+        if role == "tool":
+            pending.pop(m.get("tool_call_id"), None)
+            continue
+        if role not in ("user", "assistant"):
+            continue
+        unanswered()
+        if role != "assistant" or not m.get("tool_calls"):
+            continue
+        if i == last and m.get("partial"):
+            continue
+        for k, call in enumerate(m["tool_calls"]):
+            if not isinstance(call, dict):
+                continue
+            kind = call.get("type", "function")
+            if kind is not None and kind != "function":
+                raise bad_request(f"messages[{i}].tool_calls[{k}].type: only 'function' is supported, got {kind!r}")
+            cid = call.get("id")
+            if cid is None:
+                continue
+            if cid in seen:
+                raise bad_request(f"messages[{i}].tool_calls[{k}].id: duplicate tool call id {cid!r}")
+            seen.add(cid)
+            pending[cid] = i
+    unanswered()
+
+
+def text_chars(messages: Any) -> int:
+    """Characters of the message texts that are rendered verbatim (content strings and text parts,
+    reasoning); image parts and wire keys are not counted, so the count never exceeds the rendered text."""
+    total = 0
+    for m in messages if isinstance(messages, list) else ():
+        if not isinstance(m, dict):
+            continue
+        for key in ("content", "reasoning_content", "reasoning"):
+            v = m.get(key)
+            if isinstance(v, str):
+                total += len(v)
+            elif isinstance(v, list):
+                total += sum(len(p["text"]) for p in v if isinstance(p, dict) and p.get("type", "text") == "text"
+                             and isinstance(p.get("text"), str))
+    return total
+
+
 def check_tools(body: dict, opts: Any, limits: Limits) -> list[dict]:
     """Tools and tool_choice rules (api.md §1.7, release notes §2); returns every declared tool
     (request-level, then dynamic) for the constraint.
@@ -134,9 +212,38 @@ def check_tools(body: dict, opts: Any, limits: Limits) -> list[dict]:
         params = fn.get("parameters")
         if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
             raise bad_request(f"tools[{j}].function.parameters: the root must be an object schema")
+        if params:
+            check_enforceable(params, f"tools[{j}].function.parameters (tool {name!r})")
     if opts.tool_choice == "required" and not declared:
         raise bad_request("tool_choice: 'required' needs at least one tool")
     return declared
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+
+
+def check_enforceable(schema: dict, where: str) -> None:
+    """A tool parameter schema must be fully enforceable by the argument grammar: llguidance
+    compiles tool schemas leniently (unknown ``format`` values are annotations), which would also
+    silently drop assertion keywords it does not implement (``not``, ``if``/``then``/``else``,
+    ``dependentRequired``, ``uniqueItems`` ...) and let arguments violate the schema; those are a 400.
+
+    Raises:
+        APIError: 400 naming `where` and the unsupported keywords.
+    """
+    from llguidance import LLMatcher
+
+    probe = dict(schema)
+    probe.setdefault("type", "object")
+    probe["x-guidance"] = {"lenient": False}
+    try:
+        err = LLMatcher.validate_grammar("start: %json " + json.dumps(probe, ensure_ascii=False))
+    except (TypeError, ValueError):  # not JSON-serialisable: the constraint compiler reports it
+        return
+    m = _UNIMPLEMENTED.search(err or "")
+    if m:
+        raise bad_request(f"{where}: unsupported JSON Schema keyword(s) {m.group(1)}: the tool's arguments could "
+                          "not be guaranteed to validate")
 
 
 def check_stops(stop: str | list[str] | None, limits: Limits) -> list[str]:

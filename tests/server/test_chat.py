@@ -193,6 +193,7 @@ def test_cached_tokens_on_shared_long_prefix(client):
                                             max_completion_tokens=1)
     assert first.usage.prompt_tokens > 600
     assert 0 < second.usage.cached_tokens < second.usage.prompt_tokens
+    assert second.usage.cached_tokens % 256 == 0  # whole 256-token blocks (api.md §11)
     assert second.usage.prompt_tokens_details.cached_tokens == second.usage.cached_tokens
 
 

@@ -30,7 +30,8 @@ def test_stop_filter_matches_a_one_shot_search(text, stops, cuts):
         if hit is not None:
             break
     if hit is None:
-        out.append(f.flush())
+        piece, hit = f.flush()
+        out.append(piece)
     found = [(text.find(s), s) for s in stops if s in text]
     if found:
         pos = min(p for p, _ in found)
