@@ -193,6 +193,10 @@ def _expert_stack(pre: str, key: str, parts: dict[int, dict[str, torch.Tensor]],
             lost = [s for s in _PACKED_PAIR if s not in part]
             if lost:
                 raise ValueError(f"checkpoint is missing tensor {_file_name(pre, key, e, lost[0])}")
+        for suffix in _PACKED_PAIR:
+            if suffix in part and part[suffix].dtype != torch.uint8:
+                raise ValueError(f"checkpoint tensor {_file_name(pre, key, e, suffix)}: dtype {part[suffix].dtype}, "
+                                 "expected torch.uint8 (MXFP4 codes / E8M0 scales)")
         if packed_target:
             p, s = (part["weight_packed"], part["weight_scale"]) if "weight" not in part else \
                 mxfp4_weight_to_packed(part["weight"])

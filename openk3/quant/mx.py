@@ -91,12 +91,14 @@ def _to_blocks(x: torch.Tensor, block: int, axis: int) -> torch.Tensor:
 
 def _from_blocks(xb: torch.Tensor, axis: int) -> torch.Tensor:
     """[*, *, G, B] -> [*, N, *], inverse of ``_to_blocks``."""
-    return xb.reshape(*xb.shape[:-2], -1).movedim(-1, axis)
+    return xb.reshape(*xb.shape[:-2], xb.shape[-2] * xb.shape[-1]).movedim(-1, axis)
 
 
 def _check_float(x: torch.Tensor, fn: str) -> None:
+    # float64 is refused rather than cast: the cast to fp32 would round twice (a value just above a
+    # tie lands on the tie) and overflow beyond fp32's range.
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype in (
-        torch.float8_e4m3fn, torch.float8_e5m2,
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float64,
     ):
         raise ValueError(f"{fn}: x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
 

@@ -380,8 +380,8 @@ def grouped_gemm(xs: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, s
     e, o, k = _check(packed, scales, "grouped_gemm")
     if xs.dtype != torch.float32 or xs.dim() != 2 or xs.shape[1] != k or xs.device.type != "cpu":
         raise ValueError(f"grouped_gemm: xs must be float32 CPU [A, K={k}], got {xs.dtype} {tuple(xs.shape)}")
-    if counts.numel() != e or int(counts.sum()) != xs.shape[0]:
-        raise ValueError(f"grouped_gemm: counts must have E={e} entries summing to A={xs.shape[0]}")
+    if counts.numel() != e or int(counts.sum()) != xs.shape[0] or bool((counts < 0).any()):
+        raise ValueError(f"grouped_gemm: counts must have E={e} non-negative entries summing to A={xs.shape[0]}")
     offs = torch.zeros(e + 1, dtype=torch.int64)
     torch.cumsum(counts.to(torch.int64).cpu(), 0, out=offs[1:])
     xp = permute_blocks(xs).contiguous()

@@ -202,3 +202,34 @@ def test_quantized_save_rejects_widths_without_whole_blocks(tmp_path):
         build_model(preset("kimi-linear-tiny")).save_pretrained(tmp_path, quantization="mxfp4")
     with pytest.raises(ValueError, match="quantization='fp8'"):
         build_model(_cfg(False)).save_pretrained(tmp_path, quantization="fp8")
+
+
+def test_packed_tensors_with_wrong_dtypes_are_refused_at_load(tmp_path):
+    """A corrupt MXFP4 checkpoint fails at load time, naming the file tensor, in both load modes."""
+    from safetensors.torch import save_file
+
+    from openk3.checkpoint import read_safetensors
+    from openk3.config import preset as _preset
+    from openk3.pretrained import build_model as _build, load_pretrained as _load
+
+    model = _build(_preset("k3-test-tiny").replace(moe_intermediate_size=32))
+    model.save_pretrained(tmp_path, quantization="mxfp4")
+    tensors = read_safetensors(str(tmp_path))
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
+    for bad in (torch.int8, torch.float32):
+        t = dict(tensors)
+        t[name] = t[name].to(bad)
+        save_file(t, str(tmp_path / "model.safetensors"))
+        for keep in (False, True):
+            with pytest.raises(ValueError, match=rf"{name}: dtype {bad}"):
+                _load(tmp_path, keep_packed=keep)
+
+
+def test_empty_inputs_and_float64():
+    from openk3.quant.mx import fake_quant_mxfp8, quantize_mxfp4
+
+    codes, scales = quantize_mxfp4(torch.zeros(0, 32))
+    assert codes.shape == (0, 32) and scales.shape == (0, 1)
+    assert fake_quant_mxfp8(torch.zeros(0, 64)).shape == (0, 64)
+    with pytest.raises(ValueError, match="float64"):
+        quantize_mxfp4(torch.zeros(2, 32, dtype=torch.float64))

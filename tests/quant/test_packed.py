@@ -204,3 +204,10 @@ def test_packed_storage_is_4_25_bits_per_weight():
     assert all(b.dtype == torch.uint8 for b in bufs.values())
     assert bufs["model.layers.1.block_sparse_moe.experts.w2.weight_packed"].shape == (e, l, f // 2)
     assert bufs["model.layers.1.block_sparse_moe.experts.w2.weight_scale"].shape == (e, l, f // 32)
+
+
+@native
+def test_native_grouped_gemm_rejects_negative_counts():
+    with pytest.raises(ValueError, match="non-negative"):
+        mxfp4_cpu.grouped_gemm(torch.randn(1, 64), torch.tensor([-1, 2]), torch.zeros(2, 4, 32, dtype=torch.uint8),
+                               torch.full((2, 4, 2), 127, dtype=torch.uint8))
