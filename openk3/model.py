@@ -21,7 +21,7 @@ from torch import nn
 
 from openk3.cache import HybridCache
 from openk3.config import DENSE, KDA, K3Config
-from openk3.layers.attn_res import depth_mix
+from openk3.layers.attn_res import AttnResState, pseudo_query
 from openk3.layers.kda import KimiDeltaAttention
 from openk3.layers.mla import GatedMLA
 from openk3.layers.mlp import MLP
@@ -99,6 +99,16 @@ class K3Model(nn.Module):
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
 
+    def _site_queries(self) -> torch.Tensor:
+        """[2L+1, D] fp32 pseudo-queries (norm weight × projection) of every AttnRes site: row 2l
+        is layer l's mixer site, 2l+1 its FFN site, 2L the output site."""
+        qs = []
+        for layer in self.layers:
+            qs.append(pseudo_query(layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight))
+            qs.append(pseudo_query(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight))
+        qs.append(pseudo_query(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight))
+        return torch.stack(qs)
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -162,42 +172,26 @@ class K3Model(nn.Module):
             "mode": "recurrent" if (cache is not None and T == 1) else "chunk",
             "max_logits": max_logits,
         }
-        eps = cfg.rms_norm_eps
         sink = hidden_sink
-        if cfg.use_attn_res:
-            bs = cfg.attn_res_block_size
-            blocks: list[torch.Tensor] = []
-            p = x
-            for l, layer in enumerate(self.layers):
-                entry = cache.layers[l] if cache is not None else None
-                p_in = p
-                h = (
-                    depth_mix(blocks + [p_in], layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
-                    if blocks
-                    else p_in
-                )
-                opened = l % bs == 0
-                if opened:
-                    blocks.append(p_in)  # snapshot BEFORE the mixer (§2 step 3)
-                a = layer.mixer(h, entry, ctx)
-                p = a if opened else p_in + a
-                h_ffn = depth_mix(blocks + [p], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
-                f = layer.ffn(h_ffn, routing_sink)
-                p = p + f
-                if sink is not None:
-                    sink[l] = {"attn_in": h, "mixer_out": a, "ffn_in": h_ffn, "ffn_out": f, "out": p}
-            y = depth_mix(blocks + [p], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight, eps)
-        else:
-            h = x
-            for l, layer in enumerate(self.layers):
-                entry = cache.layers[l] if cache is not None else None
-                a = layer.mixer(h, entry, ctx)
-                h_ffn = h + a
-                f = layer.ffn(h_ffn, routing_sink)
-                h = h_ffn + f
-                if sink is not None:
-                    sink[l] = {"attn_in": h_ffn - a, "mixer_out": a, "ffn_in": h_ffn, "ffn_out": f, "out": h}
-            y = h
+        # Block AttnRes (architecture.md §2) in its two-phase form (§5): when a block opens, one
+        # batched pass scores every site of the block against the completed blocks; each site
+        # then merges the current partial sum by online softmax (exactly the direct softmax).
+        # With attn_res_block_size=None the state is the plain residual stream (Kimi Linear).
+        state = AttnResState.start(
+            x, cfg.attn_res_block_size, eps=cfg.rms_norm_eps,
+            site_queries=self._site_queries() if cfg.use_attn_res else None,
+        )
+        for l, layer in enumerate(self.layers):
+            entry = cache.layers[l] if cache is not None else None
+            h = state.attn_input(l)
+            a = layer.mixer(h, entry, ctx)
+            state.after_mixer(l, a)
+            h_ffn = state.ffn_input(l)
+            f = layer.ffn(h_ffn, routing_sink)
+            state.after_ffn(l, f)
+            if sink is not None:
+                sink[l] = {"attn_in": h, "mixer_out": a, "ffn_in": h_ffn, "ffn_out": f, "out": state.partial}
+        y = state.output()
         out = self.norm(y)
         if sink is not None:
             sink["final_norm_in"] = y

@@ -126,8 +126,8 @@ def test_loss_and_backward():
     grads = {n: p.grad for n, p in model.named_parameters()}
     # layer 0's mixer AttnRes site exists in the checkpoint but is never used (architecture.md §2)
     unused = {"model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"}
-    assert {n for n, g in grads.items() if g is None} == unused
-    assert all(torch.isfinite(g).all() for n, g in grads.items() if n not in unused)
+    assert all(grads[n] is None or not grads[n].any() for n in unused)
+    assert all(g is not None and torch.isfinite(g).all() for n, g in grads.items() if n not in unused)
     assert grads["model.layers.3.self_attn.kv_b_proj.weight"].abs().sum() > 0
     assert grads["model.layers.1.block_sparse_moe.experts.w1"].abs().sum() > 0
 
