@@ -55,3 +55,22 @@ def kimi_tokenizer():
 
         _KIMI_TOKENIZER = load_tokenizer(shared_path("kimi-tokenizer"))
     return _KIMI_TOKENIZER
+
+
+def perturb(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Module:
+    """Add seeded noise to every float tensor of ``model`` in place: N(0, 0.5) on ``A_log`` /
+    ``dt_bias``, N(0, 0.2) on vectors and AttnRes pseudo-queries, N(0, (max(std, 0.02)·scale)²)
+    on matrices — so that no branch (AttnRes, router bias, norms) is trivially near zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point():
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith(("A_log", "dt_bias")):
+                p.add_(0.5 * noise)
+            elif p.ndim == 1 or name.endswith("_res_proj.weight"):
+                p.add_(0.2 * noise)
+            else:
+                p.add_(noise * max(p.std().item(), 0.02) * scale)
+    return model

@@ -13,7 +13,7 @@ from openk3.params import count_parameters
 from openk3.pretrained import build_model, load_pretrained
 from openk3.config import preset
 from safetensors.torch import save_file
-from tests.conftest import assert_close
+from tests.conftest import assert_close, perturb
 
 PRESETS = ["k3-test-tiny", "k3-test-tiny-noqlora", "kimi-linear-tiny"]
 
@@ -21,19 +21,7 @@ PRESETS = ["k3-test-tiny", "k3-test-tiny-noqlora", "kimi-linear-tiny"]
 def sharp(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Perturb every tensor so that no branch is trivially near zero (AttnRes queries, router
     bias, norms): the standard init makes many comparisons vacuous."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if not p.is_floating_point():
-                continue
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith(("A_log", "dt_bias")):
-                p.add_(0.5 * noise)
-            elif p.ndim == 1 or name.endswith("_res_proj.weight"):
-                p.add_(0.2 * noise)
-            else:
-                p.add_(noise * max(p.std().item(), 0.02) * 4)
-    return model
+    return perturb(model, 4.0, seed)
 
 
 def greedy_full(model, ids, n):

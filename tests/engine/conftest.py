@@ -7,6 +7,7 @@ import torch
 
 import openk3
 from openk3.pretrained import build_model
+from tests.conftest import perturb
 from tests.test_model import sharp
 
 
@@ -27,21 +28,6 @@ def model():
     return sharp(build_model(openk3.preset("k3-test-tiny"), seed=1)).eval()
 
 
-def perturb(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Module:
-    """``tests.test_model.sharp`` with an adjustable matrix noise scale (sharp uses 4)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if not p.is_floating_point():
-                continue
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith(("A_log", "dt_bias")):
-                p.add_(0.5 * noise)
-            elif p.ndim == 1 or name.endswith("_res_proj.weight"):
-                p.add_(0.2 * noise)
-            else:
-                p.add_(noise * max(p.std().item(), 0.02) * scale)
-    return model
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from openk3.pretrained import build_model
 from openk3.vision import vision_preset
 from tests.conftest import assert_close
 from tests.engine.common import assert_idle, greedy
-from tests.engine.conftest import perturb
+from tests.conftest import perturb
 
 PAD = 277  # k3-test-tiny media_placeholder_token_id
 GRID = (1, 4, 6)  # 24 patches -> 6 image tokens
