@@ -11,6 +11,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("OPENK3_SHARED", REPO.parent / "shared"))
 
+# Tiny-model tests gain nothing from intra-op threads, and on a loaded 2-core machine the thread
+# pool makes each small forward 10-50x slower (`make test` also sets OMP_NUM_THREADS=1).
+torch.set_num_threads(int(os.environ.get("OPENK3_TEST_THREADS", "1")))
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 

@@ -17,13 +17,6 @@ from openk3.bench import BENCHMARKS, run_benchmark  # noqa: E402
 from openk3.bench.common import BenchmarkError  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _targets_are_numbers(result: dict) -> None:
     assert result["targets"], "a benchmark reports at least one target"

@@ -11,15 +11,6 @@ from tests.conftest import perturb
 from tests.test_model import sharp
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls gain nothing from intra-op threads, and on a loaded 2-core machine the thread
-    # pool makes each forward 10-50x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="session")
 def model():

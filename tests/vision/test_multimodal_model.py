@@ -21,13 +21,6 @@ from tests.conftest import shared_path
 PAD = 277  # k3-test-tiny media_placeholder_token_id
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def mm_config():
     cfg = openk3.preset("k3-test-tiny").as_k3_wrapper()
