@@ -1,9 +1,8 @@
-"""Fixtures of the engine tests: one perturbed tiny K3 model per module, single-threaded torch."""
+"""Fixtures of the engine tests: one perturbed tiny K3 model per module."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 import openk3
 from openk3.pretrained import build_model
