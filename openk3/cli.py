@@ -90,6 +90,12 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 8G, 512M)") from None
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from openk3.export import cli_export
+
+    return cli_export(args)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -228,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
 
     serve = sub.add_parser("serve", help="Kimi-compatible API server (OpenAI + Anthropic surfaces)")
-    serve.add_argument("model", nargs="?", help="checkpoint directory (default: the shipped default model)")
+    serve.add_argument("model", nargs="?", help="checkpoint directory or shipped model name (default: the shipped openk3-tiny)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed at startup)")
     serve.add_argument("--api-key", help="require this key (Bearer or x-api-key); default $OPENK3_API_KEY")
@@ -309,6 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"), help="server key (default $OPENK3_API_KEY)")
     ev.add_argument("--out", help="write the eval table as JSON here")
     ev.set_defaults(func=_cmd_eval)
+
+    ex = sub.add_parser("export", help="training checkpoint -> servable directory (tokenizer, template, MXFP4 experts)")
+    ex.add_argument("checkpoint", help="save_pretrained-format directory, e.g. OUT/checkpoints/step-N")
+    ex.add_argument("out", help="destination directory (written atomically)")
+    ex.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
+    ex.add_argument("--quantization", choices=("mxfp4", "none"), default="mxfp4",
+                    help="routed experts as MXFP4 packed (default, as K3 ships) or float")
+    ex.add_argument("--model-card", help="Markdown file written as MODEL_CARD.md")
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    ex.set_defaults(func=_cmd_export)
     return p
 
 

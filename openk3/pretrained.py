@@ -56,7 +56,8 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
     weights). ``keep_packed=True`` on a float checkpoint quantizes its experts to MXFP4 (FLOOR).
 
     Args:
-        path: checkpoint directory.
+        path: checkpoint directory, or the name of a model shipped in the package
+            (``"openk3-tiny"``, :mod:`openk3.shipped`).
         device: where the weights go.
         dtype: cast floating tensors to this dtype (None keeps the file's dtype; dequantized experts
             take the dtype of ``embed_tokens``).
@@ -72,7 +73,9 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
     from openk3.multimodal import VISION_PREFIXES, K3ForConditionalGeneration, vision_config_of
     from openk3.vision.weights import load_vision_weights
 
-    path = os.fspath(path)
+    from openk3.shipped import resolve_model_path
+
+    path = resolve_model_path(path)
     config = K3Config.from_pretrained(path)
     tensors = read_safetensors(path)
     # Vision tensors without a vision_config are ignored, as the text model always did.

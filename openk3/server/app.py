@@ -52,8 +52,14 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
 
 def default_model_path() -> str | None:
     """The checkpoint served when ``openk3 serve`` gets no MODEL: the default model shipped in the
-    package (issue 8). None until it exists."""
-    return None
+    package (``openk3-tiny``, :mod:`openk3.shipped`), served under its directory name. None when the
+    package was installed without it."""
+    from openk3.shipped import shipped_model_path
+
+    try:
+        return str(shipped_model_path())
+    except FileNotFoundError:
+        return None
 
 
 def _error_response(path: str, err: APIError) -> JSONResponse:
@@ -298,6 +304,9 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     from openk3.server.images import image_config_for
     from openk3.tokenizer import load_tokenizer
 
+    from openk3.shipped import resolve_model_path
+
+    model_path = resolve_model_path(model_path)
     tokenizer = load_tokenizer(model_path)
     model = load_pretrained(model_path, dtype=torch.float32)
     kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, "cache_memory": cache_memory,
@@ -323,11 +332,13 @@ def main(args: Any) -> int:
     SIGINT / SIGTERM. Prints one startup line with the URL and model id. Returns the exit status."""
     import uvicorn
 
-    path = args.model or default_model_path()
+    from openk3.shipped import resolve_model_path
+
+    path = resolve_model_path(args.model) if args.model else default_model_path()
     if path is None:
-        print("openk3 serve: no MODEL given and no default model is shipped yet (issue 8); "
-              "run `openk3 serve CHECKPOINT_DIR` with a directory holding config.json, safetensors "
-              "and the tokenizer files", file=sys.stderr)
+        print("openk3 serve: no MODEL given and the shipped default model (openk3/shipped/openk3-tiny) "
+              "is missing from this installation; run `openk3 serve CHECKPOINT_DIR` with a directory "
+              "holding config.json, safetensors and the tokenizer files", file=sys.stderr)
         return 2
     if not os.path.isdir(path):
         print(f"openk3 serve: {path!r} is not a checkpoint directory", file=sys.stderr)

@@ -20,18 +20,12 @@ deterministic (hash-ordered), SFT data ``sft_seed`` = 1, held-out eval sets
 
 Size and time. ``openk3-tiny`` has 4,618,312 parameters in total and 2,365,512 active per token
 (``openk3.params.count_parameters``; 2.1 M of each are the two 8192 x 128 vocabulary matrices).
-Measured 2026-11-30 with ``train_step`` at ``OMP_NUM_THREADS=2`` / ``torch.set_num_threads(2)``
-on the 2-core machine while other jobs ran (load 3.4-4.6): 85-95 tokens/s at 512 tokens per step
-(60-90 at 1024; single steps up to 4x slower under bursts), against 176 tokens/s for
-``k3-test-tiny`` timed the same minute. ``k3-test-tiny`` trains at ~1,700 tokens/s on the quiet
-machine (the ``smoke`` recipe: 300 x 256 tokens in 45 s, README), so the contention factor was
-~10 and ``openk3-tiny`` should run at ~900 tokens/s on a quiet machine (about 23 % of a step is
-the depthwise short-conv backward of KDA, the first thing to speed up). The defaults are sized to
-that estimate: pretraining 3000 steps x 1024 tokens (3.1 M tokens, ~57 min), SFT 1500 steps x 1024
-tokens with QAT (1.5 M tokens, ~35 min), plus ~5 min corpus build and ~3 min tokenizer: ~1.7 h of
-the 2.5 h budget. Time the first 20 steps of the real run and scale ``pretrain_steps`` /
-``total_steps`` with ``--set`` if the rate differs (at the contended rate the defaults would take
-~15 h).
+Measured 2026-11-30 on the quiet 2-core machine (``OMP_NUM_THREADS=2``): pretraining ~1,100
+tokens/s (0.9 s per 1024-token step), SFT with MXFP4 QAT ~1 s per 1024-token step. The defaults:
+pretraining 2400 steps x 1024 tokens (2.5 M tokens, ~38 min), SFT 4000 steps x 1024 tokens with
+QAT (~65 min) on 20,000 conversations; with the corpus build (~5 min) and tokenizer (~3 min) about
+1.9 h of the 2.5 h budget. The shipped model is this run's last checkpoint, written by
+``openk3 export`` (MODEL_CARD.md).
 """
 
 from __future__ import annotations
@@ -50,12 +44,12 @@ DEFAULTS: dict = {
     "tokenizer_max_mb": None,
     "cache_dir": "data/cache",          # tokenised corpus store
     "model_overrides": {},              # K3Config fields replaced (tests shrink the model)
-    "pretrain_steps": 3000,
+    "pretrain_steps": 2400,
     "pretrain_seq_len": 1024,
     "pretrain_lr": 1e-2,
-    "pretrain_eval_every": 250,
+    "pretrain_eval_every": 400,
     "sft_seed": 1,
-    "sft_items": 8000,
+    "sft_items": 20000,
     "sft_eval_items": 16,               # per eval suite, for the SFT run's periodic eval loss
 }
 
@@ -173,7 +167,7 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
 def default_model() -> RunConfig:
     """openk3-tiny end to end: corpus -> BPE -> pretraining -> SFT with MXFP4 QAT (issue 8)."""
     return RunConfig(
-        name="default-model", model="openk3-tiny", data=sft_data, total_steps=1500, seq_len=1024,
+        name="default-model", model="openk3-tiny", data=sft_data, total_steps=4000, seq_len=1024,
         warmup_steps=None, lr=5e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=4, ckpt_every=100,
         keep_checkpoints=2, seed=0, prepare=prepare_default_model,
     )

@@ -28,19 +28,21 @@ _STARTUP = re.compile(r"openk3 serve: model (\S+) at (http://\S+)/v1")
 
 
 class ServerProcess:
-    """``python -m openk3.cli serve CHECKPOINT --port 0 ...`` in a subprocess.
+    """``python -m openk3.cli serve [CHECKPOINT] --port 0 ...`` in a subprocess (no CHECKPOINT:
+    the shipped default model).
 
     Attributes:
         base: ``http://127.0.0.1:PORT``; ``url``: ``base + "/v1"``; ``proc``: the Popen.
     """
 
-    def __init__(self, checkpoint: Path, *args: str, log_dir: Path, timeout: float = 120.0):
+    def __init__(self, checkpoint: Path | None, *args: str, log_dir: Path, timeout: float = 120.0):
         self.log = log_dir / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
         self._out = open(self.log, "w+")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop("OPENK3_API_KEY", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openk3.cli", "serve", str(checkpoint), "--port", "0", *args],
+            [sys.executable, "-m", "openk3.cli", "serve", *([str(checkpoint)] if checkpoint else []),
+             "--port", "0", *args],
             cwd=REPO, stdout=self._out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while True:
