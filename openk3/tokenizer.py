@@ -15,11 +15,12 @@ Text and markup are encoded separately (spec §1.3): :meth:`Tokenizer.encode_tex
 special id, whatever the text contains (``<|open|>`` typed by a user is plain BPE tokens); markup ids
 come from :meth:`Tokenizer.special_id` or the ``*_id`` attributes. Streaming detokenisation is
 :class:`IncrementalDecoder` (UTF-8 safe: never emits a partial character, never drops a byte).
+The two backends live in :mod:`openk3.tokenizer_backends`; ``KIMI_PAT_STR`` and
+``NUM_SPECIAL_SLOTS`` are re-exported here.
 """
 
 from __future__ import annotations
 
-import base64
 import codecs
 import json
 import os
@@ -28,25 +29,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import tiktoken
-
-# Kimi pre-tokenisation regex (spec §1.2): eight alternatives, in order. `&&` is a class
-# intersection, which tiktoken's fancy-regex engine understands (Python's `re` does not).
-KIMI_PAT_STR = "|".join(
-    [
-        r"[\p{Han}]+",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
-        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-        r"\p{N}{1,3}",
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-        r"\s*[\r\n]+",
-        r"\s+(?!\S)",
-        r"\s+",
-    ]
+from openk3.tokenizer_backends import (  # noqa: F401 - KIMI_PAT_STR, NUM_SPECIAL_SLOTS, _split_runs re-exported
+    KIMI_PAT_STR, NUM_SPECIAL_SLOTS, ByteLevelBPEBackend, TiktokenBackend,
 )
-NUM_SPECIAL_SLOTS = 256  # special slots after the Kimi BPE ranks (spec §1.1)
+from openk3.tokenizer_backends import split_runs as _split_runs  # noqa: F401 - tests import it from here
 
 # Chat markup and media strings (spec §1.1, §1.3, §10).
 END_OF_MSG = "<|end_of_msg|>"
@@ -66,193 +52,8 @@ K3_SPECIAL_TOKENS = (
 # In the official tokenizer_config the tag markers are `"special": false` (spec §1.1).
 _NOT_SPECIAL_FLAG = {OPEN, CLOSE, SEP}
 
-# Moonshot's encoder feeds tiktoken at most 400k characters at a time and cuts runs of more than
-# 25k whitespace / non-whitespace characters (spec §1.2); both cuts can change ids at the seam,
-# so they are reproduced for parity on pathological inputs.
-_MAX_ENCODE_CHARS = 400_000
-_MAX_RUN_CHARS = 25_000
 _CACHE_MAX_CHARS = 64  # tag names, attribute keys and values repeat constantly: memoise short segments
 _CACHE_MAX_ENTRIES = 8192
-
-
-def _split_runs(s: str, max_run: int) -> Iterable[str]:
-    """Cut `s` so that no piece has more than `max_run` consecutive whitespace (or non-whitespace) chars."""
-    start, run, in_space = 0, 0, s[:1].isspace()
-    for i, ch in enumerate(s):
-        sp = ch.isspace()
-        if sp != in_space:
-            run, in_space = 1, sp
-        else:
-            run += 1
-            if run > max_run:
-                yield s[start:i]
-                start, run = i, 1
-    yield s[start:]
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level map: printable Latin-1 bytes stand for themselves, the other
-    bytes are shifted to code points 256+n (in byte order), so that every byte is a visible char."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    char_to_byte, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            char_to_byte[chr(b)] = b
-        else:
-            char_to_byte[chr(256 + extra)] = b
-            extra += 1
-    return char_to_byte
-
-
-def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
-    """The pair whose merge creates `token` when byte-pair encoding runs over its bytes with only
-    lower ranks (tiktoken's procedure); None if BPE cannot build it (tiktoken then only emits it for
-    a pre-token equal to it, which ``ignore_merges`` reproduces)."""
-    parts = [token[i:i + 1] for i in range(len(token))]
-    while len(parts) > 2:
-        best, at = rank, -1
-        for i in range(len(parts) - 1):
-            r = ranks.get(parts[i] + parts[i + 1], rank)
-            if r < best:
-                best, at = r, i
-        if at < 0:
-            return None
-        parts[at:at + 2] = [parts[at] + parts[at + 1]]
-    return parts[0], parts[1]
-
-
-class _TiktokenBackend:
-    """Kimi BPE: ranks file + regex + 256 special slots (spec §1.1-§1.2)."""
-
-    kind = "tiktoken"
-
-    def __init__(self, model_file: Path, slot_names: dict[int, str]):
-        ranks: dict[bytes, int] = {}
-        for n, line in enumerate(model_file.read_bytes().splitlines()):
-            if not line.strip():
-                continue
-            try:
-                tok, rank = line.split()
-                ranks[base64.b64decode(tok, validate=True)] = int(rank)
-            except Exception as e:  # noqa: BLE001 - any parse failure is a malformed file
-                raise ValueError(f"{model_file}: line {n + 1} is not '<base64> <rank>': {line[:60]!r}") from e
-        n_ranks = len(ranks)
-        if sorted(ranks.values()) != list(range(n_ranks)):
-            raise ValueError(f"{model_file}: ranks must be exactly 0..{n_ranks - 1} (they are the token ids)")
-        for i in slot_names:
-            if not n_ranks <= i < n_ranks + NUM_SPECIAL_SLOTS:
-                raise ValueError(f"tokenizer_config.json: added token id {i} is outside the special slots "
-                                 f"[{n_ranks}, {n_ranks + NUM_SPECIAL_SLOTS})")
-        self.special = {slot_names.get(i, f"<|reserved_token_{i}|>"): i
-                        for i in range(n_ranks, n_ranks + NUM_SPECIAL_SLOTS)}
-        self.ranks = ranks
-        self.enc = tiktoken.Encoding(name=f"kimi:{model_file}", pat_str=KIMI_PAT_STR,
-                                     mergeable_ranks=ranks, special_tokens=self.special)
-        self.n_vocab = n_ranks + NUM_SPECIAL_SLOTS
-        self._hf_json: str | None = None
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        out: list[int] = []
-        for i in range(0, len(text), _MAX_ENCODE_CHARS):
-            for piece in _split_runs(text[i:i + _MAX_ENCODE_CHARS], _MAX_RUN_CHARS):
-                out.extend(self.enc.encode_ordinary(piece))
-        return out
-
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        return self.enc.decode_bytes(ids)
-
-    def hf_tokenizer_json(self, config: dict[str, Any]) -> str:
-        """The same tokenizer as a `tokenizers` ``tokenizer.json``: byte-level BPE over the ranks
-        (merges in rank order, ``ignore_merges`` like tiktoken's whole-piece lookup), the Kimi regex
-        as pre-tokenizer, the 256 slots as added tokens (flags from ``added_tokens_decoder``).
-
-        transformers converts a bare ``tiktoken.model`` with its own default regex, which splits
-        text differently (``it's`` -> ``it`` + ``'s``), so without this file AutoTokenizer, vLLM and
-        SGLang would load different ids. The 400k-character / 25k-run cuts of :meth:`encode_ordinary`
-        are not reproduced (they matter only for pathological inputs)."""
-        if self._hf_json is None:  # ~4 s for the Kimi vocabulary: computed once per tokenizer
-            from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-            from tokenizers import Tokenizer as HFTokenizer
-
-            to_char = {b: c for c, b in _byte_level_alphabet().items()}
-
-            def spell(b: bytes) -> str:
-                return "".join(to_char[x] for x in b)
-
-            merges = []
-            for tok, rank in sorted(self.ranks.items(), key=lambda kv: kv[1]):
-                pair = _last_merge(tok, rank, self.ranks) if len(tok) > 1 else None
-                if pair is not None:
-                    merges.append((spell(pair[0]), spell(pair[1])))
-            hf = HFTokenizer(models.BPE(vocab={spell(t): r for t, r in self.ranks.items()}, merges=merges,
-                                        ignore_merges=True))
-            hf.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
-            hf.decoder = decoders.ByteLevel()
-            flags = {int(k): v for k, v in (config.get("added_tokens_decoder") or {}).items() if isinstance(v, dict)}
-            # Added in id order, so each lands on its slot (they follow the ranks without gaps).
-            hf.add_tokens([AddedToken(name, special=flags.get(i, {}).get("special", True), normalized=False)
-                           for name, i in sorted(self.special.items(), key=lambda kv: kv[1])])
-            moved = [(n, i) for n, i in self.special.items() if hf.token_to_id(n) != i]
-            if moved:  # a slot name that is also a BPE token would keep the BPE id
-                raise ValueError(f"tokenizer.json: special token {moved[0][0]!r} would not get id {moved[0][1]}")
-            self._hf_json = hf.to_str()
-        return self._hf_json
-
-    def save(self, directory: Path, config: dict[str, Any]) -> None:
-        lines = [base64.b64encode(tok) + b" " + str(rank).encode() for tok, rank in
-                 sorted(self.ranks.items(), key=lambda kv: kv[1])]
-        (directory / "tiktoken.model").write_bytes(b"\n".join(lines) + b"\n")
-        (directory / "tokenizer.json").write_text(self.hf_tokenizer_json(config), encoding="utf-8")
-
-
-class _ByteLevelBPEBackend:
-    """A `tokenizers` byte-level BPE (tokenizer.json) with the K3 special strings as added tokens."""
-
-    kind = "tokenizers"
-
-    def __init__(self, tokenizer_json: str, special: dict[str, int]):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        self.json = tokenizer_json
-        spec = json.loads(tokenizer_json)
-        if (spec.get("decoder") or {}).get("type") != "ByteLevel":
-            raise ValueError("tokenizer.json: decoder.type must be 'ByteLevel' (openk3 loads byte-level BPEs only), "
-                             f"got {(spec.get('decoder') or {}).get('type')!r}")
-        full = HFTokenizer.from_str(tokenizer_json)
-        # A copy without added tokens can never split out a special string, so user text that spells
-        # one is BPE-encoded like any other text (spec §1.3).
-        spec["added_tokens"] = []
-        spec["post_processor"] = None
-        self.plain = HFTokenizer.from_str(json.dumps(spec))
-        self.special = dict(special)
-        self.n_vocab = full.get_vocab_size(with_added_tokens=True)
-        for tok, i in self.special.items():
-            if not 0 <= i < self.n_vocab:
-                raise ValueError(f"tokenizer: special token {tok!r} has id {i} outside [0, {self.n_vocab})")
-        to_byte = _byte_level_alphabet()
-        self.token_bytes: list[bytes] = [b""] * self.n_vocab
-        for tok, i in full.get_vocab(with_added_tokens=True).items():
-            if 0 <= i < self.n_vocab:
-                self.token_bytes[i] = bytes(to_byte[c] for c in tok) if all(c in to_byte for c in tok) else tok.encode()
-        for tok, i in self.special.items():
-            self.token_bytes[i] = tok.encode()
-        self._special_ids = frozenset(self.special.values())
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        ids = self.plain.encode(text, add_special_tokens=False).ids
-        if self._special_ids.intersection(ids):
-            raise RuntimeError("trained BPE produced a special id from ordinary text: its vocabulary spells a "
-                               "special-token string as a mergeable token; retrain without it")
-        return ids
-
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        return b"".join(self.token_bytes[i] for i in ids)
-
-    def save(self, directory: Path, config: dict[str, Any]) -> None:
-        (directory / "tokenizer.json").write_text(self.json, encoding="utf-8")
 
 
 class Tokenizer:
@@ -272,7 +73,7 @@ class Tokenizer:
     Build with :func:`load_tokenizer` or :meth:`from_bpe`.
     """
 
-    def __init__(self, backend: _TiktokenBackend | _ByteLevelBPEBackend, config: dict[str, Any]):
+    def __init__(self, backend: TiktokenBackend | ByteLevelBPEBackend, config: dict[str, Any]):
         self._b = backend
         self.backend = backend.kind
         self.config = config
@@ -332,7 +133,7 @@ class Tokenizer:
         for attr, name in (("bos", bos_token), ("eos", eos_token), ("pad", pad_token), ("unk", unk_token)):
             if name is not None:
                 config[f"{attr}_token"] = name
-        return cls(_ByteLevelBPEBackend(bpe.to_str(), added), config)
+        return cls(ByteLevelBPEBackend(bpe.to_str(), added), config)
 
     # -- encoding -----------------------------------------------------------------------------
     def encode_text(self, text: str) -> list[int]:
@@ -522,10 +323,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         if not cfg_file.exists():
             raise ValueError(f"load_tokenizer: {cfg_file} is required next to tiktoken.model "
                              "(it names the special slots)")
-        return Tokenizer(_TiktokenBackend(d / "tiktoken.model", added), config)
+        return Tokenizer(TiktokenBackend(d / "tiktoken.model", added), config)
     if (d / "tokenizer.json").exists():
         text = (d / "tokenizer.json").read_text(encoding="utf-8")
         for t in json.loads(text).get("added_tokens") or []:
             added.setdefault(int(t["id"]), t["content"])
-        return Tokenizer(_ByteLevelBPEBackend(text, {s: i for i, s in added.items()}), config)
+        return Tokenizer(ByteLevelBPEBackend(text, {s: i for i, s in added.items()}), config)
     raise ValueError(f"load_tokenizer: {str(d)!r} holds neither tiktoken.model nor tokenizer.json")

@@ -2,7 +2,8 @@
 
 * :mod:`openk3.server.protocol` — wire models (pydantic) and :class:`~openk3.server.protocol.APIError`;
 * :mod:`openk3.server.validation` — the platform's request contract (400s before rendering);
-* :mod:`openk3.server.serving` — rendering, generation events, OpenAI responses / SSE;
+* :mod:`openk3.server.serving` — validation order, rendering, OpenAI responses / SSE;
+* :mod:`openk3.server.generation` — one engine request as parser events, stop strings, usage;
 * :mod:`openk3.server.anthropic` — ``/anthropic/v1/messages`` over the same core;
 * :mod:`openk3.server.metrics` — Prometheus metrics;
 * :mod:`openk3.server.app` — FastAPI app, guards, error mapping, ``main`` for the CLI.

@@ -5,49 +5,46 @@ in the platform's order (``../shared/spec/api.md`` §11: model 404 -> thinking o
 sampling parameters §1.5 -> tools / tool_choice §1.7 -> reasoning_content in tool-call history §3
 -> rendering -> images -> token window §1.4), renders it with
 :func:`openk3.chat_format.encode_request` and builds the engine request (sampling parameters and
-the output constraint). :class:`Generation` drives the engine and the
-:class:`~openk3.chat_format.OutputParser` and yields typed events; the OpenAI response / SSE
+the output constraint). :class:`~openk3.server.generation.Generation` (:mod:`openk3.server.generation`)
+drives the engine and the output parser and yields typed events; the OpenAI response / SSE
 formatting is at the bottom of this file, the Anthropic one in :mod:`openk3.server.anthropic`, both
-over the same events.
+over the same events. ``Prepared``, ``Finished``, ``Generation`` and ``usage_dict`` are re-exported
+here for existing importers.
 
 Decisions (documented where the specs leave a choice; the request-contract ones are in
-:mod:`openk3.server.validation`):
+:mod:`openk3.server.validation`, the usage and stop-string ones in :mod:`openk3.server.generation`):
 
 * Thinking is on by default; ``thinking.type: "disabled"`` / ``chat_template_kwargs.thinking:
   false`` / ``reasoning_effort: "none"`` switch to instant mode as the open template and vLLM do
   (the hosted K3 never disables it). Effort precedence is the chat-format spec's (§8:
   ``thinking.effort`` beats ``reasoning_effort``, as the vendor verifier checks); ``medium`` is
   accepted (the template supports it).
-* ``usage.prompt_tokens`` follows the chat-format spec §12 (the 3-token generation stub is not
-  counted); ``cached_tokens`` comes from the engine's prefix cache, capped at ``prompt_tokens`` and
-  reported in whole 256-token blocks (api.md §11; :func:`usage_dict`).
-  Images count with their expanded blocks (:mod:`openk3.server.images`).
-* Stop strings are applied to the reasoning and the content text; the text from the match on is
-  never sent (held back while it could still become a match).
+* Images count in ``usage.prompt_tokens`` with their expanded blocks (:mod:`openk3.server.images`).
+* A prompt whose text certainly exceeds the context is refused before it is tokenized
+  (:meth:`ChatServing.check_text_size`); the token-count endpoints refuse it too, with a
+  ``messages:`` field-named 400, instead of counting megabytes (:meth:`ChatServing.count_tokens`).
 """
-
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from openk3.chat_format import OutputParser, encode_request, next_tool_call_index
-from openk3.chat_format.parser import (
-    ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
-)
+from openk3.chat_format import encode_request, next_tool_call_index
+from openk3.chat_format.parser import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 from openk3.chat_format.request import parse_messages, parse_options
+from openk3.server.generation import (  # noqa: F401 - re-exported: importers use openk3.server.serving
+    CACHE_REPORT_BLOCK, OVERLOADED, Finished, Generation, Prepared, usage_dict,
+)
 from openk3.server.images import expand_images
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
-from openk3.server.stops import StopFilter
+from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
     THINKING_BOOL, Limits, check_image_parts, check_keep, check_messages, check_sampling, check_stops,
     check_tool_history, check_tools, text_chars,
 )
-
-OVERLOADED = "The engine is currently overloaded, please try again later"  # api.md §6.1
 
 
 @dataclass(frozen=True)
@@ -61,220 +58,6 @@ class ModelInfo:
     supports_reasoning: bool = True
     created: int = 0
     owned_by: str = "openk3"
-
-
-@dataclass
-class Prepared:
-    """A validated request, ready for the engine."""
-
-    id: str
-    created: int
-    model: str
-    prompt: Any                      # openk3.chat_format.Prompt
-    prompt_tokens: int               # usage.prompt_tokens (§12)
-    params: Any                      # openk3.engine.sampling.SamplingParams
-    constraint: Any
-    tool_index_start: int
-    tools_enabled: bool
-    stops: list[str]
-    stream: bool = False
-    include_usage: bool = False
-    t0: float = field(default_factory=time.monotonic)
-    prompt_ids: list[int] | None = None  # the engine's prompt: prompt.token_ids with images expanded
-    mm_inputs: list | None = None        # openk3.engine.ImageInput per image (None: no images)
-
-
-@dataclass(frozen=True)
-class Finished:
-    """Last event of a generation. ``finish_reason``: stop | length | tool_calls | abort."""
-
-    finish_reason: str
-    usage: dict
-    stop_sequence: str | None = None
-
-
-CACHE_REPORT_BLOCK = 256  # api.md §11: reported cache hits are whole 256-token blocks
-
-
-def usage_dict(prompt_tokens: int, cached: int, completion: int) -> dict:
-    """Kimi usage: ``cached_tokens`` top level and in ``prompt_tokens_details`` (api.md §11).
-
-    The one place reported cache hits are decided (every surface, the metrics and so ``openk3
-    cost`` read this dict): the engine's reused length, capped at ``prompt_tokens`` and rounded
-    down to a multiple of :data:`CACHE_REPORT_BLOCK`, as the platform reports them (api.md §5 /
-    §11: 256-token alignment, no minimum beyond one block). The engine may reuse more (its blocks
-    are smaller); the difference is billed as a miss, the conservative side.
-    """
-    cached = max(0, min(int(cached), prompt_tokens)) // CACHE_REPORT_BLOCK * CACHE_REPORT_BLOCK
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "cached_tokens": cached,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _is_overloaded(exc: BaseException) -> bool:
-    return type(exc).__name__ == "EngineOverloaded"
-
-
-class Generation:
-    """One engine request seen as parser events.
-
-    :meth:`start` submits the request and waits for its first output, so that admission errors
-    (429 overloaded, 400 from the engine) surface before any response byte is sent. :meth:`events`
-    then yields ``ReasoningDelta`` / ``ContentDelta`` (stop-filtered), ``ToolCallStart`` /
-    ``ToolCallArgumentsDelta`` / ``ToolCallEnd`` and finally one :class:`Finished`. Leaving the
-    iteration early (client disconnect) aborts the engine request, which frees its cache.
-    """
-
-    def __init__(self, serving: "ChatServing", prep: Prepared):
-        self.s, self.prep = serving, prep
-        self.parser = OutputParser(serving.tokenizer, start_channel=prep.prompt.channel or "think",
-                                   tool_index_start=prep.tool_index_start, tools_enabled=prep.tools_enabled)
-        self.thinking_output = (prep.prompt.channel or "think") == "think"
-        self._filters = {ReasoningDelta: StopFilter(prep.stops), ContentDelta: StopFilter(prep.stops)}
-        self._agen: Any = None
-        self._pending: Any = None
-        self._closed = False
-        self._engine_done = False
-        self._last_token_t: float | None = None
-        self.stop_hit: str | None = None
-        self.n_calls = 0
-        self.engine_reason: str | None = None
-        self.usage: Any = None
-        self.logprobs: list[Any] = []
-
-    async def start(self) -> None:
-        """Submit to the engine and wait for the first output.
-
-        Raises:
-            APIError: 429 (waiting queue full, with ``Retry-After``) or 400 (engine refused the input).
-        """
-        prep = self.prep
-        ids = prep.prompt_ids if prep.prompt_ids is not None else prep.prompt.token_ids
-        extra = {"mm_inputs": prep.mm_inputs} if prep.mm_inputs else {}
-        self._agen = self.s.engine.generate(ids, prep.params, prep.constraint, request_id=prep.id, **extra).__aiter__()
-        prep.mm_inputs = None  # the engine owns the pixels now (and drops them once the prompt is computed)
-        try:
-            self._pending = await self._agen.__anext__()
-        except StopAsyncIteration:
-            self._pending = None
-        except ValueError as e:
-            await self.aclose()
-            raise bad_request(f"Invalid request: {e}") from None
-        except Exception as e:
-            await self.aclose()
-            if _is_overloaded(e):
-                self.s.metrics.overloaded()
-                raise APIError(429, OVERLOADED, headers={"Retry-After": str(self.s.limits.retry_after_s)}) from None
-            if isinstance(e, RuntimeError) and "shutting down" in str(e):
-                raise APIError(503, "the server is shutting down") from None
-            raise
-
-    def usage_so_far(self) -> dict:
-        """Usage as of the latest engine output (after :meth:`start`: prompt and cache hits known)."""
-        u = self.usage if self.usage is not None else getattr(self._pending, "usage", None)
-        cached = int(getattr(u, "cached_tokens", 0) or 0)
-        return usage_dict(self.prep.prompt_tokens, cached, int(getattr(u, "completion_tokens", 0) or 0))
-
-    async def events(self) -> AsyncIterator[Any]:
-        try:
-            out = self._pending
-            while out is not None:
-                for ev in self._on_output(out):
-                    yield ev
-                if self.stop_hit is not None or out.finished:
-                    break
-                try:
-                    out = await self._agen.__anext__()
-                except StopAsyncIteration:
-                    out = None
-            for ev in self._flush():
-                yield ev
-            yield self._finish()
-        finally:
-            await self.aclose()
-
-    async def aclose(self) -> None:
-        """Abort the engine request (if unfinished) and close its stream; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self._engine_done:
-            self.s.engine.abort(self.prep.id)
-        if self._agen is not None and hasattr(self._agen, "aclose"):
-            try:
-                await self._agen.aclose()
-            except Exception:  # the stream may already be finished or broken; the abort above is what matters
-                pass
-
-    def _on_output(self, out: Any) -> list[Any]:
-        now = time.monotonic()
-        events: list[Any] = []
-        if out.new_token_ids:
-            if self._last_token_t is None:
-                self.s.metrics.first_token(now - self.prep.t0)
-            else:
-                self.s.metrics.inter_token(now - self._last_token_t, len(out.new_token_ids))
-            self._last_token_t = now
-            events = self.parser.feed(out.new_token_ids)
-        self.usage = out.usage
-        if out.logprobs:
-            self.logprobs.extend(out.logprobs)
-        if out.finished:
-            self._engine_done = True
-            self.engine_reason = out.finish_reason
-            events += self.parser.finish()
-        result: list[Any] = []
-        for ev in events:
-            kind = type(ev)
-            if kind in self._filters:
-                other = self._filters[ContentDelta if kind is ReasoningDelta else ReasoningDelta]
-                held, hit = other.flush()
-                if held:
-                    result.append((ContentDelta if kind is ReasoningDelta else ReasoningDelta)(held))
-                if hit is not None:
-                    self.stop_hit = hit
-                    return result
-                text, hit = self._filters[kind].feed(ev.text)
-                if text:
-                    result.append(kind(text))
-                if hit is not None:
-                    self.stop_hit = hit
-                    return result
-            elif kind in (ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd):
-                result.extend(self._flush())
-                if self.stop_hit is not None:
-                    return result
-                if kind is ToolCallEnd:
-                    self.n_calls += 1
-                result.append(ev)
-        return result
-
-    def _flush(self) -> list[Any]:
-        if self.stop_hit is not None:
-            return []
-        out = []
-        for kind, f in self._filters.items():
-            held, hit = f.flush()
-            if held:
-                out.append(kind(held))
-            if hit is not None:
-                self.stop_hit = hit
-                break
-        return out
-
-    def _finish(self) -> Finished:
-        if self.n_calls:
-            reason = "tool_calls"
-        elif self.stop_hit is not None:
-            reason = "stop"
-        else:
-            reason = self.engine_reason or "abort"
-        u = self.usage
-        completion = int(getattr(u, "completion_tokens", 0) or 0)
-        cached = int(getattr(u, "cached_tokens", 0) or 0)
-        usage = usage_dict(self.prep.prompt_tokens, cached, completion)
-        self.s.metrics.finished(self.prep, usage, time.monotonic() - self.prep.t0)
-        return Finished(reason, usage, self.stop_hit)
 
 
 class ChatServing:
@@ -320,25 +103,34 @@ class ChatServing:
             self._max_token_bytes = cached
         return cached
 
-    def check_text_size(self, body: dict) -> None:
-        """Reject a prompt that certainly exceeds the context before tokenizing it (tokenizing
-        megabytes holds the GIL for seconds and freezes the server).
+    def _over_context(self, body: dict) -> tuple[int, int] | None:
+        """``(chars, at_least_tokens)`` when the message text certainly exceeds the context, else None.
 
         Soundness: the rendered prompt contains every counted text verbatim (escaping only adds),
         a character is at least one UTF-8 byte and a token at most :meth:`max_token_bytes` bytes, so
         ``chars > context_length * max_token_bytes`` implies more than ``context_length`` tokens.
+        Costs one pass over the message texts, no tokenization.
+        """
+        per_token = self.max_token_bytes()
+        if per_token <= 0:
+            return None
+        chars = text_chars(body.get("messages"))
+        if chars > self.model.context_length * per_token:
+            return chars, -(-chars // per_token)
+        return None
+
+    def check_text_size(self, body: dict) -> None:
+        """Reject a prompt that certainly exceeds the context before tokenizing it (tokenizing
+        megabytes holds the GIL for seconds and freezes the server); the bound is
+        :meth:`_over_context`'s.
 
         Raises:
             APIError: 400 with the platform's context-length message (api.md §6.1).
         """
-        per_token = self.max_token_bytes()
-        if per_token <= 0:
-            return
-        ctx = self.model.context_length
-        chars = text_chars(body.get("messages"))
-        if chars > ctx * per_token:
-            raise bad_request(f"Your request exceeded model token limit: {ctx} "
-                              f"(requested: at least {-(-chars // per_token)})")
+        over = self._over_context(body)
+        if over is not None:
+            raise bad_request(f"Your request exceeded model token limit: {self.model.context_length} "
+                              f"(requested: at least {over[1]})")
 
     def render(self, body: dict) -> tuple[Any, Any]:
         """Validate the request-level options and render; returns ``(prompt, options)``.
@@ -465,7 +257,21 @@ class ChatServing:
 
     def count_tokens(self, body: dict) -> int:
         """``prompt_tokens`` of a request rendered as completions would (api.md §6.2), images
-        included (decoded for their size only)."""
+        included (decoded for their size only).
+
+        A request whose message text certainly exceeds the served context (``context_length``, the
+        engine's ``--max-model-len``; bound of :meth:`_over_context`) is refused before anything is
+        tokenized: no request that large can be served, and counting megabytes would stall the server.
+
+        Raises:
+            APIError: 400 ``messages: ...`` for text over the context; the 400s of :meth:`render`
+                and of the image expansion otherwise.
+        """
+        over = self._over_context(body)
+        if over is not None:
+            chars, at_least = over
+            raise bad_request(f"messages: the message text ({chars} characters, at least {at_least} tokens) "
+                              f"exceeds the model token limit of {self.model.context_length}; not counted")
         prompt, _ = self.render(body)
         return self._expand(prompt, body, pixels=False).prompt_tokens
 

@@ -29,3 +29,60 @@ def test_estimate_token_count_matches_fixture_cases():
     for case, r in zip(cases, asyncio.run(run())):
         assert r.status_code == 200, (case["id"], r.text)
         assert r.json() == {"data": {"total_tokens": case["prompt_tokens"]}}, case["id"]
+
+
+def test_oversized_text_is_refused_before_tokenizing(monkeypatch):
+    """Both token-count endpoints answer 400 naming ``messages`` for text that certainly exceeds the
+    served context (chars > context_length * longest-token bytes), without tokenizing any of it;
+    text exactly at the bound is still counted."""
+    tok = kimi_tokenizer()
+    ctx = 64
+    serving = ChatServing(None, tok, ModelInfo("kimi-k3", ctx), Metrics())
+    per_token = max(len(tok.decode_bytes([i])) for i in range(tok.vocab_size))
+    assert serving.max_token_bytes() == per_token
+    bound = ctx * per_token
+    over = ("hello " * (bound // 6 + 2))[:bound + 1]
+    at_bound = over[:-1]
+    encoded: list[int] = []
+    real_encode = tok.encode_text
+
+    def spy(text: str) -> list[int]:
+        encoded.append(len(text))
+        return real_encode(text)
+
+    monkeypatch.setattr(tok, "encode_text", spy)
+    app = create_app(serving)
+    # split over a user and an assistant message: the bound counts every rendered message text
+    messages = [{"role": "user", "content": over[:100]},
+                {"role": "assistant", "content": [{"type": "text", "text": over[100:]}]},
+                {"role": "user", "content": "?"}]
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            kimi = await c.post("/v1/tokenizers/estimate-token-count",
+                                json={"model": "kimi-k3", "messages": messages})
+            anth = await c.post("/anthropic/v1/messages/count_tokens", json={
+                "model": "kimi-k3", "system": over, "messages": [{"role": "user", "content": "?"}]})
+            seen = len(encoded)
+            ok = await c.post("/v1/tokenizers/estimate-token-count",
+                              json={"model": "kimi-k3", "messages": [{"role": "user", "content": at_bound}]})
+            return kimi, anth, seen, ok
+
+    kimi, anth, seen, ok = asyncio.run(run())
+    n_chars = bound + 1 + 1  # the trailing "?" message counts too
+    expected = (f"messages: the message text ({n_chars} characters, at least {-(-n_chars // per_token)} tokens) "
+                f"exceeds the model token limit of {ctx}; not counted")
+    assert kimi.status_code == 400, kimi.text
+    assert kimi.json() == {"error": {"message": expected, "type": "invalid_request_error"}}
+    assert anth.status_code == 400, anth.text
+    assert anth.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": expected}}
+    assert seen == 0  # nothing was tokenized for the two refused requests
+    # at the bound the request is counted (exactly, as the same serving with a large context counts it)
+    assert ok.status_code == 200, ok.text
+    assert sum(encoded) >= len(at_bound)
+    monkeypatch.setattr(tok, "encode_text", real_encode)
+    big = ChatServing(None, tok, ModelInfo("kimi-k3", 1_048_576), Metrics())
+    exact = big.count_tokens({"messages": [{"role": "user", "content": at_bound}]})
+    assert ok.json() == {"data": {"total_tokens": exact}}
+    assert ok.json()["data"]["total_tokens"] > ctx  # over the context yet below the sound bound: still counted
