@@ -121,15 +121,23 @@ def resolve_scheme(quantization: str | QuantScheme | None | bool) -> QuantScheme
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
+    import sys
+
     from openk3.layers.moe import Experts
     from openk3.quant.packed import PackedExperts
 
-    return [m for m in model.modules() if isinstance(m, (Experts, PackedExperts))]
+    kinds: tuple = (Experts, PackedExperts)
+    # Expert-parallel experts exist only once their module is imported; no import cost otherwise.
+    ep = sys.modules.get("openk3.train.expert_parallel")
+    if ep is not None:
+        kinds += (ep.ExpertParallelExperts,)
+    return [m for m in model.modules() if isinstance(m, kinds)]
 
 
 def model_qat(model: nn.Module, mode: str | QuantScheme | None) -> int:
     """Switch QAT on (``mode="mxfp4"``, the recipe's ``qat: mxfp4``) or off (None) for every routed-
-    expert module in ``model`` (dense :class:`~openk3.layers.moe.Experts` and
+    expert module in ``model`` (dense :class:`~openk3.layers.moe.Experts`, expert-parallel
+    :class:`~openk3.train.expert_parallel.ExpertParallelExperts` and
     :class:`~openk3.quant.packed.PackedExperts`; the latter already hold quantized weights, so only
     the input fake-quant applies). Parameters are not touched: master weights stay as they are.
 

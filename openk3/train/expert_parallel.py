@@ -192,6 +192,11 @@ class ExpertParallelExperts(nn.Module):
     as DTensors on ``mesh`` (``Shard(0)`` over the EP dim, ``Replicate`` over a replica dim);
     locally each rank stores [El, F, L] / [El, L, F]. ``full_tensor()`` gathers them.
 
+    ``qat``: the QAT scheme (:class:`openk3.quant.qat.QuantScheme` or None), copied from
+    ``experts`` and switched by :func:`openk3.quant.qat.model_qat` like :class:`Experts`. When
+    set, the local expert weights are MXFP4 fake-quantised and the GEMM input rows MXFP8, with
+    straight-through gradients, as :meth:`Experts.forward` does (architecture.md §10).
+
     Args:
         experts: the single-device module to split (its weights must be equal on every rank,
             e.g. same seed or same checkpoint). Its values are copied, not shared.
@@ -217,6 +222,7 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"n_routed_experts={e}: not divisible by the expert-parallel size {ep_size}")
         self.mesh, self.ep_dim = mesh, ep_dim
         self.act = experts.act
+        self.qat = getattr(experts, "qat", None)  # QAT scheme of the source module (model_qat switches it)
         self.initializer_range = experts.initializer_range
         self.num_experts, self.num_local_experts = e, e // ep_size
         self.dp_degree = mesh.size()
@@ -261,15 +267,23 @@ class ExpertParallelExperts(nn.Module):
                              f"expected [N={z.shape[0]}, k]")
         rows, expert, handle = self.dispatcher.dispatch(z, topk_idx)
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        y = routed_experts(rows, expert[:, None], ones, self._local(self.w1), self._local(self.w3),
-                           self._local(self.w2), self.act, backend=backend)
+        w1, w3, w2 = (self._local(w) for w in (self.w1, self.w3, self.w2))
+        q = self.qat
+        if q is not None:
+            # MXFP4 blocks run along each weight's last dim within one expert, so quantising the
+            # local experts equals slicing the quantised full stack; the MXFP8 input fake-quant
+            # is row-wise, so a row quantised after the all-to-all equals the same row before it.
+            w1, w3, w2 = (q.fake_quant_weight(w) for w in (w1, w3, w2))
+        y = routed_experts(rows, expert[:, None], ones, w1, w3, w2, self.act, backend=backend,
+                           input_quant=q.input_quant if q is not None else None)
         # Weight 1 over a single slot is exact; back to the row dtype as the single-device path
         # keeps per-slot outputs in x's dtype before its fp32 combine.
         return self.dispatcher.combine(y.to(z.dtype), handle, topk_weight)
 
     def extra_repr(self) -> str:
         e, f, l = self.w1.shape
-        return f"experts={e}, local={self.num_local_experts}, width={l}, hidden={f}"
+        qat = f", qat={self.qat.name}" if self.qat is not None else ""
+        return f"experts={e}, local={self.num_local_experts}, width={l}, hidden={f}{qat}"
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep_dim: str | int = -1) -> list[ExpertParallelExperts]:

@@ -113,9 +113,11 @@ def apply_fsdp(
     """
     if mesh.ndim != 1:
         raise ValueError(f"mesh: expected a 1-D data-parallel mesh, got {mesh.ndim} dims")
-    # LatentMoE returns ``y.reshape(shape)``, a view; FSDP warns in case the caller modifies it
-    # in place. K3Model adds FFN outputs out of place (``p = p + f``), so the warning is moot.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPLatentMoE\) returned a view tensor")
+    # LatentMoE and KimiDeltaAttention return views (reshapes); FSDP warns in case the caller
+    # modifies them in place. K3Model's AttnRes state uses mixer and FFN outputs out of place
+    # (``p = a``, ``p = p + f``), so the warning is moot.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(LatentMoE|KimiDeltaAttention)\) "
+                            r"returned a view tensor")
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
               "ignored_params": expert_parameters(model) or None}
     if mp_policy is not None:

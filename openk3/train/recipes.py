@@ -109,6 +109,9 @@ class RunConfig:
         ckpt_every, keep_checkpoints: checkpoint cadence and retention.
         seed: model init, data order. threads: torch CPU threads (None: torch's default).
         device: "cpu" / "cuda".
+        ep_size: expert-parallel size under ``torchrun`` (routed experts split over groups of
+            ``ep_size`` ranks; must divide the world size and ``n_routed_experts``); 1 = experts
+            FSDP-sharded like every other weight. Ignored in a single process (same numbers).
         init_from: a checkpoint directory (``save_pretrained`` format, e.g. the last checkpoint
             of a pretraining run) whose weights and router biases start this run; the optimizer,
             schedule and data start fresh (an SFT phase after pretraining).
@@ -146,12 +149,13 @@ class RunConfig:
     seed: int = 0
     threads: int | None = None
     device: str = "cpu"
+    ep_size: int = 1
     init_from: str | None = None
     extra: dict = field(default_factory=dict)
     prepare: Callable[["RunConfig", str, bool], "RunConfig"] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins"):
+        for name in ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins", "ep_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a positive integer")
@@ -159,6 +163,9 @@ class RunConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a non-negative integer")
+        if self.ep_size > 1 and self.model_config().n_routed_experts % self.ep_size:
+            raise ValueError(f"RunConfig.ep_size={self.ep_size}: must divide n_routed_experts="
+                             f"{self.model_config().n_routed_experts}")
         if self.qat is not None:
             from openk3.quant.qat import resolve_scheme
 

@@ -186,6 +186,9 @@ def train_step(
         ``max_logit`` (over MLA heads; None without MLA), ``qk_clipped_heads``.
     Raises:
         NonFiniteError: a micro-batch loss or the gradient norm is NaN/inf (before any update).
+            Under torch.distributed every rank raises in the same step: a non-finite loss is
+            flagged after the step's backward passes (MAX all-reduce over ``group``). A
+            micro-batch without labels still runs a zero backward there, for the collectives.
         ValueError: an empty batch, a micro-batch without input_ids/labels, or a routing record
             count that does not match the MoE layers.
     """
@@ -202,6 +205,8 @@ def train_step(
     max_logits = new_max_logits(model)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
+    distributed = dist.is_available() and dist.is_initialized()
+    bad_loss = None  # distributed: a non-finite loss is reported after every rank's backward
     for x, n_mb in zip(inputs, counts):
         sink: list = []
         out = model(x["input_ids"], labels=x["labels"], cu_seqlens=x.get("cu_seqlens"), lengths=x.get("lengths"),
@@ -212,13 +217,22 @@ def train_step(
             if idx in balancers:
                 balancers[idx].observe(route.scores, router.e_score_correction_bias, topk_idx=route.topk_idx)
         del sink
-        if n_mb == 0:
-            continue  # nothing to learn from; its routing still counts for QB
+        if n_mb == 0:  # nothing to learn from; its routing still counts for QB
+            if distributed:  # but FSDP / expert-parallel backward collectives need every rank
+                (out.logits.float().sum() * 0.0).backward()
+            continue
         loss = out.loss
         if not bool(torch.isfinite(loss.detach())):
-            raise NonFiniteError(step, "loss", float(loss.detach()))
+            if not distributed:
+                raise NonFiniteError(step, "loss", float(loss.detach()))
+            bad_loss = float(loss.detach()) if bad_loss is None else bad_loss
         loss_sum += float(loss.detach()) * n_mb
         (loss * (n_mb / denom)).backward()
+    if distributed:  # every rank stops in the same step (raising alone would leave the others waiting)
+        flag = torch.tensor([0.0 if bad_loss is None else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if bool(flag.item()):
+            raise NonFiniteError(step, "loss", bad_loss if bad_loss is not None else math.nan)
 
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     clip = cfg.grad_clip if cfg.grad_clip is not None else math.inf
@@ -233,7 +247,6 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    distributed = dist.is_available() and dist.is_initialized()
     if distributed and max_logits:
         stacked = torch.stack([max_logits[i] for i in sorted(max_logits)])
         dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
@@ -346,6 +359,10 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
     (loss and expert load) and ``out_dir/checkpoints/step-XXXXXXX`` every ``run.ckpt_every`` steps,
     at the end, and when SIGTERM/SIGINT arrives (after the current step).
 
+    Under ``torchrun`` every rank calls this: FSDP2 (+ expert parallel if ``run.ep_size`` > 1),
+    a step of ``grad_accum x world`` micro-batches, rank 0 writing metrics and single-process-format
+    checkpoints, ``resume`` supported (see :mod:`openk3.train.distributed_run`).
+
     Args:
         run: the run configuration.
         out_dir: output directory (created).
@@ -354,142 +371,102 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
             ``run.total_steps``), e.g. to train in pieces.
         progress: show a progress bar (tqdm) with loss, tokens/s and ETA on stderr.
     Returns:
-        :class:`TrainResult`.
+        :class:`TrainResult` (on every rank).
     Raises:
         TrainingStopped: a non-finite loss or gradient norm; the message names the step and the
             last good checkpoint.
-        ValueError: a bad run configuration, or ``resume`` onto a checkpoint of another model.
+        ValueError: a bad run configuration, ``resume`` onto a checkpoint of another model, or
+            (under torchrun) a multi-stage recipe or an ``ep_size`` that does not divide the world.
     """
     from openk3.train.checkpointing import CheckpointManager
+    from openk3.train.distributed_run import NullLog, distributed_requested, run_context
     from openk3.train.logging import MetricsLog, Progress, plot_metrics
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    if run.prepare is not None:  # a multi-stage recipe: earlier stages first, then its last stage here
+    if run.prepare is not None and not distributed_requested():  # multi-stage: earlier stages first
         run = run.prepare(run, out_dir, resume)
-    if run.threads:
-        torch.set_num_threads(run.threads)
-    torch.manual_seed(run.seed)
-    model, optimizer, balancers = run.build(device=run.device)
-    model.train()
-    step_cfg = run.step_config()
-    train_data = run.data(run, "train")
-    ckpts = CheckpointManager(os.path.join(out_dir, "checkpoints"), keep=run.keep_checkpoints)
-    start, ckpt_path = 0, None
-    if resume:
-        ckpt_path = ckpts.latest()
-        if ckpt_path is not None:
-            start = ckpts.load(ckpt_path, model, optimizer, balancers, train_data)["step"]
-    end = run.total_steps if max_steps is None else min(run.total_steps, max_steps)
-    log = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), truncate_after=start)
-    last: dict = {}
-    tokens_done, t0 = 0, time.perf_counter()
-    bar = Progress(total=end, initial=start, enabled=progress)
-    step, saved_step = start, (start if ckpt_path else None)
-    with _StopFlag() as stop:
-        try:
-            while step < end and stop.signum is None:
-                batch = [train_data.next_batch() for _ in range(run.grad_accum)]
-                t_step = time.perf_counter()
-                try:
-                    m = train_step(model, batch, optimizer, balancers, step_cfg, step=step)
-                except NonFiniteError as e:
-                    where = ckpt_path or "none saved yet (nothing to resume from)"
-                    msg = (f"training stopped: {e}; parameters not updated by that step. Last good checkpoint: "
-                           f"{where}" + (" (resume with --resume)" if ckpt_path else ""))
-                    log.write({"kind": "error", "step": step + 1, "message": msg})
-                    raise TrainingStopped(msg, step + 1, ckpt_path) from e
-                step += 1
-                tokens_done += m["tokens"]
-                elapsed = time.perf_counter() - t0
-                m.update(kind="train", step=step, step_time=time.perf_counter() - t_step,
-                         tokens_per_s=tokens_done / max(elapsed, 1e-9), elapsed=elapsed)
-                log.write(m)
-                last = m
-                bar.update(step, m)
-                if run.eval_every and step % run.eval_every == 0 and run.eval_batches:
-                    ev = evaluate(model, _take(run.data(run, "eval"), run.eval_batches))
-                    log.write({"kind": "eval", "step": step, **ev})
-                    bar.note(f"step {step}: eval loss {ev['eval_loss']:.4f}")
-                if step % run.ckpt_every == 0 or step == end:
-                    ckpt_path, saved_step = ckpts.save(step, model, optimizer, balancers, train_data, run, last), step
-            if stop.signum is not None and saved_step != step:
-                ckpt_path, saved_step = ckpts.save(step, model, optimizer, balancers, train_data, run, last), step
-        finally:
-            bar.close()
-            log.close()
+    ctx = run_context(run)
+    try:
+        if run.threads:
+            torch.set_num_threads(run.threads)
+        torch.manual_seed(run.seed)
+        model, optimizer, balancers = run.build(device=ctx.device)
+        model.train()
+        step_cfg = run.step_config()
+        train_data = run.data(run, "train")
+        ckpts = CheckpointManager(os.path.join(out_dir, "checkpoints"), keep=run.keep_checkpoints)
+        start, ckpt_path = 0, None
+        if resume:  # into the plain model, before any sharding (the checkpoint is single-process format)
+            ckpt_path = ckpts.latest()
+            if ckpt_path is not None:
+                start = ckpts.load(ckpt_path, model, optimizer, balancers, train_data)["step"]
+        model, optimizer = ctx.parallelize(model, optimizer)
+        step_kwargs = ctx.step_kwargs()
+        end = run.total_steps if max_steps is None else min(run.total_steps, max_steps)
+        log = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), truncate_after=start) if ctx.is_writer else NullLog()
+        last: dict = {}
+        tokens_done, t0 = 0, time.perf_counter()
+        bar = Progress(total=end, initial=start, enabled=progress and ctx.is_writer)
+        step, saved_step = start, (start if ckpt_path else None)
+        with _StopFlag() as stop:
             try:
-                plot_metrics(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "metrics.png"))
-            except Exception as e:  # a plot must never turn a finished run into a failure
-                print(f"openk3 train: no plot ({e})", file=sys.stderr)
-    return TrainResult(step=step, end_step=end, signal=stop.signum, checkpoint=ckpt_path, last_metrics=last)
+                stop_sig = ctx.agree_signal(stop.signum)
+                while step < end and stop_sig is None:
+                    batch, normalizer = ctx.step_batch(train_data, run.grad_accum)
+                    t_step = time.perf_counter()
+                    try:
+                        m = train_step(model, batch, optimizer, balancers, step_cfg, step=step,
+                                       token_normalizer=normalizer, **step_kwargs)
+                    except NonFiniteError as e:
+                        where = ckpt_path or "none saved yet (nothing to resume from)"
+                        msg = (f"training stopped: {e}; parameters not updated by that step. Last good checkpoint: "
+                               f"{where}" + (" (resume with --resume)" if ckpt_path else ""))
+                        log.write({"kind": "error", "step": step + 1, "message": msg})
+                        raise TrainingStopped(msg, step + 1, ckpt_path) from e
+                    m = ctx.reduce_metrics(m)
+                    step += 1
+                    tokens_done += m["tokens"]
+                    elapsed = time.perf_counter() - t0
+                    m.update(kind="train", step=step, step_time=time.perf_counter() - t_step,
+                             tokens_per_s=tokens_done / max(elapsed, 1e-9), elapsed=elapsed)
+                    log.write(m)
+                    last = m
+                    bar.update(step, m)
+                    if run.eval_every and step % run.eval_every == 0 and run.eval_batches:
+                        # every rank evaluates the same batches (FSDP / EP forwards are collective)
+                        ev = evaluate(model, _take(run.data(run, "eval"), run.eval_batches))
+                        log.write({"kind": "eval", "step": step, **ev})
+                        bar.note(f"step {step}: eval loss {ev['eval_loss']:.4f}")
+                    if step % run.ckpt_every == 0 or step == end:
+                        ckpt_path = ctx.save(ckpts, step, model, optimizer, balancers, train_data, run, last)
+                        saved_step = step
+                    stop_sig = ctx.agree_signal(stop.signum)
+                if stop_sig is not None and saved_step != step:
+                    ckpt_path, saved_step = ctx.save(ckpts, step, model, optimizer, balancers, train_data, run,
+                                                     last), step
+            finally:
+                bar.close()
+                log.close()
+                if ctx.is_writer:
+                    try:
+                        plot_metrics(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "metrics.png"))
+                    except Exception as e:  # a plot must never turn a finished run into a failure
+                        print(f"openk3 train: no plot ({e})", file=sys.stderr)
+    finally:
+        ctx.close()
+    return TrainResult(step=step, end_step=end, signal=stop_sig, checkpoint=ckpt_path, last_metrics=last)
 
 
 def _take(source, n: int) -> list:
     return [source.next_batch() for _ in range(n)]
 
 
-def _parse_overrides(items: Sequence[str]) -> dict:
-    """``["lr=0.01", "qat=mxfp4", "warmup_steps=null"]`` -> {field: value}; values are JSON when
-    they parse as JSON, strings otherwise. Raises ValueError for an item without ``=``."""
-    import json
-
-    out = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
-        try:
-            out[key] = json.loads(text)
-        except json.JSONDecodeError:
-            out[key] = text
-    return out
-
-
 def cli_train(args) -> int:
-    """``openk3 train``: run a recipe (arguments: see ``openk3 train --help``).
+    """``openk3 train``; see :func:`openk3.train.train_cli.cli_train` (kept here for importers)."""
+    from openk3.train.train_cli import cli_train as run_cli
 
-    Returns the exit status: 0 done, 1 stopped on a non-finite value, 2 bad arguments,
-    128 + signal number after a SIGTERM/SIGINT (a checkpoint was saved; ``--resume`` continues).
-    """
-    from openk3.train.recipes import RECIPES, get_recipe
-
-    if args.list:
-        for name, fn in sorted(RECIPES.items()):
-            print(f"{name:<16}{(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
-        return 0
-    if not args.recipe:
-        print("openk3 train: give --recipe NAME (see --list)", file=sys.stderr)
-        return 2
-    try:
-        overrides = _parse_overrides(args.set)
-        if args.threads is not None:
-            overrides["threads"] = args.threads
-        run = get_recipe(args.recipe, **overrides)
-        if args.max_steps is not None and args.max_steps < 0:
-            raise ValueError(f"--max-steps={args.max_steps}: must be >= 0")
-    except (ValueError, TypeError) as e:
-        print(f"openk3 train: {e}", file=sys.stderr)
-        return 2
-    out = args.out or os.path.join("runs", run.name)
-    try:
-        result = train(run, out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress)
-    except TrainingStopped as e:
-        print(f"openk3 train: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:
-        print(f"openk3 train: {e}", file=sys.stderr)
-        return 2
-    if result.signal is not None:
-        name = signal.Signals(result.signal).name
-        print(f"openk3 train: stopped by {name} after step {result.step}; checkpoint {result.checkpoint} "
-              f"(continue with --resume)", file=sys.stderr)
-        return 128 + result.signal
-    last = result.last_metrics
-    loss = f", loss {last['loss']:.4f}" if last else ""
-    print(f"openk3 train: {run.name} finished at step {result.step}/{result.end_step}{loss}; "
-          f"checkpoint {result.checkpoint}; metrics {os.path.join(out, 'metrics.jsonl')}", file=sys.stderr)
-    return 0
+    return run_cli(args)
 
 
 __all__ = ["StepConfig", "NonFiniteError", "TrainingStopped", "TrainResult", "train_step", "evaluate", "train",
