@@ -293,7 +293,8 @@ class IncrementalDecoder:
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a tokenizer directory: ``tiktoken.model`` (Kimi BPE) or ``tokenizer.json`` (trained BPE),
-    plus ``tokenizer_config.json``.
+    plus ``tokenizer_config.json``. ``path`` may also name a shipped model (``"openk3-tiny"``,
+    :mod:`openk3.shipped`).
 
     For ``tiktoken.model`` the config is required (its ``added_tokens_decoder`` names the special
     slots). For ``tokenizer.json`` the config is optional; special tokens are the union of the
@@ -303,7 +304,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         ValueError: no tokenizer file, missing/invalid config, malformed ranks file, special ids
             out of range, or a required chat markup token (``<|open|>`` ...) missing.
     """
-    d = Path(path)
+    from openk3.shipped import resolve_model_path
+
+    d = Path(resolve_model_path(path))  # a shipped model's name ("openk3-tiny") loads its tokenizer
     if not d.is_dir():
         raise ValueError(f"load_tokenizer: path {str(d)!r} is not a directory")
     cfg_file = d / "tokenizer_config.json"

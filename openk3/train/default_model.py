@@ -20,11 +20,12 @@ deterministic (hash-ordered), SFT data ``sft_seed`` = 1, held-out eval sets
 
 Size and time. ``openk3-tiny`` has 4,618,312 parameters in total and 2,365,512 active per token
 (``openk3.params.count_parameters``; 2.1 M of each are the two 8192 x 128 vocabulary matrices).
-Measured 2026-11-30 on the quiet 2-core machine (``OMP_NUM_THREADS=2``): pretraining ~1,100
-tokens/s (0.9 s per 1024-token step), SFT with MXFP4 QAT ~1 s per 1024-token step. The defaults:
-pretraining 2400 steps x 1024 tokens (2.5 M tokens, ~38 min), SFT 4000 steps x 1024 tokens with
-QAT (~65 min) on 20,000 conversations; with the corpus build (~5 min) and tokenizer (~3 min) about
-1.9 h of the 2.5 h budget. The shipped model is this run's last checkpoint, written by
+Measured 2026-11-30 on the 2-core machine (``OMP_NUM_THREADS=2``): pretraining ~1 step/s
+(1024 tokens per step), SFT with MXFP4 QAT 1.0-1.2 s per 1024-token step. The defaults:
+pretraining 2400 steps x 1024 tokens (2.5 M tokens, 46 min measured), SFT 2800 steps x 1024
+tokens with QAT (~50 min) on 20,000 conversations; with the corpus build (~5 min) and tokenizer
+(~3 min) about 1.75 h of the 2.5 h budget. Keep the machine otherwise idle: with two OpenMP
+threads on two cores, any other busy process slows a step 10-25x. The shipped model is this run's last checkpoint, written by
 ``openk3 export`` (MODEL_CARD.md).
 """
 
@@ -167,7 +168,7 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
 def default_model() -> RunConfig:
     """openk3-tiny end to end: corpus -> BPE -> pretraining -> SFT with MXFP4 QAT (issue 8)."""
     return RunConfig(
-        name="default-model", model="openk3-tiny", data=sft_data, total_steps=4000, seq_len=1024,
+        name="default-model", model="openk3-tiny", data=sft_data, total_steps=2800, seq_len=1024,
         warmup_steps=None, lr=5e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=4, ckpt_every=100,
         keep_checkpoints=2, seed=0, prepare=prepare_default_model,
     )
