@@ -28,7 +28,7 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from openk3.engine.grammars import Markers, Tool, output_grammar_lark
 
 __all__ = ["Constraint", "GrammarConstraint", "ll_tokenizer", "make_constraint", "normalize_tools",
-           "check_json_schema", "DEFAULT_JSON_WHITESPACE"]
+           "check_json_schema", "check_schema_depth", "DEFAULT_JSON_WHITESPACE", "MAX_SCHEMA_DEPTH"]
 
 # JSON whitespace allowed at each position: bounded, so a degenerate model cannot loop on blanks
 # forever, yet wide enough for pretty-printed output several levels deep.
@@ -195,13 +195,37 @@ def _first_line(msg: str) -> str:
 
 # --------------------------------------------------------------------------- factory
 
+# Most levels of nested objects / arrays in one schema. Both consumers recurse: ``jsonschema``'s
+# meta-schema check overflows Python's stack near 200 levels and llguidance's JSON parser stops at
+# 128; a bound checked first, without recursion, turns both into one clear error.
+MAX_SCHEMA_DEPTH = 64
+
+
+def check_schema_depth(schema: Any, where: str = "schema", limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """Raise ``ValueError`` naming `where` if `schema` nests objects / arrays more than `limit`
+    levels deep (``{}`` is one level). Iterative, so any depth is safe to check; stops at the first
+    path over the limit.
+    """
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise ValueError(f"{where}: nested too deeply (at most {limit} levels of objects / arrays are supported)")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def check_json_schema(schema: Any, where: str = "schema") -> None:
-    """Raise ``ValueError`` (naming `where`) unless `schema` is a valid JSON Schema object.
+    """Raise ``ValueError`` (naming `where`) unless `schema` is a valid JSON Schema object no deeper
+    than :data:`MAX_SCHEMA_DEPTH` (:func:`check_schema_depth`).
 
     Validated against its declared (default 2020-12) meta-schema with ``jsonschema``.
     """
     import jsonschema
 
+    check_schema_depth(schema, where)
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"{where}: must be a JSON Schema object, got {type(schema).__name__}")
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)

@@ -34,6 +34,7 @@ from openk3.chat_format.parser import (
 from openk3.server.images import LOCATION_KEY
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
 from openk3.server.serving import ChatServing, Finished, Generation, Prepared
+from openk3.server.validation import check_unicode
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -189,6 +190,7 @@ def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
         APIError: 404 unknown model, 400 invalid request.
     """
     serving.check_model(req.get("model"))
+    check_unicode(req)  # before translation, so that the path names the client's field
     thinking = req.get("thinking")
     thinking_on = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
     body = to_chat_body(req, thinking_on)
@@ -208,6 +210,7 @@ def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
 def count_tokens(serving: ChatServing, req: dict) -> dict:
     """``{"input_tokens": N}`` for ``/anthropic/v1/messages/count_tokens``."""
     serving.check_model(req.get("model"))
+    check_unicode(req)
     thinking = req.get("thinking")
     thinking_on = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
     body = to_chat_body(dict(req, max_tokens=1), thinking_on)

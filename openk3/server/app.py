@@ -46,6 +46,10 @@ log = logging.getLogger("openk3.server")
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/models", "/v1/tokenizers/estimate-token-count", "/anthropic/v1/messages",
               "/anthropic/v1/messages/count_tokens", "/health", "/metrics"}
+CLIENT_CLOSED = 499  # nginx's "client closed request": counted for requests whose client left
+_BODY_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/tokenizers/estimate-token-count": TokenCountRequest,
+                "/anthropic/v1/messages": AnthropicMessagesRequest,
+                "/anthropic/v1/messages/count_tokens": AnthropicCountRequest}
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
            413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
 
@@ -93,11 +97,15 @@ class Guard:
             await send(message)
 
         try:
-            await self._guarded(scope, receive, send_tracked, path)
+            unanswered = await self._guarded(scope, receive, send_tracked, path)
+            if unanswered is not None:
+                status_box[0] = unanswered
         finally:
             self.metrics.request(endpoint, status_box[0])
 
-    async def _guarded(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+    async def _guarded(self, scope: dict, receive: Any, send: Any, path: str) -> int | None:
+        """Run the guards and the app; returns the status to count for a request that got no
+        response (499: the client left while uploading its body), else None."""
         headers = dict(scope.get("headers") or [])
         if self.api_key and path.startswith(("/v1", "/anthropic")) and not self._authorized(headers):
             return await _error_response(path, APIError(401, "Invalid Authentication"))(scope, receive, send)
@@ -111,7 +119,7 @@ class Guard:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return
+                return CLIENT_CLOSED
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > self.max_body:
@@ -129,6 +137,7 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+        return None
 
 
 class _Stream(StreamingResponse):
@@ -202,15 +211,26 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
                                                                     "Permission denied"))
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = first.get("msg", "invalid request")
-        return _error_response(request.url.path, APIError(400, f"Invalid request: {loc}: {msg}" if loc else
-                                                               f"Invalid request: {msg}"))
+        if first.get("type") == "json_invalid":  # loc is ("body", character position)
+            pos = (first.get("loc") or ("body",))[-1]
+            detail = (first.get("ctx") or {}).get("error") or msg
+            at = f" at character {pos}" if isinstance(pos, int) else ""
+            message = f"Invalid request: body: invalid JSON ({detail}{at})"
+            return _error_response(request.url.path, APIError(400, message))
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if not loc and first.get("type") == "missing":  # FastAPI reports an empty body as a missing one
+            model = _BODY_MODELS.get(request.url.path)
+            need = [f.alias or n for n, f in model.model_fields.items() if f.is_required()] if model else []
+            msg = "the request body is empty" + (f"; a JSON object with {', '.join(need)} is required" if need else "")
+        return _error_response(request.url.path, APIError(400, f"Invalid request: {loc or 'body'}: {msg}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         status = exc.status_code
         message = {404: "Not found", 405: "Method not allowed"}.get(status, str(exc.detail))
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's body parse: json.loads recursed too deep
+            message = "Invalid request: body: JSON nested too deeply to parse"
         return _error_response(request.url.path, APIError(status, message, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
@@ -223,14 +243,14 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         started, _ = await _or_disconnect(request, gen.start())
         if not started:
             await gen.aclose()
-            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+            return Response(status_code=CLIENT_CLOSED)  # nobody is listening
         if prep.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-request-id": prep.id}
             return _Stream(stream(prep, gen), gen.aclose, media_type="text/event-stream", headers=headers)
         done, result = await _or_disconnect(request, complete(prep, gen))
         if not done:
             await gen.aclose()
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(result, headers={"x-request-id": prep.id})
 
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}, **_ERRORS})

@@ -69,14 +69,20 @@ class APIError(Exception):
         self.type = type
         self.headers = dict(headers or {})
 
+    def _safe_message(self) -> str:
+        # a message may quote client text (a model id) holding a lone surrogate: escape it, or
+        # encoding the UTF-8 response would fail
+        return self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+
     def kimi_body(self) -> dict:
         """``{"error": {"message", "type"}}`` (api.md §6.1)."""
-        return {"error": {"message": self.message, "type": self.type or KIMI_ERROR_TYPES.get(self.status, "server_error")}}
+        return {"error": {"message": self._safe_message(),
+                          "type": self.type or KIMI_ERROR_TYPES.get(self.status, "server_error")}}
 
     def anthropic_body(self) -> dict:
         """``{"type": "error", "error": {"type", "message"}}`` (api.md §7)."""
         kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        return {"type": "error", "error": {"type": kind, "message": self._safe_message()}}
 
 
 def bad_request(message: str) -> APIError:
@@ -197,7 +203,7 @@ class ChatCompletionRequest(_Open):
     tools: list[Tool] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     stop: Union[str, list[str], None] = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=-2**63, le=2**63 - 1)] | None = None  # int64, as OpenAI documents
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     prompt_cache_key: str | None = None

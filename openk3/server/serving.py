@@ -42,8 +42,8 @@ from openk3.server.images import expand_images
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
 from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
-    THINKING_BOOL, Limits, check_image_parts, check_keep, check_messages, check_sampling, check_stops,
-    check_tool_history, check_tools, text_chars,
+    THINKING_BOOL, Limits, check_image_parts, check_keep, check_messages, check_sampling, check_schema_depths,
+    check_stops, check_tool_history, check_tools, check_unicode, text_chars,
 )
 
 
@@ -161,8 +161,10 @@ class ChatServing:
             APIError: 404 unknown model, 400 for every contract violation (message names the field).
         """
         self.check_model(req.model)
+        check_unicode(body)
         if isinstance(body.get("thinking"), bool):
             raise bad_request(THINKING_BOOL)
+        check_schema_depths(body)
         try:
             opts = parse_options(body, parse_messages(body))
         except (ValueError, TypeError) as e:
@@ -264,9 +266,10 @@ class ChatServing:
         tokenized: no request that large can be served, and counting megabytes would stall the server.
 
         Raises:
-            APIError: 400 ``messages: ...`` for text over the context; the 400s of :meth:`render`
-                and of the image expansion otherwise.
+            APIError: 400 ``messages: ...`` for text over the context; a field-named 400 for an
+                unpaired surrogate; the 400s of :meth:`render` and of the image expansion otherwise.
         """
+        check_unicode(body)
         over = self._over_context(body)
         if over is not None:
             chars, at_least = over

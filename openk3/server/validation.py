@@ -13,6 +13,9 @@ Decisions recorded here (api.md §11 and the release notes leave a choice):
   counts (``""`` is accepted, §11); a tool-call turn without the key is a 400. An explicit
   ``thinking.keep: "all"`` extends the check to every assistant message (§3).
 * Images: only base64 ``data:`` URLs (§1.2; http(s) URLs are a 400, the strict choice of §11).
+* Malformed text and schemas are refused up front with the field named: a lone UTF-16 surrogate
+  anywhere in the body (:func:`check_unicode`), a JSON Schema nested deeper than
+  ``MAX_SCHEMA_DEPTH`` (64) levels (:func:`check_schema_depths`).
 """
 
 from __future__ import annotations
@@ -217,6 +220,76 @@ def check_tools(body: dict, opts: Any, limits: Limits) -> list[dict]:
     if opts.tool_choice == "required" and not declared:
         raise bad_request("tool_choice: 'required' needs at least one tool")
     return declared
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_unicode(body: Any) -> None:
+    """Every string of the body (object keys included) is valid Unicode: JSON's ``\\uXXXX`` escapes
+    can spell a lone UTF-16 surrogate, which no tokenizer, grammar or UTF-8 response can carry.
+    Iterative, any nesting depth.
+
+    Raises:
+        APIError: 400 naming the field path (``messages[0].content``) and the character index.
+    """
+    stack = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise bad_request(f"{where or 'body'}: unpaired UTF-16 surrogate U+{ord(value[e.start]):04X} at "
+                                      f"character {e.start}; text must be valid Unicode") from None
+        elif isinstance(value, dict):
+            items = []  # pushed reversed: the first bad string in document order is reported
+            for key, child in value.items():
+                items.append((key, f"{where or 'body'} (an object key)"))
+                if isinstance(key, str) and _IDENT.match(key):
+                    items.append((child, f"{where}.{key}" if where else key))
+                else:  # json.dumps escapes to ASCII: the key itself may hold the surrogate
+                    items.append((child, f"{where}[{json.dumps(key)}]"))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend((child, f"{where}[{j}]") for j, child in reversed(list(enumerate(value))))
+
+
+def _tool_schemas(tools: Any, where: str) -> list[tuple[Any, str]]:
+    out = []
+    for j, t in enumerate(tools if isinstance(tools, list) else ()):
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(fn, dict) and "parameters" in fn:
+            out.append((fn["parameters"], f"{where}[{j}].{'function.' if fn is not t else ''}parameters"))
+    return out
+
+
+def check_schema_depths(body: dict) -> None:
+    """Every JSON Schema of a chat body (``response_format.json_schema.schema`` — or wherever the
+    renderer finds it — request-level and dynamic tool ``parameters``) nests at most
+    :data:`~openk3.engine.constraints.MAX_SCHEMA_DEPTH` levels. Runs first, without recursion:
+    the later schema checks, the renderer and the constraint compiler all recurse.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    from openk3.engine.constraints import check_schema_depth
+
+    found = _tool_schemas(body.get("tools"), "tools")
+    rf = body.get("response_format")
+    wrapper = rf.get("json_schema") if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
+    if isinstance(wrapper, dict):
+        key = next((k for k in ("schema", "json_schema") if k in wrapper), None)
+        found.append((wrapper[key] if key else wrapper, f"response_format.json_schema{'.' + key if key else ''}"))
+    for i, m in enumerate(body.get("messages") if isinstance(body.get("messages"), list) else ()):
+        if isinstance(m, dict):
+            found += _tool_schemas(m.get("tools"), f"messages[{i}].tools")
+    for schema, where in found:
+        try:
+            check_schema_depth(schema, where)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")

@@ -224,3 +224,231 @@ def test_internal_error_leaks_nothing(tokenizer):
     r = asyncio.run(call())
     assert _error(r, 500, "server_error") == "Internal server error"
     assert "secret" not in r.text
+
+
+# ----------------------------------------------------------------------- in-process review fixes
+# Malformed input found by review: each is a 400 naming the field (never a 500 or a logged
+# traceback), and a client that leaves mid-upload is counted as 499. In-process app over an engine
+# that must never be reached: every request here is refused (or only counted) before generation.
+
+MAX_DEPTH = 64  # the documented schema nesting limit (openk3.engine.constraints.MAX_SCHEMA_DEPTH)
+DEPTH_MSG = "nested too deeply (at most 64 levels of objects / arrays are supported)"
+
+
+class _NoEngine:
+    async def generate(self, *a, **k):
+        raise AssertionError("a refused request reached the engine")
+        yield  # pragma: no cover
+
+    def abort(self, rid):
+        pass
+
+
+@pytest.fixture
+def app_serving(tokenizer):
+    from openk3.server import ChatServing, ModelInfo, create_app
+    from openk3.server.metrics import Metrics
+
+    serving = ChatServing(_NoEngine(), tokenizer, ModelInfo("m", 4096), Metrics())
+    return create_app(serving), serving
+
+
+def _post_all(app, requests: list[tuple[str, object]]) -> list[httpx.Response]:
+    """POST each ``(path, body)``; a ``bytes`` body is sent verbatim as JSON."""
+    import asyncio
+    import json
+
+    async def run():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            out = []
+            for path, body in requests:
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                out.append(await c.post(path, content=content, headers={"content-type": "application/json"}))
+            return out
+
+    return asyncio.run(run())
+
+
+def _kimi(r: httpx.Response, status: int, message: str) -> None:
+    assert r.status_code == status, r.text
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error"}}, r.text
+
+
+def _anthropic(r: httpx.Response, status: int, message: str) -> None:
+    assert r.status_code == status, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}, r.text
+
+
+def _nested(levels: int) -> dict:
+    """A valid object schema whose objects / arrays nest exactly `levels` deep (>= 3)."""
+    schema: dict = {"type": "string"} if levels % 2 else {"enum": ["x"]}  # 1 or 2 levels
+    for _ in range((levels - (1 if levels % 2 else 2)) // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _depth(value) -> int:
+    return 1 + max(map(_depth, value.values() if isinstance(value, dict) else value), default=0) \
+        if isinstance(value, (dict, list)) else 0
+
+
+def _nested_text(levels: int) -> str:
+    """The JSON text of ``_nested(2 * n + 1)`` for depths ``json.dumps`` cannot reach."""
+    n = (levels - 1) // 2
+    return '{"type":"object","properties":{"a":' * n + '{"type":"string"}' + "}}" * n
+
+
+def test_deep_schemas_are_a_field_named_400(app_serving, caplog):
+    app, _ = app_serving
+    assert _depth(_nested(MAX_DEPTH)) == MAX_DEPTH and _depth(_nested(MAX_DEPTH + 1)) == MAX_DEPTH + 1
+    chat, anth = "/v1/chat/completions", "/anthropic/v1/messages"
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def bodies(schema):
+        rf = {"model": "m", "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}}
+        tool = {"model": "m", "messages": msgs, "tools": [{"type": "function", "function": {"name": "f",
+                                                                                              "parameters": schema}}]}
+        dyn = {"model": "m", "messages": [{"role": "system", "content": "", "tools": [
+            {"type": "function", "function": {"name": "g", "parameters": schema}}]}] + msgs}
+        anthropic_ = {"model": "m", "max_tokens": 5, "messages": msgs, "tools": [
+            {"name": "t", "input_schema": {"type": "object"}}, {"name": "f", "input_schema": schema}]}
+        return [(chat, rf), (chat, tool), (chat, dyn), (anth, anthropic_)]
+
+    wheres = ["response_format.json_schema.schema", "tools[0].function.parameters",
+              "messages[0].tools[0].function.parameters", "tools[1].input_schema"]
+    with caplog.at_level("ERROR", logger="openk3.server"):
+        for levels in (MAX_DEPTH + 1, 201, 401):  # 201: jsonschema's RecursionError, a 500 before
+            for (path, body), r, where in zip(bodies(_nested(levels)), _post_all(app, bodies(_nested(levels))), wheres):
+                (_anthropic if path == anth else _kimi)(r, 400, f"{where}: {DEPTH_MSG}")
+        # deeper than Python's JSON parser can go: still a 400, the body named
+        deep = _nested_text(5001)
+        raw = [(chat, ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": '
+                       '{"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}' % deep).encode()),
+               (anth, ('{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], '
+                       '"tools": [{"name": "f", "input_schema": %s}]}' % deep).encode())]
+        r_chat, r_anth = _post_all(app, raw)
+        _kimi(r_chat, 400, "Invalid request: body: JSON nested too deeply to parse")
+        _anthropic(r_anth, 400, "Invalid request: body: JSON nested too deeply to parse")
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_schema_depth_limit_is_exact(app_serving):
+    """64 levels compile into a constraint; 65 are refused — by the server and by the engine's own check."""
+    from openk3.engine.constraints import MAX_SCHEMA_DEPTH, check_json_schema
+    from openk3.server.protocol import APIError, ChatCompletionRequest
+
+    assert MAX_SCHEMA_DEPTH == MAX_DEPTH
+    _, serving = app_serving
+    msgs = [{"role": "user", "content": "hi"}]
+    for levels, ok in ((MAX_DEPTH, True), (MAX_DEPTH + 1, False)):
+        schema = _nested(levels)
+        for body in ({"model": "m", "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+                         "name": "x", "schema": schema}}},
+                     {"model": "m", "messages": msgs, "tools": [{"type": "function", "function": {
+                         "name": "f", "parameters": schema}}], "tool_choice": "required"}):
+            if ok:
+                assert serving.prepare(body, ChatCompletionRequest.model_validate(body)).constraint is not None
+            else:
+                with pytest.raises(APIError) as e:
+                    serving.prepare(body, ChatCompletionRequest.model_validate(body))
+                assert e.value.status == 400 and e.value.message.endswith(DEPTH_MSG)
+    check_json_schema(_nested(MAX_DEPTH))
+    deep: dict = {}
+    for _ in range(100_000):  # far beyond the recursion limit: the check itself must not recurse
+        deep = {"type": "object", "properties": {"a": deep}}
+    for schema in (_nested(MAX_DEPTH + 1), deep):
+        with pytest.raises(ValueError, match=r"^tools\[3\]\.function\.parameters: nested too deeply"):
+            check_json_schema(schema, "tools[3].function.parameters")
+
+
+def test_seed_range_names_the_field(app_serving):
+    """seed is an int64 (OpenAI's documented range); every accepted value seeds torch's generator."""
+    import torch
+
+    from openk3.server.protocol import ChatCompletionRequest
+
+    app, serving = app_serving
+    base = '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": %d}'
+    over, under = _post_all(app, [("/v1/chat/completions", (base % 2**64).encode()),
+                                  ("/v1/chat/completions", (base % (-2**63 - 1)).encode())])
+    _kimi(over, 400, "Invalid request: seed: Input should be less than or equal to 9223372036854775807")
+    _kimi(under, 400, "Invalid request: seed: Input should be greater than or equal to -9223372036854775808")
+    for seed in (2**63 - 1, -2**63, 0):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": seed}
+        prep = serving.prepare(body, ChatCompletionRequest.model_validate(body))
+        assert prep.params.seed == seed
+        torch.Generator().manual_seed(seed)  # raised "Overflow when unpacking long long" at 2**64
+
+
+def test_lone_surrogates_name_the_field(app_serving, caplog):
+    app, _ = app_serving
+    chat, count, anth = "/v1/chat/completions", "/v1/tokenizers/estimate-token-count", "/anthropic/v1/messages"
+    user_hi = '{"role": "user", "content": "hi"}'
+    cases = [
+        (chat, '{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+         "messages[0].content: unpaired UTF-16 surrogate U+D800 at character 1"),
+        (chat, '{"model": "m", "messages": [%s, {"role": "assistant", "content": "ok"}, {"role": "user", "content": '
+               '[{"type": "text", "text": "x"}, {"type": "text", "text": "\\udc00"}]}]}' % user_hi,
+         "messages[2].content[1].text: unpaired UTF-16 surrogate U+DC00 at character 0"),
+        (count, '{"model": "m", "messages": [%s], "tools": [{"type": "function", "function": {"name": "f", '
+                '"parameters": {"type": "object", "properties": {"\\ud83d": {}}}}}]}' % user_hi,
+         "tools[0].function.parameters.properties (an object key): unpaired UTF-16 surrogate U+D83D at character 0"),
+        (anth, '{"model": "m", "max_tokens": 5, "system": "s", "messages": [{"role": "user", "content": '
+               '[{"type": "text", "text": "ok\\ud800"}]}]}',
+         "messages[0].content[0].text: unpaired UTF-16 surrogate U+D800 at character 2"),
+    ]
+    with caplog.at_level("ERROR", logger="openk3.server"):
+        rs = _post_all(app, [(path, body.encode()) for path, body, _ in cases])
+        for (path, _, message), r in zip(cases, rs):
+            (_anthropic if path == anth else _kimi)(r, 400, message + "; text must be valid Unicode")
+        # a surrogate *pair* is ordinary text; a model id with a lone one is a 404 quoting it escaped
+        pair, model = _post_all(app, [
+            (count, b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'),
+            (chat, b'{"model": "k\\ud800", "messages": [{"role": "user", "content": "hi"}]}')])
+    assert pair.status_code == 200 and pair.json()["data"]["total_tokens"] > 0, pair.text
+    assert model.status_code == 404 and model.json() == {"error": {
+        "message": "Not found the model k\\ud800 or Permission denied", "type": "resource_not_found_error"}}
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_empty_and_non_object_bodies_name_the_body(app_serving):
+    app, _ = app_serving
+    chat, count, anth = "/v1/chat/completions", "/v1/tokenizers/estimate-token-count", "/anthropic/v1/messages"
+    rs = _post_all(app, [(chat, b""), (count, b""), (anth, b""), (chat, b"  "), (chat, b"[]"), (chat, b"{}")])
+    empty = "Invalid request: body: the request body is empty; a JSON object with model, messages is required"
+    _kimi(rs[0], 400, empty)
+    _kimi(rs[1], 400, empty)
+    _anthropic(rs[2], 400, "Invalid request: body: the request body is empty; a JSON object with model, max_tokens, "
+                           "messages is required")
+    _kimi(rs[3], 400, "Invalid request: body: invalid JSON (Expecting value at character 2)")
+    _kimi(rs[4], 400, "Invalid request: body: Input should be a valid dictionary or object to extract fields from")
+    _kimi(rs[5], 400, "Invalid request: model: Field required")
+
+
+def test_client_leaving_mid_upload_counts_as_499(app_serving):
+    """Content-Length 1000, 10 bytes sent, then the connection closes: nothing is answered, and
+    /metrics counts a 499 (client closed request), not a 500."""
+    import asyncio
+    import re
+
+    app, serving = app_serving
+    incoming = [{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 1), "server": ("t", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert sent == []
+    counts = dict(re.findall(r'openk3_requests_total\{endpoint="/v1/chat/completions",status="(\d+)"\} (\S+)',
+                             serving.metrics.render().decode()))
+    assert counts == {"499": "1.0"}, counts
