@@ -9,10 +9,15 @@ from openk3.cli import main as cli
 from tests.server.conftest import API_KEY, REPO
 
 
-def test_serve_without_model_exits_2(capsys):
+def test_serve_without_model_and_without_the_shipped_model_exits_2(capsys, monkeypatch):
+    # An installation stripped of its data files: `openk3 serve` explains instead of crashing.
+    # (With the model present, tests/server/test_default_model.py serves it.)
+    import openk3.shipped
+
+    monkeypatch.setattr(openk3.shipped, "SHIPPED_DIR", openk3.shipped.SHIPPED_DIR / "nonexistent")
     assert cli(["serve"]) == 2
     err = capsys.readouterr().err
-    assert "no MODEL given" in err and "openk3 serve CHECKPOINT_DIR" in err
+    assert "no MODEL given" in err and "is missing" in err and "openk3 serve CHECKPOINT_DIR" in err
 
 
 def test_serve_rejects_a_missing_directory(tmp_path, capsys):
