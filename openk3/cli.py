@@ -12,7 +12,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from openk3.config import K3Config
     from openk3.params import count_parameters
 
-    source = args.path or args.config
+    from openk3.shipped import resolve_model_path
+
+    source = resolve_model_path(args.path) if args.path else args.config
     if source is None:
         print("openk3 info: give a checkpoint directory or --config PRESET", file=sys.stderr)
         return 2
