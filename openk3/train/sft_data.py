@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from collections.abc import Callable
 
@@ -192,21 +193,52 @@ def _draw(rng: random.Random, suite: str, thinking_off: float) -> Item:
     return GENERATORS[suite](rng, effort)
 
 
-def sft_items(seed: int, n: int, *, thinking_off: float = 0.1) -> list[Item]:
+def normalise_mixture(shares: dict, name: str = "mixture", *, base: dict | None = None) -> dict[str, float]:
+    """``shares`` (task -> share) merged over ``base`` (default :data:`MIXTURE`) and scaled to sum 1.
+
+    Tasks ``shares`` does not name keep their ``base`` share (set one to 0 to drop it).
+    Raises:
+        ValueError: ``shares`` not a dict, an unknown task, a share not a finite number >= 0, or
+            all shares 0; the message names ``name`` and the key / value.
+    """
+    base = MIXTURE if base is None else base
+    if not isinstance(shares, dict):
+        raise ValueError(f"{name}: expected a dict of task -> share, got {shares!r}")
+    for k, v in shares.items():
+        if k not in MIXTURE:
+            raise ValueError(f"{name}: unknown task {k!r} (known: {', '.join(MIXTURE)})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name}[{k!r}]={v!r}: must be a finite number >= 0")
+    merged = {**base, **{k: float(v) for k, v in shares.items()}}
+    total = sum(merged.values())
+    if total <= 0:
+        raise ValueError(f"{name}: all shares are 0")
+    return {k: v / total for k, v in merged.items()}
+
+
+def sft_items(seed: int, n: int, *, thinking_off: float = 0.1, mixture: dict | None = None) -> list[Item]:
     """``n`` training items of the mixture (:data:`MIXTURE`), held-out keys excluded.
 
     Args:
         seed: the data seed (the recipe states it). n: number of items (>= 1).
         thinking_off: share of items with thinking disabled (instant mode).
+        mixture: task -> weight used instead of :data:`MIXTURE` (None = MIXTURE); weights are
+            relative (``random.choices``), e.g. the output of :func:`normalise_mixture`.
     Raises:
-        ValueError: ``n`` < 1 or ``thinking_off`` outside [0, 1].
+        ValueError: ``n`` < 1, ``thinking_off`` outside [0, 1], or a bad ``mixture`` (unknown
+            task, negative / non-finite weight, all 0).
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}: must be a positive integer")
     if not 0.0 <= thinking_off <= 1.0:
         raise ValueError(f"thinking_off={thinking_off!r}: must lie in [0, 1]")
+    if mixture is None:
+        mixture = MIXTURE
+    else:
+        normalise_mixture(mixture, "mixture", base={k: 0.0 for k in MIXTURE})  # validation only
     rng = random.Random(seed)
-    suites, weights = list(MIXTURE), list(MIXTURE.values())
+    # The weights go to random.choices as given (not renormalised): MIXTURE keeps today's draws.
+    suites, weights = list(mixture), list(mixture.values())
     out: list[Item] = []
     while len(out) < n:
         item = _draw(rng, rng.choices(suites, weights)[0], thinking_off)
@@ -215,9 +247,10 @@ def sft_items(seed: int, n: int, *, thinking_off: float = 0.1) -> list[Item]:
     return out
 
 
-def sft_conversations(seed: int, n: int, **kw) -> list[dict]:
-    """The training conversations of :func:`sft_items` (request dicts for ``render_training``)."""
-    return [it.conversation() for it in sft_items(seed, n, **kw)]
+def sft_conversations(seed: int, n: int, *, mixture: dict | None = None, **kw) -> list[dict]:
+    """The training conversations of :func:`sft_items` (request dicts for ``render_training``);
+    ``mixture`` as there (None = :data:`MIXTURE`)."""
+    return [it.conversation() for it in sft_items(seed, n, mixture=mixture, **kw)]
 
 
 def eval_items(suite: str, seed: int, n: int) -> list[Item]:
@@ -248,6 +281,6 @@ def eval_items(suite: str, seed: int, n: int) -> list[Item]:
     return out
 
 
-__all__ = ["EFFORTS", "MIXTURE", "EVAL_SUITES", "EVAL_SEED_OFFSET", "GENERATORS", "Item", "gen_problem", "gen_chat",
-           "gen_effort", "gen_partial", "gen_multi_turn", "item_key", "is_held_out", "sft_items", "sft_conversations",
-           "eval_items"]
+__all__ = ["EFFORTS", "MIXTURE", "normalise_mixture", "EVAL_SUITES", "EVAL_SEED_OFFSET", "GENERATORS", "Item",
+           "gen_problem", "gen_chat", "gen_effort", "gen_partial", "gen_multi_turn", "item_key", "is_held_out",
+           "sft_items", "sft_conversations", "eval_items"]
