@@ -12,6 +12,7 @@ import torch
 from openk3.checkpoint import read_safetensors
 from openk3.export import export_model
 from openk3.pretrained import load_pretrained
+from openk3.quant.packed import compressed_tensors_config
 from openk3.quant.qat import resolve_scheme
 from openk3.shipped import SHIPPED_DIR, resolve_model_path, shipped_model_path
 from tests.server.checkpoint import build_checkpoint
@@ -37,8 +38,8 @@ def test_mxfp4_export_reloads_with_quantized_expert_logits(ckpt, tmp_path):
     tensors = read_safetensors(str(out))
     packed = [k for k in tensors if k.endswith("weight_packed")]
     assert packed and all(tensors[k].dtype == torch.uint8 for k in packed)
-    assert json.loads((out / "config.json").read_text()).get("quantization_config") is not None or \
-        json.loads((out / "config.json").read_text()).get("text_config", {}).get("quantization_config") is not None
+    # a plain (non-wrapper) config is the text config: the released compressed-tensors block sits at its top
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == compressed_tensors_config("mxfp4")
     # independent check: fake-quantize the source experts ourselves and compare logits
     src = load_pretrained(ckpt, dtype=torch.float32)
     sch = resolve_scheme("mxfp4")
