@@ -16,7 +16,8 @@ are then written as Anthropic content blocks / SSE events. Mapping:
 * ``tools`` (``input_schema``) -> function tools; ``tool_choice`` auto / any / none -> auto /
   required / none (the named ``tool`` form is a 400, as on the OpenAI surface);
 * ``thinking: {"type": "disabled"}`` -> instant mode; ``budget_tokens`` accepted and ignored;
-  ``temperature`` / ``top_p`` / ``top_k`` accepted and ignored (K3 samples at fixed values);
+  ``temperature`` / ``top_p`` / ``top_k`` accepted within Anthropic's ranges ([0, 1], [0, 1], >= 0;
+  outside: 400) and ignored (K3 samples at fixed values);
 * usage: ``input_tokens`` = prompt tokens not served from cache, ``cache_read_input_tokens`` = cached,
   ``cache_creation_input_tokens`` = 0 (Anthropic semantics: the three add up to the prompt).
 """
@@ -183,6 +184,26 @@ def anthropic_names(message: str) -> str:
     return message
 
 
+# Anthropic's documented ranges. K3 samples at fixed values, so valid values are ignored, but a
+# value the real API would reject is still a 400 (clients rely on that to catch their own bugs).
+_RANGES = {"temperature": (0.0, 1.0), "top_p": (0.0, 1.0)}
+
+
+def check_sampling_ranges(req: dict) -> None:
+    """``temperature`` and ``top_p`` in [0, 1], ``top_k`` >= 0 (Anthropic Messages API ranges).
+
+    Raises:
+        APIError: 400 naming the field and value (type errors are left to the body model).
+    """
+    for name, (lo, hi) in _RANGES.items():
+        v = req.get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (lo <= v <= hi):
+            raise bad_request(f"{name}: must be between {lo:g} and {hi:g}, got {v!r}")
+    k = req.get("top_k")
+    if isinstance(k, int) and not isinstance(k, bool) and k < 0:
+        raise bad_request(f"top_k: must be >= 0, got {k!r}")
+
+
 def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
     """Validate an Anthropic body and prepare its generation; returns ``(prepared, chat_body)``.
 
@@ -191,6 +212,7 @@ def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
     """
     serving.check_model(req.get("model"))
     check_unicode(req)  # before translation, so that the path names the client's field
+    check_sampling_ranges(req)
     thinking = req.get("thinking")
     thinking_on = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
     body = to_chat_body(req, thinking_on)

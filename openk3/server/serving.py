@@ -27,6 +27,7 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from openk3.server.validation import (
     THINKING_BOOL, Limits, check_image_parts, check_keep, check_messages, check_sampling, check_schema_depths,
     check_stops, check_tool_history, check_tools, check_unicode, text_chars,
 )
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,12 @@ class ChatServing:
             wrapper = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
             if not isinstance(schema, dict):
                 raise bad_request("response_format.json_schema.schema: a JSON schema object is required")
+            name = wrapper.get("name")
+            # OpenAI's rule for the schema name (Kimi documents the same field): clients reuse it as
+            # an identifier, so a malformed one is rejected rather than silently accepted.
+            if name is not None and (not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name)):
+                raise bad_request(f"response_format.json_schema.name: must be 1-64 characters of a-z, A-Z, 0-9, "
+                                  f"'_' or '-', got {name!r}")
             if wrapper.get("strict") is False:  # non-strict: any JSON object (api.md §1.6)
                 kind, schema = "json_object", None
         use_tools = tools if tools and opts.tool_choice != "none" else None

@@ -109,3 +109,20 @@ def test_errors_use_the_anthropic_envelope(ac):
     with pytest.raises(anthropic.BadRequestError):
         ac.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 1.5), ("temperature", -0.1), ("top_p", 2.0),
+                                         ("top_k", -1)])
+def test_sampling_out_of_anthropic_range_is_400(ac, field, value):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}],
+                           extra_body={field: value})  # this SDK version no longer types the sampling fields
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith(f"{field}: must be")
+
+
+def test_sampling_in_range_is_accepted_and_ignored(ac):
+    kw = dict(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "x"}])
+    a = ac.messages.create(**kw, extra_body={"temperature": 0.0, "top_p": 0.5, "top_k": 5})
+    b = ac.messages.create(**kw, extra_body={"temperature": 1.0})
+    assert a.usage.output_tokens == b.usage.output_tokens == 3

@@ -129,6 +129,10 @@ def test_image_inputs(http):
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n" * 65, "schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
     ({"messages": user() + [{"role": "user", "content": "x", "tools": [{"type": "function", "function": {
         "name": "f"}}]}]}, "tools"),
 ])
