@@ -3,9 +3,10 @@
 Shape legend: B batch rows, T tokens, H heads, K key dim, V value dim, N packed documents,
 NC number of chunks.
 
-Today every call goes to the readable fp32 references in :mod:`openk3.ops.kda_reference`. A fast
-path (FLA ``chunk_kda`` / ``fused_recurrent_kda``, FlashKDA) plugs in by registering a backend with
-the same semantic signature (pre-activated gate, sigmoid beta, state [B, H, K, V]) and being chosen
+Backends: ``"batched"`` (default: :func:`openk3.ops.kda_chunk.kda_chunk_batched` for the chunk
+mode, the reference token loop for the recurrent mode) and ``"reference"`` (the readable fp32
+references in :mod:`openk3.ops.kda_reference`, both modes). A kernel fast path (FLA ``chunk_kda``
+/ ``fused_recurrent_kda``, FlashKDA) plugs in by registering a backend with the same semantic signature (pre-activated gate, sigmoid beta, state [B, H, K, V]) and being chosen
 in :func:`_select_backend`; callers never change. Tests force a backend with :func:`use_backend`.
 """
 
@@ -17,12 +18,14 @@ from typing import Callable, Iterator
 import torch
 
 from openk3.ops import kda_reference
+from openk3.ops.kda_chunk import kda_chunk_batched
 
 MODES = ("chunk", "recurrent")
 
 # backend name -> {mode -> function with the kda_reference signature}
 _BACKENDS: dict[str, dict[str, Callable]] = {
     "reference": {"chunk": kda_reference.kda_chunk, "recurrent": kda_reference.kda_recurrent},
+    "batched": {"chunk": kda_chunk_batched, "recurrent": kda_reference.kda_recurrent},
 }
 _forced: str | None = None
 
@@ -50,9 +53,9 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def _select_backend(q: torch.Tensor) -> str:
-    """Automatic choice. Only the reference exists today; a kernel backend would be picked here
-    when importable and ``q`` lives on a supported device."""
-    return _forced or "reference"
+    """Automatic choice: ``"batched"`` (eager PyTorch, any device); a kernel backend would be
+    picked here when importable and ``q`` lives on a supported device."""
+    return _forced or "batched"
 
 
 def kda(

@@ -8,6 +8,11 @@ Semantics (architecture.md §3.2): ``out_t[c] = sum_{j=0..W-1} w[c, j] * x_{t-W+
 W-1 positions before the first token taken from the tail (zeros when there is none), no bias.
 Math is fp32 whatever the input dtype (the reference keeps conv weights in fp32); the result is cast
 back to the input dtype after the optional activation.
+
+Two implementations of one function: :func:`short_conv` (fast path: channels-last shifted
+multiply-adds with a hand-written backward; the depthwise ``F.conv1d`` backward is slow on CPU and
+needs two transposes) and :func:`short_conv_reference` (the plain ``F.conv1d`` formulation, the
+readable reference the tests compare against).
 """
 
 from __future__ import annotations
@@ -30,6 +35,83 @@ def _check_weight(weight: torch.Tensor, channels: int) -> torch.Tensor:
 def _check_activation(activation: str | None) -> None:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: must be None or 'silu'")
+
+
+def _check_args(x, weight, tail, lengths, activation) -> tuple[int, int, int, torch.Tensor]:
+    """Validate the :func:`short_conv` arguments; return (B, T, C, fp32 weight [C, W])."""
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [B, T, C], got shape {tuple(x.shape)}")
+    B, T, C = x.shape
+    w = _check_weight(weight, C)
+    W = w.shape[1]
+    _check_activation(activation)
+    if tail is not None and tuple(tail.shape) != (B, C, W - 1):
+        raise ValueError(f"tail: expected [B={B}, C={C}, W-1={W - 1}], got {tuple(tail.shape)}")
+    if lengths is not None:
+        if lengths.shape != (B,):
+            raise ValueError(f"lengths: expected shape [B={B}], got {tuple(lengths.shape)}")
+        if bool(((lengths < 0) | (lengths > T)).any()):
+            raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
+    return B, T, C, w
+
+
+class _ShiftConv(torch.autograd.Function):
+    """Channels-last depthwise causal conv as W shifted multiply-adds, with optional fused SiLU.
+
+    forward(x [B, T, C] fp32, tail [B, W-1, C] fp32 or None (= zeros), wt [W, C] fp32, silu: bool)
+    -> y [B, T, C] fp32. Output t reads stream position t + j (stream = tail ++ x) with tap j,
+    i.e. x[t - s] for shift s = W-1-j when t >= s, and tail[t + j] when t < s.
+    Forward and backward are a handful of strided elementwise kernels: no transposes, no im2col,
+    none of the depthwise ``conv1d`` backward kernels (slow on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, x, tail, wt, silu):
+        T = x.shape[1]
+        W = wt.shape[0]
+        y = x * wt[W - 1]
+        for j in range(W - 1):
+            s = W - 1 - j
+            if T > s:
+                y[:, s:].addcmul_(x[:, : T - s], wt[j])
+            if tail is not None:
+                n = min(s, T)
+                y[:, :n].addcmul_(tail[:, j : j + n], wt[j])
+        ctx.silu = silu
+        ctx.save_for_backward(x, tail, wt, y if silu else None)
+        return F.silu(y) if silu else y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, tail, wt, pre = ctx.saved_tensors
+        if ctx.silu:
+            gy = torch.ops.aten.silu_backward(gy, pre)
+        T = x.shape[1]
+        W = wt.shape[0]
+        need_x, need_tail, need_w = ctx.needs_input_grad[:3]
+        gx = gtail = gwt = None
+        if need_x:
+            gx = gy * wt[W - 1]
+            for j in range(W - 1):
+                s = W - 1 - j
+                if T > s:
+                    gx[:, : T - s].addcmul_(gy[:, s:], wt[j])
+        if need_tail:
+            gtail = torch.zeros_like(tail)
+            for j in range(W - 1):
+                n = min(W - 1 - j, T)
+                gtail[:, j : j + n].addcmul_(gy[:, :n], wt[j])
+        if need_w:
+            taps = []
+            for j in range(W):
+                s = W - 1 - j
+                gj = (gy[:, s:] * x[:, : T - s]).sum((0, 1)) if T > s else wt.new_zeros(wt.shape[1])
+                if tail is not None and s > 0:
+                    n = min(s, T)
+                    gj = gj + (gy[:, :n] * tail[:, j : j + n]).sum((0, 1))
+                taps.append(gj)
+            gwt = torch.stack(taps)
+        return gx, gtail, gwt, None
 
 
 def short_conv(
@@ -58,21 +140,40 @@ def short_conv(
         ValueError: wrong rank/shape of x, weight, tail or lengths, lengths outside [0, T], or an
             unknown activation.
     """
-    if x.dim() != 3:
-        raise ValueError(f"x: expected [B, T, C], got shape {tuple(x.shape)}")
-    B, T, C = x.shape
-    w = _check_weight(weight, C)
+    B, T, C, w = _check_args(x, weight, tail, lengths, activation)
     W = w.shape[1]
-    _check_activation(activation)
+    xf = x.float()
+    tail_cl = None if tail is None else tail.float().transpose(1, 2)  # [B, W-1, C]
+    y = _ShiftConv.apply(xf, tail_cl, w.t().contiguous(), activation == "silu").to(x.dtype)
+
+    if W == 1:
+        return y, x.new_zeros(B, C, 0)
+    if tail_cl is None:
+        tail_cl = xf.new_zeros(B, W - 1, C)
+    if lengths is None:
+        # Only the last W-1 stream positions are needed: never copy the whole stream.
+        last = torch.cat([tail_cl, xf[:, max(T - (W - 1), 0):]], dim=1)[:, -(W - 1):]
+    else:
+        stream = torch.cat([tail_cl, xf], dim=1)  # [B, W-1+T, C]
+        # stream index lengths[b] + i (i < W-1) is the i-th oldest of the last W-1 valid inputs.
+        idx = lengths.long()[:, None] + torch.arange(W - 1, device=x.device)  # [B, W-1]
+        last = stream.gather(1, idx[:, :, None].expand(B, W - 1, C))
+    return y, last.transpose(1, 2).contiguous().to(x.dtype)
+
+
+def short_conv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tail: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`short_conv` (same arguments, returns, errors): the stream
+    ``tail ++ x`` channels-first [B, C, W-1+T] through a depthwise ``F.conv1d``. Plain autograd."""
+    B, T, C, w = _check_args(x, weight, tail, lengths, activation)
+    W = w.shape[1]
     if tail is None:
         tail = x.new_zeros(B, C, W - 1)
-    elif tuple(tail.shape) != (B, C, W - 1):
-        raise ValueError(f"tail: expected [B={B}, C={C}, W-1={W - 1}], got {tuple(tail.shape)}")
-    if lengths is not None:
-        if lengths.shape != (B,):
-            raise ValueError(f"lengths: expected shape [B={B}], got {tuple(lengths.shape)}")
-        if bool(((lengths < 0) | (lengths > T)).any()):
-            raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
 
     stream = torch.cat([tail.float(), x.float().transpose(1, 2)], dim=2)  # [B, C, W-1+T]
     if T > 0:

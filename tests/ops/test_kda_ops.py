@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 
+from openk3.ops import kda_chunk as kc
 from openk3.ops import kda_reference as ref
 from openk3.ops.kda import kda, use_backend
-from openk3.ops.short_conv import short_conv, short_conv_step
+from openk3.ops.short_conv import _ShiftConv, short_conv, short_conv_reference, short_conv_step
 from tests.conftest import assert_close
 
 H, K, V = 3, 8, 6
@@ -90,7 +91,7 @@ def test_chunk_size_does_not_change_result(chunk_size):
     assert_close(s_c, s_r, atol=1e-5, what=f"state chunk_size={chunk_size}")
 
 
-@pytest.mark.parametrize("fn", [ref.kda_chunk, ref.kda_recurrent])
+@pytest.mark.parametrize("fn", [ref.kda_chunk, kc.kda_chunk_batched, ref.kda_recurrent])
 def test_padded_rows_equal_rows_alone(fn):
     T, lengths = 70, torch.tensor([70, 33, 0])
     q, k, v, g, beta = make_inputs(3, T)
@@ -108,7 +109,7 @@ def test_padded_rows_equal_rows_alone(fn):
     assert torch.equal(s[2], S0[2]), "a row with no valid token keeps its state"
 
 
-@pytest.mark.parametrize("fn", [ref.kda_chunk, ref.kda_recurrent])
+@pytest.mark.parametrize("fn", [ref.kda_chunk, kc.kda_chunk_batched, ref.kda_recurrent])
 def test_cu_seqlens_equals_documents_alone(fn):
     doc_lengths = [5, 64, 0, 70]
     cu = torch.tensor([0] + list(torch.tensor(doc_lengths).cumsum(0).tolist()))
@@ -155,7 +156,7 @@ def test_chunk_gradients_equal_recurrent_gradients():
 def test_dispatch_modes_match_references():
     q, k, v, g, beta = make_inputs(2, 20)
     S0 = torch.randn(2, H, K, V)
-    for mode, fn in (("chunk", ref.kda_chunk), ("recurrent", ref.kda_recurrent)):
+    for mode, fn in (("chunk", kc.kda_chunk_batched), ("recurrent", ref.kda_recurrent)):  # the defaults
         o, s = kda(q, k, v, g, beta, SCALE, S0, mode=mode)
         o_ref, s_ref = fn(q, k, v, g, beta, SCALE, S0)
         assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
@@ -168,6 +169,54 @@ def test_dispatch_modes_match_references():
     with pytest.raises(ValueError, match="backend"):
         with use_backend("nope"):
             pass
+
+
+@pytest.mark.parametrize("g_kind, chunk_size", [
+    ("bounded", 64),  # in-tile matmul factorisation
+    ("floor", 64),  # every step exactly at the bound -5: still the matmul path, cumulative -320
+    ("softplus", 64),  # decays of e^-60 per step: the exact pairwise path
+    ("bounded", 40),  # chunk not a multiple of the tile: the reference's tile loop
+    ("bounded", 16),  # one tile per chunk
+])
+def test_batched_chunk_equals_reference_values_states_gradients(g_kind, chunk_size):
+    """kda_chunk_batched == kda_chunk (reference): outputs, final and per-chunk states, and the
+    gradients of every input incl. the initial state, with padded rows; plus the float64 oracle."""
+    T, lengths = 150, torch.tensor([150, 97])
+    q, k, v, g, beta = make_inputs(2, T, g_kind)
+    S0 = 0.5 * torch.randn(2, H, K, V)
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta, S0)]
+    w_o, w_s = torch.randn(2, T, H, V), torch.randn(2, H, K, V)
+    results = []
+    for fn in (kc.kda_chunk_batched, ref.kda_chunk):
+        o, s, states = fn(*inputs[:5], SCALE, inputs[5], lengths, chunk_size=chunk_size, output_chunk_states=True)
+        grads = torch.autograd.grad((o * w_o).sum() + (s * w_s).sum(), inputs)
+        results.append((o, s, states, grads))
+    (o, s, states, grads), (o_ref, s_ref, states_ref, grads_ref) = results
+    assert_close(o, o_ref, atol=1e-5, what="output")
+    assert_close(s, s_ref, atol=1e-5, what="final state")
+    assert_close(states, states_ref, atol=1e-5, what="chunk states")
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "S0"), grads, grads_ref):
+        assert_close(a, b, atol=5e-5, rtol=1e-5, what=f"d/d{name}")
+    o64, s64 = naive_kda64(q[:1], k[:1], v[:1], g[:1], beta[:1], SCALE, S0[:1])
+    assert_close(o[:1], o64, atol=1e-5, what="row 0 vs float64 output")
+    assert_close(s[:1], s64, atol=1e-5, what="row 0 vs float64 state")
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_decayed_scores_matmul_factorisation_equals_pairwise(strict):
+    """The bounded in-tile matmul path == the exact pairwise path == a float64 closed form, at the
+    bound (every step -5) and inside it."""
+    a, b = torch.randn(2, 64, K), torch.randn(2, 64, K)
+    for g in (torch.full((2, 64, K), -kc.MATMUL_GATE_BOUND), -kc.MATMUL_GATE_BOUND * torch.rand(2, 64, K)):
+        G = g.cumsum(-2)
+        fast = kc.decayed_scores(a, b, G, strict, bounded=True)
+        exact = kc.decayed_scores(a, b, G, strict, bounded=False)
+        diff = (G.double()[:, :, None, :] - G.double()[:, None, :, :]).clamp(max=0)
+        want = (a.double()[:, :, None, :] * diff.exp() * b.double()[:, None, :, :]).sum(-1)
+        want = want * torch.ones(64, 64, dtype=torch.bool).tril(-1 if strict else 0)
+        assert torch.isfinite(fast).all()
+        assert_close(fast, want, atol=1e-5, rtol=1e-5, what="matmul factorisation")
+        assert_close(exact, want, atol=1e-5, rtol=1e-5, what="pairwise")
 
 
 def test_invalid_arguments_raise():
@@ -307,3 +356,63 @@ def test_short_conv_tail_respects_lengths():
     with pytest.raises(ValueError, match="activation"):
         short_conv(x, w, activation="gelu")
     assert math.isfinite(float(y.sum()))
+
+
+# ----------------------------------------------------------------------------- short conv fast path
+@pytest.mark.parametrize("B, T, C, W, with_tail, lengths, activation", [
+    (2, 11, 5, 4, True, None, "silu"),
+    (2, 11, 5, 4, False, None, None),
+    (3, 7, 4, 4, True, [7, 2, 0], "silu"),  # padding, a row shorter than W-1, an empty row
+    (2, 9, 3, 4, False, [9, 4], None),
+    (2, 2, 3, 4, True, None, None),  # T < W-1: the new tail keeps part of the old one
+    (2, 0, 3, 4, True, None, "silu"),  # no tokens
+    (2, 6, 3, 1, True, None, "silu"),  # W = 1: no history at all
+    (1, 5, 6, 3, True, [3], "silu"),
+])
+def test_short_conv_fast_path_equals_conv1d_reference(B, T, C, W, with_tail, lengths, activation):
+    """The shifted multiply-add fast path == the F.conv1d reference: outputs, new tail (exactly)
+    and the gradients of x, weight and tail (through both outputs)."""
+    x = torch.randn(B, T, C, requires_grad=True)
+    w = torch.randn(C, 1, W, requires_grad=True)
+    tail = torch.randn(B, C, W - 1, requires_grad=True) if with_tail else None
+    lens = None if lengths is None else torch.tensor(lengths)
+    gy, g_tail = torch.randn(B, T, C), torch.randn(B, C, W - 1)
+    if lens is not None:  # padded outputs are unspecified: give them no gradient
+        gy = gy * (torch.arange(T)[None, :] < lens[:, None])[..., None]
+    leaves = [t for t in (x, w, tail) if t is not None]
+    results = []
+    for fn in (short_conv, short_conv_reference):
+        y, new_tail = fn(x, w, tail, lens, activation)
+        grads = torch.autograd.grad((y * gy).sum() + (new_tail * g_tail).sum(), leaves, allow_unused=True)
+        results.append((y, new_tail, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]))
+    (y, new_tail, grads), (y_ref, tail_ref, grads_ref) = results
+    if lens is not None:
+        valid = (torch.arange(T)[None, :] < lens[:, None])[..., None]
+        y, y_ref = y * valid, y_ref * valid
+    assert y.shape == y_ref.shape == (B, T, C) and y.dtype == torch.float32
+    assert_close(y, y_ref, atol=1e-5, what="output")
+    assert torch.equal(new_tail, tail_ref)
+    for name, g, g_ref in zip(("x", "weight", "tail"), grads, grads_ref):
+        assert_close(g, g_ref, atol=2e-5, rtol=1e-5, what=f"grad {name}")
+
+
+def test_short_conv_fast_backward_gradcheck():
+    """The hand-written backward (incl. the fused SiLU) against float64 finite differences."""
+    B, T, C, W = 2, 6, 3, 4
+    x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+    tail = torch.randn(B, W - 1, C, dtype=torch.float64, requires_grad=True)
+    wt = torch.randn(W, C, dtype=torch.float64, requires_grad=True)
+    for silu in (False, True):
+        assert torch.autograd.gradcheck(lambda a, b, c: _ShiftConv.apply(a, b, c, silu), (x, tail, wt))
+        assert torch.autograd.gradcheck(lambda a, c: _ShiftConv.apply(a, None, c, silu), (x, wt))
+
+
+def test_short_conv_fast_path_low_precision_input():
+    """bf16 input: fp32 math, result and tail cast back (matches the reference up to one bf16 ulp)."""
+    B, T, C, W = 2, 10, 8, 4
+    x, w, tail = torch.randn(B, T, C).bfloat16(), torch.randn(C, 1, W), torch.randn(B, C, W - 1).bfloat16()
+    y, new_tail = short_conv(x, w, tail, activation="silu")
+    y_ref, tail_ref = short_conv_reference(x, w, tail, activation="silu")
+    assert y.dtype == new_tail.dtype == torch.bfloat16
+    assert_close(y.float(), y_ref.float(), atol=1e-2, rtol=1e-2, what="bf16 output")
+    assert torch.equal(new_tail, tail_ref)
