@@ -12,7 +12,10 @@ the training prompts) through a model and writes the eval table of issue 8 item 
   arguments valid under its tool's parameter schema);
 * ``json``: validity (a JSON object, valid under the schema for ``json_schema``) and key accuracy
   (share of expected fields present with the expected value);
-* ``effort``: self-report accuracy (the answer names the request's effort and no other).
+* ``effort``: self-report accuracy (the answer names the request's effort and no other);
+* ``images``: exact-match accuracy per question type on held-out synthetic image questions
+  (:mod:`openk3.train.vision_data`), images sent as base64 PNG parts and expanded exactly as the
+  server does; skipped with a note for a text-only model.
 
 Models: :class:`InProcessModel` (a checkpoint directory: engine + chat format + output parser,
 greedy, with the same output constraints the server applies for JSON formats and tool calls) or
@@ -32,6 +35,9 @@ from collections import defaultdict
 from typing import Any, Protocol
 
 from openk3.train.sft_data import EFFORTS, EVAL_SUITES, Item, eval_items
+
+IMAGE_SUITE = "images"
+ALL_SUITES = EVAL_SUITES + (IMAGE_SUITE,)
 
 _INT = re.compile(r"-?\d+")
 
@@ -172,9 +178,13 @@ class InProcessModel:
         from openk3.pretrained import load_pretrained
         from openk3.tokenizer import load_tokenizer
 
+        from openk3.server.images import image_config_for
+
         self.tokenizer = load_tokenizer(tokenizer or path)
         self.model = load_pretrained(path, device=device)
         self.model.eval()
+        self.image_config = image_config_for(self.model, path)  # None: text-only model
+        self.supports_images = self.image_config is not None
         self.max_tokens, self.max_num_seqs = max_tokens, max_num_seqs
 
     def _constraint(self, request: dict, prompt: Any):
@@ -202,7 +212,15 @@ class InProcessModel:
             prompt = encode_request(req, self.tokenizer)
             params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
                                     stop_token_ids=list(self.tokenizer.stop_token_ids))
-            engine.add_request(prompt.token_ids, params, self._constraint(req, prompt), request_id=str(i))
+            ids, mm = prompt.token_ids, None
+            if prompt.image_slots:  # the server's path: decode, preprocess, expand the slots
+                from openk3.server.images import expand_images
+
+                if not self.supports_images:
+                    raise ValueError("model: a text-only model cannot take image input")
+                expanded = expand_images(prompt, req, self.tokenizer, self.image_config, pixels=True)
+                ids, mm = expanded.token_ids, expanded.mm_inputs
+            engine.add_request(ids, params, self._constraint(req, prompt), request_id=str(i), mm_inputs=mm)
             parsers[str(i)] = OutputParser(self.tokenizer, start_channel=prompt.channel or "think",
                                            tool_index_start=prompt.history_tool_calls,
                                            tools_enabled=prompt.tool_choice != "none")
@@ -249,7 +267,9 @@ class ServerModel:
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, max_tokens: int = 256,
                  timeout: float = 600.0):
         self.url, self.api_key, self.max_tokens, self.timeout = url.rstrip("/"), api_key, max_tokens, timeout
-        self.model = model or self._get("/v1/models")["data"][0]["id"]
+        models = self._get("/v1/models")["data"]
+        self.model = model or models[0]["id"]
+        self.supports_images = any(m.get("id") == self.model and m.get("supports_image_in") for m in models)
 
     def _headers(self) -> dict:
         h = {"Content-Type": "application/json"}
@@ -282,11 +302,27 @@ def run_eval(model: ChatModel, *, n: int = 24, seed: int = 0, suites: tuple[str,
     """
     table: dict[str, Any] = {"seed": seed, "n_per_suite": n, "validation": validation}
     for suite in suites:
+        if suite == IMAGE_SUITE:
+            table[suite] = run_image_eval(model, n=n, seed=seed)
+            continue
         items = eval_items(suite, seed, n)
         messages = model.chat([it.request for it in items])
         scores = [SCORERS[suite](it, m) for it, m in zip(items, messages)]
         table[suite] = summarize(suite, items, scores)
     return table
+
+
+def run_image_eval(model: ChatModel, *, n: int = 24, seed: int = 0) -> dict:
+    """The ``images`` suite: ``n`` held-out image questions (types balanced) through ``model``,
+    greedy; ``{"n", "accuracy", "accuracy_by_type"}``, or ``{"skipped": reason}`` when the model
+    takes no image input (``supports_images`` false)."""
+    from openk3.train.vision_data import eval_image_items, score_image, summarize_images
+
+    if not getattr(model, "supports_images", True):
+        return {"skipped": "text-only model (no vision tower): image suite not run"}
+    items = eval_image_items(seed, n)
+    messages = model.chat([it.request for it in items])
+    return summarize_images(items, [score_image(it, m) for it, m in zip(items, messages)])
 
 
 def format_table(table: dict) -> str:
@@ -309,6 +345,13 @@ def format_table(table: dict) -> str:
         lines.append(f"json       valid {pct(table['json']['validity'])}  keys {pct(table['json']['key_accuracy'])}")
     if "effort" in table:
         lines.append(f"effort     self-report accuracy {pct(table['effort']['accuracy'])}")
+    if IMAGE_SUITE in table:
+        im = table[IMAGE_SUITE]
+        if "skipped" in im:
+            lines.append(f"images     skipped: {im['skipped']}")
+        else:
+            per = "  ".join(f"{t} {pct(v)}" for t, v in im["accuracy_by_type"].items())
+            lines.append(f"images     accuracy {pct(im['accuracy'])}  ({per})")
     return "\n".join(lines)
 
 
@@ -323,7 +366,7 @@ def cli_eval(args: Any) -> int:
         else:
             model = InProcessModel(args.model, args.tokenizer, device=args.device, max_tokens=args.max_tokens)
             validation = model.validation(args.corpus, args.n, args.seed)
-        table = run_eval(model, n=args.n, seed=args.seed, suites=tuple(args.suites or EVAL_SUITES),
+        table = run_eval(model, n=args.n, seed=args.seed, suites=tuple(args.suites or ALL_SUITES),
                          validation=validation)
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"openk3 eval: {e}", file=sys.stderr)
@@ -338,4 +381,5 @@ def cli_eval(args: Any) -> int:
 
 
 __all__ = ["ChatModel", "InProcessModel", "ServerModel", "OracleModel", "SCORERS", "score_problem", "score_tool",
-           "score_json", "score_effort", "summarize", "run_eval", "format_table", "cli_eval"]
+           "score_json", "score_effort", "summarize", "run_eval", "run_image_eval", "format_table", "cli_eval",
+           "IMAGE_SUITE", "ALL_SUITES"]

@@ -92,6 +92,44 @@ def _jsonable(x):
     return repr(x)
 
 
+def load_model_weights_(model: nn.Module, path: str | os.PathLike, *, allow_missing_vision: bool = False) -> None:
+    """Copy a ``save_pretrained``-format checkpoint's weights into ``model`` in place, bit for bit.
+
+    The text tensors are read with the file's own ``config.json`` (a text-only ``kimi_linear``
+    file loads into the text part of a ``K3ForConditionalGeneration``, whose wrapper config would
+    expect ``language_model.`` names); a model with a vision tower also takes the file's
+    ``vision_tower.*`` / ``mm_projector.*`` tensors (strict, :func:`openk3.vision.weights.
+    load_vision_weights`).
+
+    Args:
+        allow_missing_vision: a file without any vision tensor leaves the model's tower and
+            projector as they are (a vision stage initialised from a text checkpoint).
+    Raises:
+        ValueError: a missing / unexpected / mis-shaped tensor (named).
+        FileNotFoundError: no config or weights in ``path``.
+    """
+    from openk3.config import K3Config
+    from openk3.multimodal import VISION_PREFIXES
+
+    path = os.fspath(path)
+    tensors = read_safetensors(path)
+    file_config = K3Config.from_pretrained(path) if os.path.isfile(os.path.join(path, "config.json")) \
+        else model.config
+    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith(VISION_PREFIXES)}
+    state = from_hf_state_dict(tensors, file_config, expected)
+    with torch.no_grad():
+        own = model.state_dict()
+        for k, v in state.items():
+            own[k].copy_(v)
+        if hasattr(model, "vision_tower"):
+            vision = {k: v for k, v in tensors.items() if k.startswith(VISION_PREFIXES)}
+            if vision or not allow_missing_vision:
+                from openk3.vision.weights import load_vision_weights
+
+                for module in (model.vision_tower, model.mm_projector):
+                    load_vision_weights(module, vision)
+
+
 class CheckpointManager:
     """Saves, finds and loads training checkpoints under one directory.
 
@@ -244,12 +282,7 @@ class CheckpointManager:
             raise FileNotFoundError(f"{path!r} is not a complete training checkpoint (no {STATE_JSON})")
         with open(os.path.join(path, STATE_JSON), encoding="utf-8") as f:
             record = json.load(f)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
-        state = from_hf_state_dict(read_safetensors(path), model.config, expected)
-        with torch.no_grad():
-            own = model.state_dict()
-            for k, v in state.items():
-                own[k].copy_(v)
+        load_model_weights_(model, path)
         blob = torch.load(os.path.join(path, STATE_PT), map_location="cpu", weights_only=True)
         if optimizer is not None:
             optimizer.load_state_dict(blob["optimizer"])

@@ -15,6 +15,8 @@ Built in:
 * ``smoke``: ``k3-test-tiny`` (every K3 branch) on a synthetic byte-level corpus
   (:func:`synthetic_document`, packed by :class:`~openk3.train.data.PackedLoader`); its data is
   generated, not read, so it runs on any machine and in CI.
+* ``default-model`` (:mod:`openk3.train.default_model`) and ``default-model-vision``
+  (:mod:`openk3.train.vision_stage`: the vision stage from a text SFT checkpoint).
 """
 
 from __future__ import annotations
@@ -200,14 +202,10 @@ class RunConfig:
 
         model = build_model(self.model_config(), device=device, seed=self.seed)
         if self.init_from is not None:
-            from openk3.checkpoint import from_hf_state_dict, read_safetensors
+            from openk3.train.checkpointing import load_model_weights_
 
-            expected = {k: v.shape for k, v in model.state_dict().items()}
-            state = from_hf_state_dict(read_safetensors(self.init_from), model.config, expected)
-            with torch.no_grad():
-                own = model.state_dict()
-                for k, v in state.items():
-                    own[k].copy_(v)
+            # a text checkpoint may start a vision model: its tower / projector keep the fresh init
+            load_model_weights_(model, self.init_from, allow_missing_vision=True)
         if self.qat is not None:
             from openk3.quant.qat import model_qat
 
@@ -290,6 +288,7 @@ def smoke() -> RunConfig:
 
 # Recipes kept in their own modules register on import (after RunConfig exists: they import it).
 import openk3.train.default_model  # noqa: E402,F401  ("default-model")
+import openk3.train.vision_stage  # noqa: E402,F401  ("default-model-vision")
 
 __all__ = ["RunConfig", "RECIPES", "register_recipe", "get_recipe", "smoke", "synthetic_store", "synthetic_data",
            "synthetic_document", "synthetic_entropy_per_sentence"]

@@ -12,7 +12,10 @@ The mixture (:func:`sft_items`) draws, per example, a task and a thinking effort
 * ``effort``: "what is your thinking effort?" answered with the effort of the request;
 * ``partial``: an answer whose opening is given as a partial assistant message (eval / serving
   continue it; training sees the whole answer);
-* ``multi_turn``: two problem turns, the first one's reasoning kept in history.
+* ``multi_turn``: two problem turns, the first one's reasoning kept in history;
+* ``copy`` (share 0 in :data:`MIXTURE`; used by the vision stage's text rows): repeat a random
+  sequence exactly (:func:`openk3.train.sft_tasks.gen_copy`), the copying curriculum for tool
+  arguments.
 
 Train / held-out split: every item's key (its user text) is hashed; held-out items are those with
 ``hash % 10 == 0``, training items the rest, so no held-out prompt is ever trained on whatever
@@ -27,13 +30,14 @@ import math
 import random
 from collections.abc import Callable
 
-from openk3.train.sft_tasks import Item, _effort, gen_json, gen_tool_call, gen_tool_none, reasoning
+from openk3.train.sft_tasks import Item, _effort, gen_copy, gen_json, gen_tool_call, gen_tool_none, reasoning
 
 EFFORTS = ("low", "medium", "high", "max")
 EVAL_SEED_OFFSET = 1_000_003
-# Shares of the training mixture (sum 1).
+# Shares of the training mixture (sum 1). ``copy`` is last with share 0: a zero weight at the end
+# leaves random.choices' draws unchanged, so the shipped text SFT data stays bit-identical.
 MIXTURE = {"problems": 0.34, "tools": 0.2, "tools_none": 0.04, "json": 0.14, "chat": 0.08, "effort": 0.06,
-           "partial": 0.06, "multi_turn": 0.08}
+           "partial": 0.06, "multi_turn": 0.08, "copy": 0.0}
 EVAL_SUITES = ("problems", "tools", "json", "effort")
 
 
@@ -168,6 +172,7 @@ def gen_multi_turn(rng: random.Random, effort: str | None) -> Item:
 GENERATORS: dict[str, Callable[[random.Random, str | None], Item]] = {
     "problems": gen_problem, "tools": gen_tool_call, "tools_none": gen_tool_none, "json": gen_json,
     "chat": gen_chat, "effort": gen_effort, "partial": gen_partial, "multi_turn": gen_multi_turn,
+    "copy": gen_copy,
 }
 
 

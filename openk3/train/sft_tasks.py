@@ -252,4 +252,42 @@ def _effort(request: dict, effort: str | None) -> None:
         request["reasoning_effort"] = effort
 
 
-__all__ = ["Item", "TOOLS", "reasoning", "gen_tool_call", "gen_tool_none", "gen_json"]
+# ------------------------------------------------------------------------------------- copy
+_WORDS = ("apple", "river", "green", "stone", "cloud", "seven", "table", "music", "north", "paper", "light",
+          "window", "silver", "garden", "rocket", "candle", "forest", "pencil", "summer", "bridge", "orange",
+          "planet", "winter", "yellow", "island", "marble", "shadow", "violet", "copper", "meadow", "harbor",
+          "falcon", "lemon", "tiger", "velvet", "canyon", "pepper", "spring", "anchor", "basket")
+_COPY_FORMS = ("Repeat exactly: {t}", "Copy this text: {t}", "Echo back: {t}", "Say back exactly this: {t}")
+
+
+def _copy_piece(rng: random.Random) -> str:
+    kind = rng.random()
+    if kind < 0.35:
+        return rng.choice(_WORDS)
+    if kind < 0.65:
+        return str(rng.randint(1, 9999))
+    if kind < 0.8:
+        return rng.choice(_CITIES)
+    if kind < 0.9:
+        return f"{rng.randint(2, 999)} {rng.choice('+-*')} {rng.randint(2, 99)}"
+    return rng.choice(_PEOPLE + _ZONES)
+
+
+def gen_copy(rng: random.Random, effort: str | None) -> Item:
+    """Repeat a random sequence of 3-10 words, numbers, cities, expressions or addresses exactly.
+
+    Why: the tool set's argument values come from small pools, which a tiny model can fit by their
+    frequencies instead of reading the request; uniformly random sequences leave copying as the
+    only way to lower the loss (the induction-head curriculum), and the reasoning line copies the
+    text once more, as the tool reasoning does before the call."""
+    text = " ".join(_copy_piece(rng) for _ in range(rng.randint(3, 10)))
+    request: dict = {"messages": [{"role": "user", "content": rng.choice(_COPY_FORMS).format(t=text)}]}
+    _effort(request, effort)
+    ref = {"role": "assistant", "content": text}
+    r = reasoning([f"The user wants exactly: {text}", "I repeat it without changes."], effort)
+    if r is not None:
+        ref["reasoning_content"] = r
+    return Item("copy", request, ref, {"content": text})
+
+
+__all__ = ["Item", "TOOLS", "reasoning", "gen_tool_call", "gen_tool_none", "gen_json", "gen_copy"]

@@ -20,7 +20,8 @@ One step (:func:`train_step`)::
 
 A micro-batch is a mapping with ``input_ids`` [B, T] int64, ``labels`` [B, T] int64 (already
 aligned next-token targets, -100 ignored) and optionally ``cu_seqlens`` [N+1] (packed row, B = 1)
-or ``lengths`` [B].
+or ``lengths`` [B], and for image rows ``pixel_values`` [L, 3, P, P] + ``grid_thws`` [G, 3] (the
+row's images in the order of its ``<|media_pad|>`` runs; K3ForConditionalGeneration only).
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ from openk3.train.balance import QuantileBalancer, all_reduce_balancers_
 from openk3.train.muon import qk_clip_
 from openk3.train.optim import cosine_with_warmup, default_warmup
 
-_BATCH_KEYS = ("input_ids", "labels", "cu_seqlens", "lengths")
+_BATCH_KEYS = ("input_ids", "labels", "cu_seqlens", "lengths", "pixel_values", "grid_thws")
+_IMAGE_KEYS = ("pixel_values", "grid_thws")  # image rows only (K3ForConditionalGeneration)
+
+
+def _image_kwargs(x: Mapping) -> dict:
+    return {k: x[k] for k in _IMAGE_KEYS if x.get(k) is not None}
 
 
 class NonFiniteError(RuntimeError):
@@ -210,7 +216,7 @@ def train_step(
     for x, n_mb in zip(inputs, counts):
         sink: list = []
         out = model(x["input_ids"], labels=x["labels"], cu_seqlens=x.get("cu_seqlens"), lengths=x.get("lengths"),
-                    routing_sink=sink, max_logits=max_logits)
+                    routing_sink=sink, max_logits=max_logits, **_image_kwargs(x))
         if len(sink) != len(routers):
             raise ValueError(f"model: {len(sink)} routing records for {len(routers)} MoE layers")
         for (idx, router), route in zip(routers.items(), sink):
@@ -300,7 +306,8 @@ def evaluate(model: nn.Module, batches) -> dict:
             k = int((x["labels"] != -100).sum())
             if k == 0:
                 continue
-            out = model(x["input_ids"], labels=x["labels"], cu_seqlens=x.get("cu_seqlens"), lengths=x.get("lengths"))
+            out = model(x["input_ids"], labels=x["labels"], cu_seqlens=x.get("cu_seqlens"), lengths=x.get("lengths"),
+                        **_image_kwargs(x))
             total += float(out.loss) * k
             n += k
     finally:

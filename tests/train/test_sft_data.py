@@ -115,3 +115,21 @@ def test_partial_items_continue_the_prefix(items, tok):
         assert prompt.partial and prompt.text.endswith(it.expected["prefix"])
         full = it.conversation()["messages"][-1]["content"]
         assert full == f"The answer is {it.expected['answer']}." and "partial" not in it.conversation()["messages"][-1]
+
+
+def test_copy_task_and_zero_share_keeps_the_default_draws():
+    from openk3.train.sft_data import MIXTURE, normalise_mixture
+    from openk3.train.sft_tasks import gen_copy
+
+    # MIXTURE lists copy last with weight 0: the default draws equal those of the mixture without it
+    assert MIXTURE["copy"] == 0.0 and list(MIXTURE)[-1] == "copy"
+    without = {k: v for k, v in MIXTURE.items() if k != "copy"}
+    assert sft_conversations(5, 120) == sft_conversations(5, 120, mixture=without)
+    for seed in range(30):
+        it = gen_copy(random.Random(seed), "high")
+        text = it.reference["content"]
+        assert it.request["messages"][0]["content"].endswith(": " + text) and 3 <= len(text.split()) <= 40
+        assert text in it.reference["reasoning_content"] and it.expected == {"content": text}
+    assert "reasoning_content" not in gen_copy(random.Random(0), None).reference
+    mixed = Counter(it.suite for it in sft_items(0, 400, mixture=normalise_mixture({"copy": 0.5})))
+    assert 0.2 < mixed["copy"] / 400 < 0.45 and not any(is_held_out(it) for it in sft_items(0, 50, mixture={"copy": 1}))

@@ -1,0 +1,155 @@
+"""The ``default-model-vision`` recipe: a MoonViT tower for the shipped ``openk3-tiny`` (issue 9 item 5).
+
+One stage after the text model (``default-model``, whose pretraining / SFT stay text-only)::
+
+    openk3 train --recipe default-model-vision --out runs/vision \\
+        --set extra='{"text_ckpt": "runs/dm2/checkpoints/step-0002800"}'
+
+It builds ``openk3-tiny`` (vocabulary and special ids from the tokenizer) as a ``kimi_k3`` wrapper
+with a tiny ``vision_config`` (:func:`tiny_vision_config`: 3 layers, width 64, patch 14, merge 2,
+projector into the LM width 128), loads every text weight (and router bias) from
+``extra.text_ckpt`` (a text training checkpoint; :func:`openk3.train.checkpointing.
+load_model_weights_`), keeps the fresh ``vision_tower.*`` / ``mm_projector.*`` init (seed
+``seed``), and trains **everything** with MXFP4 QAT on the routed experts: the projector must learn
+to write embeddings the frozen-in-distribution LM can read, and a 4.6 M-parameter LM has no spare
+capacity to leave untouched; forgetting is held off by a peak LR of 2e-3 (below the text SFT's
+5e-3) and by ``text_share`` of the rows being text SFT conversations (a different seed,
+``sft_seed``) through :class:`~openk3.train.mixed_data.MixedLoader`.
+
+Data: ``image_items`` image-question conversations (:mod:`openk3.train.vision_data`, seed
+``image_seed``) packed by :class:`~openk3.train.vision_loader.ImageSFTLoader`; eval: held-out
+image conversations (another seed, disjoint by hash). Knobs (``extra``, merged over
+:data:`DEFAULTS`): ``text_ckpt`` (required), ``tokenizer_dir``, ``vision`` (VisionConfig fields
+over :func:`tiny_vision_config`), ``image_items``, ``image_seed``, ``text_share`` in [0, 1),
+``sft_items``, ``sft_seed``, ``sft_mixture`` (task -> share merged over
+:data:`openk3.train.sft_data.MIXTURE`, e.g. ``{"copy": 0.3}`` for the copying curriculum),
+``eval_items``, ``model_overrides`` (K3Config fields; tests shrink
+the LM). Resume with ``--resume`` (data positions are in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from openk3.train.recipes import RunConfig, register_recipe
+
+DEFAULTS: dict = {
+    "text_ckpt": None,                  # a text SFT training checkpoint (required)
+    "tokenizer_dir": "data/tokenizer",
+    "vision": {},                       # VisionConfig fields over tiny_vision_config()
+    "image_items": 6000,
+    "image_seed": 2,
+    "text_share": 0.3,                  # share of rows that are text SFT conversations
+    "sft_items": 6000,
+    "sft_seed": 3,
+    "sft_mixture": None,                # None: sft_data.MIXTURE; else {task: share} merged over it
+    "eval_items": 24,
+    "model_overrides": {},
+}
+
+
+def settings(run: RunConfig) -> dict:
+    """:data:`DEFAULTS` overridden by ``run.extra``.
+
+    Raises:
+        ValueError: an unknown key, a missing ``text_ckpt``, ``text_share`` outside [0, 1), or a bad
+            ``sft_mixture`` (see :func:`openk3.train.sft_data.normalise_mixture`).
+    """
+    unknown = sorted(set(run.extra) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"RunConfig.extra: unknown key {unknown[0]!r} (known: {', '.join(sorted(DEFAULTS))})")
+    x = {**DEFAULTS, **run.extra}
+    if x["sft_mixture"] is not None:
+        from openk3.train.sft_data import normalise_mixture
+
+        x["sft_mixture"] = normalise_mixture(x["sft_mixture"], "extra.sft_mixture")
+    s = x["text_share"]
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s < 1.0:
+        raise ValueError(f"extra.text_share={s!r}: must be a number in [0, 1)")
+    return x
+
+
+def tiny_vision_config(text_hidden_size: int = 128, **changes):
+    """The tower of the shipped model: 3 layers, D = 64, 2 heads of 32, MLP 128, 8 x 8 position
+    table (112 px images = 8 x 8 patches), patch 14, merge 2 -> 16 tokens per 112 px image;
+    ``changes`` replace fields (validated)."""
+    from openk3.vision.config import VisionConfig
+
+    vc = VisionConfig(vt_num_hidden_layers=3, vt_hidden_size=64, vt_intermediate_size=128, vt_num_attention_heads=2,
+                      qkv_hidden_size=64, init_pos_emb_height=8, init_pos_emb_width=8, mm_hidden_size=64,
+                      text_hidden_size=text_hidden_size)
+    return vc.replace(**changes) if changes else vc
+
+
+def vision_model_config(run: RunConfig):
+    """The LM config of the run (tokenizer ids, ``model_overrides``) as a ``kimi_k3`` wrapper with
+    the ``vision_config`` of :func:`tiny_vision_config` (+ ``extra.vision``)."""
+    from openk3.tokenizer import load_tokenizer
+
+    x = settings(run)
+    tok = load_tokenizer(x["tokenizer_dir"])
+    cfg = run.model_config()
+    if cfg.wrapper is not None and cfg.wrapper.get("vision_config") is not None:
+        return cfg  # already prepared
+    cfg = cfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                      pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id)
+    if x["model_overrides"]:
+        cfg = cfg.replace(**x["model_overrides"])
+    vc = tiny_vision_config(cfg.hidden_size, **dict(x["vision"]))
+    cfg = cfg.as_k3_wrapper()
+    cfg.wrapper["vision_config"] = vc.to_dict()
+    return cfg
+
+
+def vision_data(run: RunConfig, split: str):
+    """"train": image conversations mixed with ``text_share`` text SFT rows; "eval": the held-out
+    image conversations in fixed order."""
+    from openk3.tokenizer import load_tokenizer
+    from openk3.train.vision_data import eval_image_items, image_items
+    from openk3.train.vision_loader import ImageSFTLoader, image_chat_document
+
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
+    x = settings(run)
+    tok = load_tokenizer(x["tokenizer_dir"])
+    pad = run.model_config().pad_token_id
+    items = image_items(x["image_seed"], x["image_items"]) if split == "train" else eval_image_items(0, x["eval_items"])
+    docs = [image_chat_document(it.conversation(), tok) for it in items]
+    images = ImageSFTLoader(docs, run.seq_len, seed=run.seed, shuffle=split == "train", pad_id=pad)
+    if split == "eval" or x["text_share"] == 0:
+        return images
+    from openk3.train.data import DocumentStore, PackedLoader
+    from openk3.train.mixed_data import MixedLoader
+    from openk3.train.sft_data import sft_conversations
+
+    store = DocumentStore.from_conversations(sft_conversations(x["sft_seed"], x["sft_items"],
+                                                               mixture=x["sft_mixture"]), tok)
+    text = PackedLoader(store, run.seq_len, 1, seed=run.seed + 1, split_documents=False, pad_id=pad)
+    return MixedLoader(images, text, float(x["text_share"]), seed=run.seed)
+
+
+def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
+    """The vision model config and ``init_from = extra.text_ckpt`` (text weights; fresh tower).
+
+    Raises:
+        ValueError: no ``extra.text_ckpt``, or see :func:`settings`.
+    """
+    x = settings(run)
+    if not x["text_ckpt"]:
+        raise ValueError("extra.text_ckpt: required (a text SFT checkpoint, e.g. runs/dm2/checkpoints/step-0002800)")
+    print(f"[default-model-vision] vision stage from {x['text_ckpt']} with {run.qat or 'no'} QAT", file=sys.stderr)
+    return run.replace(model=vision_model_config(run), init_from=str(x["text_ckpt"]), prepare=None)
+
+
+@register_recipe("default-model-vision")
+def default_model_vision() -> RunConfig:
+    """openk3-tiny + a tiny MoonViT trained on synthetic image questions (issue 9 item 5)."""
+    return RunConfig(
+        name="default-model-vision", model="openk3-tiny", data=vision_data, total_steps=1000, seq_len=1024,
+        warmup_steps=20, lr=2e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=2, ckpt_every=100,
+        keep_checkpoints=2, seed=0, prepare=prepare_vision,
+    )
+
+
+__all__ = ["DEFAULTS", "settings", "tiny_vision_config", "vision_model_config", "vision_data", "prepare_vision",
+           "default_model_vision"]

@@ -1,0 +1,136 @@
+"""Vision stage of the default model: synthetic image data, image batches, the recipe end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import openk3
+
+from openk3.train.vision_data import (QUESTION_TYPES, eval_image_items, image_items, is_held_out_image,
+                                      normalise_answer, score_image)
+from openk3.train.vision_loader import ImageSFTLoader, image_chat_document
+
+TOK = str(Path(openk3.__file__).parent / "shipped" / "openk3-tiny")  # the shipped tokenizer
+TINY_LM = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "moe_intermediate_size": 32,
+           "routed_expert_hidden_size": 32, "n_routed_experts": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "linear_head_dim": 16}
+TINY_VIT = {"vt_num_hidden_layers": 1, "vt_hidden_size": 32, "mm_hidden_size": 32, "vt_intermediate_size": 64,
+            "qkv_hidden_size": 32}
+
+
+def _tok():
+    from openk3.tokenizer import load_tokenizer
+
+    return load_tokenizer(TOK)
+
+
+def test_generator_is_deterministic_and_held_out_is_disjoint():
+    a, b = image_items(5, 40), image_items(5, 40)
+    assert [json.dumps(x.request) for x in a] == [json.dumps(x.request) for x in b]
+    assert json.dumps(image_items(6, 5)[0].request) != json.dumps(a[0].request)
+    ev = eval_image_items(0, 12)
+    assert all(is_held_out_image(e) for e in ev) and not any(is_held_out_image(x) for x in a)
+    assert not {e.expected["key"] for e in ev} & {x.expected["key"] for x in image_items(0, 300)}
+    assert [e.expected["type"] for e in ev] == list(QUESTION_TYPES) * 2
+    for it in a + ev:  # the reference answers score 100 %, a damaged one 0
+        assert score_image(it, it.reference)["correct"]
+        assert not score_image(it, {"content": it.reference["content"] + "x"})["correct"]
+    assert normalise_answer(" Red.\n") == "red"
+
+
+def test_image_rows_pads_labels_and_image_order():
+    from openk3.chat_format import render_assistant_output
+    from openk3.vision.preprocess import process_image
+
+    tok = _tok()
+    items = image_items(3, 9)
+    docs = [image_chat_document(it.conversation(), tok) for it in items]
+    loader = ImageSFTLoader(docs, 400, shuffle=False, pad_id=tok.pad_id)
+    row = loader.next_batch()
+    ids, labels, cu = row["input_ids"][0], row["labels"][0], row["cu_seqlens"]
+    k = 0
+    while sum(len(d.ids) for d in docs[:k + 1]) <= 400:
+        k += 1
+    starts = [0]
+    for d in docs[:k]:
+        starts.append(starts[-1] + len(d.ids))
+    assert cu.tolist() == (starts + [400] if starts[-1] < 400 else starts)
+    grid = row["grid_thws"]
+    assert grid.shape == (k, 3) and int((ids == tok.media_pad_id).sum()) == int((grid[:, 1] * grid[:, 2] // 4).sum())
+    want = torch.cat([process_image(d.images[0]).pixel_values for d in docs[:k]])
+    assert torch.equal(row["pixel_values"], want)  # images in pad order
+    for j, (d, it) in enumerate(zip(docs[:k], items[:k])):
+        seg_ids, seg_lab = ids[starts[j]:starts[j + 1]], labels[starts[j]:starts[j + 1]]
+        pads = (seg_ids == tok.media_pad_id).nonzero().flatten()
+        assert len(pads) == 16 and int(pads[-1] - pads[0]) == 15  # one contiguous run per image
+        assert bool((seg_lab[pads] == -100).all())
+        ref = render_assistant_output(it.reference, tok, thinking="reasoning_content" in it.reference)
+        assert seg_lab[seg_lab != -100].tolist() == ref  # loss exactly on the assistant output
+    assert bool((labels[starts[k]:] == -100).all()) and bool((ids[starts[k]:] == tok.pad_id).all())
+
+
+def test_image_loader_resume_is_exact():
+    tok = _tok()
+    docs = [image_chat_document(it.conversation(), tok) for it in image_items(4, 10)]
+    a = ImageSFTLoader(docs, 400, seed=1, pad_id=tok.pad_id)
+    for _ in range(7):
+        a.next_batch()
+    state = json.loads(json.dumps(a.state_dict()))
+    b = ImageSFTLoader(docs, 400, seed=1, pad_id=tok.pad_id)
+    b.load_state_dict(state)
+    for _ in range(3):
+        x, y = a.next_batch(), b.next_batch()
+        assert x.keys() == y.keys() and all(torch.equal(x[n], y[n]) for n in x)
+
+
+def _text_ckpt(tmp_path) -> str:
+    from openk3.pretrained import build_model
+    from openk3.train.recipes import RunConfig
+    from openk3.train.vision_stage import vision_model_config
+
+    run = RunConfig("t", "openk3-tiny", None, 1, extra={"tokenizer_dir": TOK, "model_overrides": TINY_LM})
+    cfg = vision_model_config(run)
+    cfg.wrapper = None  # the text model of the same LM
+    model = build_model(cfg, seed=5)
+    model.save_pretrained(str(tmp_path / "text"))
+    return str(tmp_path / "text")
+
+
+def test_vision_stage_trains_from_text_ckpt_exports_and_resumes(tmp_path):
+    from openk3.export import _quantized_reference, export_model
+    from openk3.pretrained import load_pretrained
+    from openk3.train.recipes import get_recipe
+    from openk3.train.trainer import train
+
+    torch.set_num_threads(1)
+    text = _text_ckpt(tmp_path)
+    extra = {"text_ckpt": text, "tokenizer_dir": TOK, "model_overrides": TINY_LM, "vision": TINY_VIT,
+             "image_items": 6, "sft_items": 6, "eval_items": 2, "text_share": 0.5}
+    run = get_recipe("default-model-vision", total_steps=3, warmup_steps=1, seq_len=256, eval_every=3, eval_batches=1,
+                     ckpt_every=1, extra=extra)
+    prepared = run.prepare(run, str(tmp_path / "x"), False)
+    model, _, _ = prepared.build()
+    src = load_pretrained(text)
+    assert torch.equal(model.model.embed_tokens.weight, src.model.embed_tokens.weight)  # text weights loaded
+    assert hasattr(model, "vision_tower") and model.config.media_placeholder_token_id == _tok().media_pad_id
+
+    straight = train(run, tmp_path / "a", progress=False)
+    train(run, tmp_path / "b", max_steps=2, progress=False)
+    resumed = train(run, tmp_path / "b", resume=True, progress=False)
+    wa, wb = load_pretrained(straight.checkpoint), load_pretrained(resumed.checkpoint)
+    for (n, p), q in zip(wa.state_dict().items(), wb.state_dict().values()):
+        assert torch.equal(p, q), n  # resume is exact, vision tower included
+
+    info = export_model(straight.checkpoint, tmp_path / "export", tokenizer=TOK)
+    exported = load_pretrained(info["out"], dtype=torch.float32)
+    assert type(exported).__name__ == "K3ForConditionalGeneration"
+    batch = ImageSFTLoader([image_chat_document(it.conversation(), _tok()) for it in eval_image_items(0, 2)], 256,
+                           shuffle=False).next_batch()
+    ref = _quantized_reference(wa, "mxfp4")
+    with torch.no_grad():
+        want = ref(batch["input_ids"], pixel_values=batch["pixel_values"], grid_thws=batch["grid_thws"]).logits
+        got = exported(batch["input_ids"], pixel_values=batch["pixel_values"], grid_thws=batch["grid_thws"]).logits
+    assert float((got - want).abs().max()) <= 1e-4
