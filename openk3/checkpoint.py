@@ -328,6 +328,13 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _file_mode() -> int:
+    """0o666 minus the process umask (the mode ``open(..., "w")`` creates files with)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_checkpoint(
     path: str,
     tensors: "OrderedDict[str, torch.Tensor]",
@@ -378,7 +385,11 @@ def write_checkpoint(
             with open(os.path.join(tmp, fn), "w", encoding="utf-8") as f:
                 f.write(text)
             written.append(fn)
+        mode = _file_mode()
         for fn in written:
+            # safetensors creates its files owner-only (0600); a checkpoint is meant to be shared and
+            # served by other users, so every file gets the mode a plain open() would give.
+            os.chmod(os.path.join(tmp, fn), mode)
             os.replace(os.path.join(tmp, fn), os.path.join(path, fn))
         stale = [WEIGHTS_NAME, INDEX_NAME] + [
             fn for fn in os.listdir(path) if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", fn)

@@ -56,6 +56,13 @@ def test_float_export_is_bit_exact(ckpt, tmp_path):
     export_model(ckpt, tmp_path / "f", quantization=None)
     a, b = read_safetensors(str(ckpt)), read_safetensors(str(tmp_path / "f"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # every file of the export is readable by others (safetensors alone would create 0600 weights)
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "f").iterdir()} == \
+        {p.name: 0o666 & ~mask for p in (tmp_path / "f").iterdir()}
 
 
 def test_existing_destination_is_refused_and_untouched(ckpt, tmp_path):

@@ -1,5 +1,5 @@
-"""B4: KDA kernels — openk3's chunked form vs its token recurrence vs transformers' chunked torch
-fallback (``transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention``, what
+"""B4: KDA kernels — openk3's chunked form (``openk3.ops.kda.kda``, the backend the model runs) vs
+its token recurrence (the reference) vs transformers' chunked torch fallback (``transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention``, what
 transformers runs without flash-linear-attention).
 
 Shape legend: B batch rows, T tokens, H heads, K key dim (= value dim V here).
@@ -56,7 +56,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
-    from openk3.ops.kda_reference import kda_chunk, kda_recurrent
+    from openk3.ops.kda import kda
+    from openk3.ops.kda_reference import kda_recurrent
 
     p = settings(QUICK if quick else FULL, overrides)
     reps = reps or p["reps"]
@@ -76,7 +77,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
             return go
 
         meas = interleaved({
-            "openk3_chunk": contender("openk3_chunk", lambda: kda_chunk(q, k, v, g, beta, scale, chunk_size=64)),
+            "openk3_chunk": contender("openk3_chunk", lambda: kda(q, k, v, g, beta, scale, chunk_size=64)),
             "openk3_recurrent": contender("openk3_recurrent", lambda: kda_recurrent(q, k, v, g, beta, scale)),
             "transformers_chunk": contender("transformers_chunk", lambda: hf.chunk_kimi_delta_attention(
                 q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=True,

@@ -3,7 +3,8 @@
 ``openk3 serve`` with no MODEL must serve ``openk3-tiny`` from inside the package (no downloads) and
 the model must actually do the four things the acceptance names: a streamed answer with
 ``reasoning_content`` before ``content``; a ``tool_choice: required`` call of the right tool with
-schema-valid arguments; a valid ``json_schema`` object; ``OK`` for "Say 'OK' and nothing else.".
+schema-valid arguments; a valid ``json_schema`` object; ``OK`` for "Say 'OK' and nothing else.";
+and (issue 9) an image question answered through an ``image_url`` data URL part.
 The server samples at the platform's fixed temperature (1.0 with thinking, top_p 0.95), so each
 request carries a ``seed`` to make the smoke reproducible. Quality is measured by ``openk3 eval``
 (MODEL_CARD.md), not here: these are a handful of requests, and CI never retrains the model.
@@ -64,7 +65,25 @@ def test_load_pretrained_by_name_has_every_k3_component():
 
 def test_serves_openk3_tiny_by_default(default_server, sdk):
     assert default_server.model == DEFAULT_MODEL
-    assert [m.id for m in sdk.models.list().data] == [DEFAULT_MODEL]
+    models = sdk.models.list().data
+    assert [m.id for m in models] == [DEFAULT_MODEL]
+    assert models[0].model_extra["supports_image_in"] is True  # the tiny MoonViT ships with it
+
+
+def test_image_question_answers(sdk):
+    from openk3.train.vision_data import QUESTION_TYPES, eval_image_items
+
+    # One held-out item per question type: each gets a finished, non-empty answer, and the
+    # prompt's usage counts its 16 image tokens (112 px image, 14 px patches, 2x2 merge).
+    items = eval_image_items(0, len(QUESTION_TYPES))
+    texts = []
+    for it in items:
+        r = sdk.chat.completions.create(model=DEFAULT_MODEL, seed=0, max_tokens=200, messages=it.request["messages"],
+                                        reasoning_effort="low")
+        assert r.choices[0].finish_reason == "stop"
+        texts.append(r.choices[0].message.content or "")
+        assert r.usage.prompt_tokens > 16
+    assert all(t.strip() for t in texts), texts
 
 
 def test_streamed_reasoning_then_content(sdk):
