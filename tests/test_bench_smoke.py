@@ -61,10 +61,10 @@ def test_kda_quick_and_its_equality_check_bites(monkeypatch):
     for row in r["by_T"].values():
         assert row["max_abs_diff_vs_recurrent"]["openk3_chunk"]["output"] < 1e-5
     # a contender that is slightly wrong must stop the benchmark
-    from openk3.ops import kda_reference
+    import openk3.ops.kda as kda_ops
 
-    real = kda_reference.kda_chunk
-    monkeypatch.setattr(kda_reference, "kda_chunk", lambda *a, **k: (lambda o, s: (o * 1.01, s))(*real(*a, **k)))
+    real = kda_ops.kda
+    monkeypatch.setattr(kda_ops, "kda", lambda *a, **k: (lambda o, s: (o * 1.01, s))(*real(*a, **k)))
     with pytest.raises(BenchmarkError, match="openk3_chunk differs"):
         run_benchmark("kda", quick=True, T=(64,))
 
