@@ -62,5 +62,10 @@ def test_in_process_vision_checkpoint_returns_per_type_table(tmp_path):
     row = run_image_eval(m, n=6)
     assert row["n"] == 6 and list(row["accuracy_by_type"]) == list(QUESTION_TYPES)
     assert 0.0 <= row["accuracy"] <= 1.0
-    text = InProcessModel(TOK, max_tokens=4)  # the shipped text-only model
+    # the same LM without a vision_config: a text-only model skips the suite
+    from openk3.presets import preset
+
+    build_model(preset("openk3-tiny").replace(**lm), seed=0).save_pretrained(str(tmp_path / "text"))
+    load_tokenizer(TOK).save_pretrained(tmp_path / "text")
+    text = InProcessModel(str(tmp_path / "text"), max_tokens=4)
     assert not text.supports_images and "skipped" in run_image_eval(text, n=6)

@@ -13,6 +13,7 @@ in :func:`_select_backend`; callers never change. Tests force a backend with :fu
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Iterator
 
 import torch
@@ -54,8 +55,20 @@ def use_backend(name: str) -> Iterator[None]:
 
 def _select_backend(q: torch.Tensor) -> str:
     """Automatic choice: ``"batched"`` (eager PyTorch, any device); a kernel backend would be
-    picked here when importable and ``q`` lives on a supported device."""
-    return _forced or "batched"
+    picked here when importable and ``q`` lives on a supported device. ``use_backend`` wins, then
+    the ``OPENK3_KDA_BACKEND`` environment variable (reaches torchrun workers and servers).
+
+    Raises:
+        ValueError: ``OPENK3_KDA_BACKEND`` names an unknown backend.
+    """
+    if _forced:
+        return _forced
+    env = os.environ.get("OPENK3_KDA_BACKEND")
+    if env:
+        if env not in _BACKENDS:
+            raise ValueError(f"OPENK3_KDA_BACKEND={env!r}: unknown; known: {sorted(_BACKENDS)}")
+        return env
+    return "batched"
 
 
 def kda(

@@ -171,6 +171,17 @@ def test_dispatch_modes_match_references():
             pass
 
 
+def test_backend_from_the_environment(monkeypatch):
+    q, k, v, g, beta = make_inputs(1, 20)
+    monkeypatch.setenv("OPENK3_KDA_BACKEND", "reference")
+    assert torch.equal(kda(q, k, v, g, beta, SCALE)[0], ref.kda_chunk(q, k, v, g, beta, SCALE)[0])
+    with use_backend("batched"):  # the in-process override wins over the environment
+        assert torch.equal(kda(q, k, v, g, beta, SCALE)[0], kc.kda_chunk_batched(q, k, v, g, beta, SCALE)[0])
+    monkeypatch.setenv("OPENK3_KDA_BACKEND", "fla")
+    with pytest.raises(ValueError, match="OPENK3_KDA_BACKEND='fla'"):
+        kda(q, k, v, g, beta, SCALE)
+
+
 @pytest.mark.parametrize("g_kind, chunk_size", [
     ("bounded", 64),  # in-tile matmul factorisation
     ("floor", 64),  # every step exactly at the bound -5: still the matmul path, cumulative -320
