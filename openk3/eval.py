@@ -19,7 +19,8 @@ the training prompts) through a model and writes the eval table of issue 8 item 
 
 Models: :class:`InProcessModel` (a checkpoint directory: engine + chat format + output parser,
 greedy, with the same output constraints the server applies for JSON formats and tool calls) or
-:class:`ServerModel` (``POST /v1/chat/completions`` of a running server, temperature 0). Every
+:class:`ServerModel` (``POST /v1/chat/completions`` of a running server, temperature 0 and a
+per-item seed; a K3 server samples at its fixed temperature, so the numbers are sampled). Every
 score is a function of ``(item, message)`` so the reference answers score 100 %
 (:class:`OracleModel`). Accuracies are fractions in [0, 1].
 """
@@ -262,7 +263,10 @@ class InProcessModel:
 
 class ServerModel:
     """A running openk3 (or any OpenAI-compatible) server: one ``POST {url}/v1/chat/completions``
-    per request, temperature 0; the model id is the first of ``GET /v1/models`` unless given."""
+    per request, temperature 0 and ``seed`` = the item's index; the model id is the first of
+    ``GET /v1/models`` unless given. A K3 server samples at its fixed temperature (1.0 with
+    thinking) whatever is asked, so these numbers are sampled — reproducible through the seeds, but
+    not comparable with the greedy in-process table."""
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, max_tokens: int = 256,
                  timeout: float = 600.0):
@@ -284,8 +288,8 @@ class ServerModel:
 
     def chat(self, requests: list[dict]) -> list[dict]:
         out = []
-        for body in requests:
-            data = json.dumps(dict(body, model=self.model, temperature=0, max_tokens=self.max_tokens)).encode()
+        for i, body in enumerate(requests):
+            data = json.dumps(dict(body, model=self.model, temperature=0, seed=i, max_tokens=self.max_tokens)).encode()
             req = urllib.request.Request(self.url + "/v1/chat/completions", data=data, headers=self._headers())
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 out.append(json.loads(r.read())["choices"][0]["message"])

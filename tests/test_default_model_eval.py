@@ -129,7 +129,7 @@ def test_server_model_posts_chat_completions_and_scores_like_in_process():
 
     from openk3.eval import ServerModel
 
-    oracle, seen = _oracle(2), []
+    oracle, seen, seeds = _oracle(2), [], []
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -150,6 +150,7 @@ def test_server_model_posts_chat_completions_and_scores_like_in_process():
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append((body.pop("model"), body.pop("temperature"), body.pop("max_tokens"),
                          self.headers.get("Authorization")))
+            seeds.append(body.pop("seed"))
             self._send({"choices": [{"message": oracle.chat([body])[0]}]})
 
     server = HTTPServer(("127.0.0.1", 0), Handler)
@@ -159,6 +160,7 @@ def test_server_model_posts_chat_completions_and_scores_like_in_process():
     finally:
         server.shutdown()
     assert set(seen) == {("openk3-tiny", 0, 7, "Bearer k")} and len(seen) == 2 * len(EVAL_SUITES)
+    assert seeds == [0, 1] * len(EVAL_SUITES)  # one seed per item: sampled answers are reproducible
     assert t["tools"]["argument_accuracy"] == 1.0 and t["effort"]["accuracy"] == 1.0 and t["validation"] is None
 
 

@@ -135,7 +135,7 @@ class FunctionDef(_Open):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(_Open):
@@ -172,7 +172,7 @@ class JSONSchemaFormat(_Open):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Open):

@@ -8,6 +8,7 @@ launch (see :mod:`openk3.train.distributed_run`).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -46,8 +47,13 @@ def cli_train(args) -> int:
     from openk3.train.trainer import TrainingStopped, train
 
     if args.list:
+        width = max(map(len, RECIPES)) + 2
         for name, fn in sorted(RECIPES.items()):
-            print(f"{name:<16}{(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
+            first = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+            # docstrings use reST roles / literals and cite issues; the listing shows plain text
+            first = re.sub(r":\w+:`~?([^`]+)`", r"\1", first).replace("``", "")
+            first = re.sub(r"\s*\(issue [^)]*\)", "", first)
+            print(f"{name:<{width}}{first}")
         return 0
     if not args.recipe:
         print("openk3 train: give --recipe NAME (see --list)", file=sys.stderr)

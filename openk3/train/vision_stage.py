@@ -32,6 +32,7 @@ the LM). Resume with ``--resume`` (data positions are in the checkpoint).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from openk3.train.recipes import RunConfig, register_recipe
@@ -138,8 +139,12 @@ def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
         ValueError: no ``extra.text_ckpt``, or see :func:`settings`.
     """
     x = settings(run)
-    if not x["text_ckpt"]:
+    ckpt = x["text_ckpt"]
+    if not ckpt:
         raise ValueError("extra.text_ckpt: required (a text SFT checkpoint, e.g. runs/default-model/checkpoints/step-0002800)")
+    if not isinstance(ckpt, str) or not os.path.isfile(os.path.join(ckpt, "config.json")):
+        raise ValueError(f"extra.text_ckpt={ckpt!r}: not a checkpoint directory (no config.json); give a text SFT "
+                         f"checkpoint such as runs/default-model/checkpoints/step-0002800")
     print(f"[default-model-vision] vision stage from {x['text_ckpt']} with {run.qat or 'no'} QAT", file=sys.stderr)
     return run.replace(model=vision_model_config(run), init_from=str(x["text_ckpt"]), prepare=None)
 

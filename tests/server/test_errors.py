@@ -131,6 +131,9 @@ def test_image_inputs(http):
      "schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {"type": "object"}}}},
      "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "false",
+                                                                  "schema": {"type": "object"}}}}, "strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "strict"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n" * 65, "schema": {"type": "object"}}}},
      "response_format.json_schema.name"),
     ({"messages": user() + [{"role": "user", "content": "x", "tools": [{"type": "function", "function": {

@@ -134,3 +134,14 @@ def test_vision_stage_trains_from_text_ckpt_exports_and_resumes(tmp_path):
         want = ref(batch["input_ids"], pixel_values=batch["pixel_values"], grid_thws=batch["grid_thws"]).logits
         got = exported(batch["input_ids"], pixel_values=batch["pixel_values"], grid_thws=batch["grid_thws"]).logits
     assert float((got - want).abs().max()) <= 1e-4
+
+
+def test_bad_text_ckpt_is_named_before_anything_runs(tmp_path, capsys):
+    from openk3.cli import main
+
+    for value in (None, "runs/does-not-exist", 5):
+        rc = main(["train", "--recipe", "default-model-vision", "--out", str(tmp_path / "o"), "--no-progress",
+                   "--set", "extra=" + json.dumps({"text_ckpt": value})])
+        err = capsys.readouterr().err
+        assert rc == 2 and "extra.text_ckpt" in err, (value, err)
+    assert not (tmp_path / "o" / "checkpoints").exists()
