@@ -52,7 +52,7 @@ def _image_part(block: dict, where: str) -> dict:
         return {"type": "image_url", LOCATION_KEY: where,
                 "image_url": {"url": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"}}
     if src.get("type") == "url":
-        return {"type": "image_url", LOCATION_KEY: where, "image_url": {"url": str(src.get("url", ""))}}
+        return {"type": "image_url", LOCATION_KEY: where + ".source", "image_url": {"url": str(src.get("url", ""))}}
     raise bad_request(f"{where}.source.type: unsupported image source {src.get('type')!r} (base64)")
 
 

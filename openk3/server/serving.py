@@ -39,7 +39,7 @@ from openk3.chat_format.request import parse_messages, parse_options
 from openk3.server.generation import (  # noqa: F401 - re-exported: importers use openk3.server.serving
     CACHE_REPORT_BLOCK, OVERLOADED, Finished, Generation, Prepared, usage_dict,
 )
-from openk3.server.images import expand_images
+from openk3.server.images import expand_images, image_locations
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
 from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
@@ -151,7 +151,7 @@ class ChatServing:
             prompt = encode_request(body, self.tokenizer)
         except (ValueError, TypeError, RecursionError) as e:
             raise bad_request(f"Invalid request: {e}") from None
-        check_image_parts(prompt.images, self.model.supports_image_in)
+        check_image_parts(prompt.images, self.model.supports_image_in, image_locations(body))
         return prompt, opts
 
     def prepare(self, body: dict, req: ChatCompletionRequest) -> Prepared:

@@ -336,22 +336,31 @@ def check_stops(stop: str | list[str] | None, limits: Limits) -> list[str]:
     return stops
 
 
-def check_image_parts(images: list[dict], supports_image_in: bool) -> None:
+def check_image_parts(images: list[dict], supports_image_in: bool, locations: dict[int, str] | None = None) -> None:
     """Images must be base64 data URLs (api.md §1.2, §11: http(s) URLs are a 400), and the model
     must have a vision tower.
 
+    Args:
+        locations: ``id(part) -> "messages[i].content[j]"`` (:func:`openk3.server.images.
+            image_locations`); errors name the part there (the Anthropic adapter records the
+            client's own block path, e.g. ``messages[0].content[1].source``).
     Raises:
-        APIError: 400.
+        APIError: 400 naming the part.
     """
+    locations = locations or {}
     for part in images:
+        where = locations.get(id(part), "")
+        anthropic = bool(where) and where.endswith(".source")
+        field = (where or "image_url") if anthropic else (f"{where}.image_url.url" if where else "image_url.url")
         ref = part.get("image_url", part.get("image"))
         url = ref.get("url") if isinstance(ref, dict) else ref
         if not isinstance(url, str):
-            raise bad_request("image_url.url: missing image URL")
+            raise bad_request(f"{field}: missing image URL")
         if url.startswith(("http://", "https://")):
-            raise bad_request("image_url.url: http(s) image URLs are not supported; send the image as a base64 "
-                              "data URL (data:image/png;base64,...)")
+            hint = ("use a base64 source" if anthropic
+                    else "send the image as a base64 data URL (data:image/png;base64,...)")
+            raise bad_request(f"{field}: http(s) image URLs are not supported; {hint}")
         if not url.startswith("data:") or ";base64," not in url:
-            raise bad_request("image_url.url: must be a base64 data URL (data:image/<type>;base64,...)")
+            raise bad_request(f"{field}: must be a base64 data URL (data:image/<type>;base64,...)")
     if images and not supports_image_in:
         raise bad_request("model does not support image input")

@@ -111,6 +111,15 @@ def test_errors_use_the_anthropic_envelope(ac):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
 
 
+def test_url_image_source_is_named_in_anthropic_terms(ac):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is it?"},
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+    msg = e.value.body["error"]["message"]
+    assert msg.startswith("messages[0].content[1].source: http(s) image URLs are not supported; use a base64 source")
+
+
 @pytest.mark.parametrize("field,value", [("temperature", 1.5), ("temperature", -0.1), ("top_p", 2.0),
                                          ("top_k", -1)])
 def test_sampling_out_of_anthropic_range_is_400(ac, field, value):

@@ -108,8 +108,10 @@ def test_image_inputs(http):
 
     png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
     assert _error(http.post("/v1/chat/completions", json=body(png)), 400) == "model does not support image input"
-    assert "http" in _error(http.post("/v1/chat/completions", json=body("https://example.com/cat.png")), 400)
-    assert "base64" in _error(http.post("/v1/chat/completions", json=body("ms://file-123")), 400)
+    msg = _error(http.post("/v1/chat/completions", json=body("https://example.com/cat.png")), 400)
+    assert msg.startswith("messages[0].content[1].image_url.url: http(s) image URLs are not supported"), msg
+    msg = _error(http.post("/v1/chat/completions", json=body("ms://file-123")), 400)
+    assert msg.startswith("messages[0].content[1].image_url.url: must be a base64 data URL"), msg
 
 
 @pytest.mark.parametrize("patch,needle", [
