@@ -54,6 +54,35 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
            413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
 
 
+
+# Pydantic names the branch of a union it tried in the error location ("str", "list[ContentPart]",
+# "function-after[...]"); those are not fields the client wrote.
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
+
+
+def _field_path(loc) -> str:
+    """``("body", "messages", 0, "content", "list[ContentPart]", 1, "image_url")`` ->
+    ``messages[0].content[1].image_url`` (the rest of the API's error style)."""
+    out = ""
+    for part in loc:
+        if part == "body" or _is_union_tag(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _error_rank(err: dict) -> tuple:
+    """Which of pydantic's errors to report: for a union (``content``: string or parts), the error
+    of the branch the client evidently meant (not "should be a valid string" when a list was
+    sent), then the deepest location."""
+    loc = err.get("loc", ())
+    plain_scalar_branch = any(p in _UNION_TAGS for p in loc)
+    return (plain_scalar_branch, -len(loc))
+
 def default_model_path() -> str | None:
     """The checkpoint served when ``openk3 serve`` gets no MODEL: the default model shipped in the
     package (``openk3-tiny``, :mod:`openk3.shipped`), served under its directory name. None when the
@@ -210,7 +239,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
             return _error_response(request.url.path, APIError(404, f"Not found the model {body['model']} or "
                                                                     "Permission denied"))
         errs = exc.errors()
-        first = errs[0] if errs else {}
+        first = min(errs, key=_error_rank) if errs else {}
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":  # loc is ("body", character position)
             pos = (first.get("loc") or ("body",))[-1]
@@ -218,7 +247,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
             at = f" at character {pos}" if isinstance(pos, int) else ""
             message = f"Invalid request: body: invalid JSON ({detail}{at})"
             return _error_response(request.url.path, APIError(400, message))
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        loc = _field_path(first.get("loc", ()))
         if not loc and first.get("type") == "missing":  # FastAPI reports an empty body as a missing one
             model = _BODY_MODELS.get(request.url.path)
             need = [f.alias or n for n, f in model.model_fields.items() if f.is_required()] if model else []

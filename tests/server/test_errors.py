@@ -461,3 +461,14 @@ def test_client_leaving_mid_upload_counts_as_499(app_serving):
     counts = dict(re.findall(r'openk3_requests_total\{endpoint="/v1/chat/completions",status="(\d+)"\} (\S+)',
                              serving.metrics.render().decode()))
     assert counts == {"499": "1.0"}, counts
+
+
+@pytest.mark.parametrize("content,where", [
+    ([{"type": "text", "text": 5}], "messages[0].content[0].text"),
+    ([{"type": "image_url", "image_url": {"url": 5}}], "messages[0].content[0].image_url"),
+    (["just a string"], "messages[0].content[0]"),
+])
+def test_nested_content_errors_name_the_client_field(http, content, where):
+    msg = _error(http.post("/v1/chat/completions", json=dict(BASE, messages=[{"role": "user", "content": content}])), 400)
+    assert msg.startswith(f"Invalid request: {where}"), msg
+    assert ".str" not in msg and "list[" not in msg, msg
