@@ -48,6 +48,8 @@ def _signature(thinking: str) -> str:
 def _image_part(block: dict, where: str) -> dict:
     # LOCATION_KEY: image errors name the block as the client sent it, not the translated message
     src = block.get("source") or {}
+    if src.get("type") == "base64" and not isinstance(src.get("data"), str):
+        raise bad_request(f"{where}.source.data: must be a base64 string, got {type(src.get('data')).__name__}")
     if src.get("type") == "base64":
         return {"type": "image_url", LOCATION_KEY: where,
                 "image_url": {"url": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"}}
@@ -174,7 +176,8 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
 # chat-completions field names in shared validation messages -> the Anthropic request's names
 _NAMES = (("max_completion_tokens", "max_tokens"), ("tool_choice: 'required'", "tool_choice: 'any'"),
           ("'required' needs", "'any' needs"), ("stop: ", "stop_sequences: "),
-          ("stop strings", "stop sequences"), ("function.parameters", "input_schema"))
+          ("stop strings", "stop sequences"), ("function.parameters", "input_schema"), ("].function.name", "].name"),
+          ("].function.description", "].description"))
 
 
 def anthropic_names(message: str) -> str:

@@ -135,3 +135,14 @@ def test_sampling_in_range_is_accepted_and_ignored(ac):
     a = ac.messages.create(**kw, extra_body={"temperature": 0.0, "top_p": 0.5, "top_k": 5})
     b = ac.messages.create(**kw, extra_body={"temperature": 1.0})
     assert a.usage.output_tokens == b.usage.output_tokens == 3
+
+
+def test_anthropic_field_names_in_errors(ac):
+    msg = [{"role": "user", "content": "x"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model=MODEL, max_tokens=1, messages=msg, tools=[dict(TOOL, name="bad name")])
+    assert "tools[0].name" in e.value.body["error"]["message"], e.value.body
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": 5}}]}])
+    assert e.value.body["error"]["message"] == "messages[0].content[0].source.data: must be a base64 string, got int"
