@@ -74,18 +74,38 @@ def settings(run: RunConfig) -> dict:
         ValueError: an unknown key; a bad ``extra.sft_mixture`` (unknown task, negative share, all
             0) or ``extra.sft_replay`` (not a number in [0, 1)), naming the key and value.
     """
-    from openk3.train.sft_data import normalise_mixture
-
-    unknown = sorted(set(run.extra) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"RunConfig.extra: unknown key {unknown[0]!r} (known: {', '.join(sorted(DEFAULTS))})")
-    x = {**DEFAULTS, **run.extra}
-    if x["sft_mixture"] is not None:
-        x["sft_mixture"] = normalise_mixture(x["sft_mixture"], "extra.sft_mixture")
-    r = x["sft_replay"]
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0:
-        raise ValueError(f"extra.sft_replay={r!r}: must be a number in [0, 1)")
+    x = merge_extra(run.extra, DEFAULTS)
+    check_fraction(x, "sft_replay")
     return x
+
+
+def merge_extra(extra: dict, defaults: dict) -> dict:
+    """``defaults`` overridden by ``extra`` (a recipe's ``RunConfig.extra``); an ``sft_mixture``
+    key, when set, comes back normalised (:func:`openk3.train.sft_data.normalise_mixture`).
+
+    Raises:
+        ValueError: a key not in ``defaults``, or a bad ``sft_mixture``, naming it.
+    """
+    unknown = sorted(set(extra) - set(defaults))
+    if unknown:
+        raise ValueError(f"RunConfig.extra: unknown key {unknown[0]!r} (known: {', '.join(sorted(defaults))})")
+    x = {**defaults, **extra}
+    if x.get("sft_mixture") is not None:
+        from openk3.train.sft_data import normalise_mixture
+
+        x["sft_mixture"] = normalise_mixture(x["sft_mixture"], "extra.sft_mixture")
+    return x
+
+
+def check_fraction(x: dict, key: str) -> None:
+    """``x[key]`` must be a number in [0, 1) (a share of training rows).
+
+    Raises:
+        ValueError: naming ``extra.<key>`` and the value.
+    """
+    v = x[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+        raise ValueError(f"extra.{key}={v!r}: must be a number in [0, 1)")
 
 
 def _tokenizer(run: RunConfig):
@@ -205,5 +225,5 @@ def default_model() -> RunConfig:
     )
 
 
-__all__ = ["DEFAULTS", "settings", "corpus_data", "sft_data", "model_for_tokenizer", "prepare_default_model",
+__all__ = ["DEFAULTS", "settings", "merge_extra", "check_fraction", "corpus_data", "sft_data", "model_for_tokenizer", "prepare_default_model",
            "default_model"]

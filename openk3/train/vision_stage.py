@@ -56,20 +56,13 @@ def settings(run: RunConfig) -> dict:
     """:data:`DEFAULTS` overridden by ``run.extra``.
 
     Raises:
-        ValueError: an unknown key, a missing ``text_ckpt``, ``text_share`` outside [0, 1), or a bad
+        ValueError: an unknown key, ``text_share`` outside [0, 1), or a bad
             ``sft_mixture`` (see :func:`openk3.train.sft_data.normalise_mixture`).
     """
-    unknown = sorted(set(run.extra) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"RunConfig.extra: unknown key {unknown[0]!r} (known: {', '.join(sorted(DEFAULTS))})")
-    x = {**DEFAULTS, **run.extra}
-    if x["sft_mixture"] is not None:
-        from openk3.train.sft_data import normalise_mixture
+    from openk3.train.default_model import check_fraction, merge_extra
 
-        x["sft_mixture"] = normalise_mixture(x["sft_mixture"], "extra.sft_mixture")
-    s = x["text_share"]
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s < 1.0:
-        raise ValueError(f"extra.text_share={s!r}: must be a number in [0, 1)")
+    x = merge_extra(run.extra, DEFAULTS)
+    check_fraction(x, "text_share")
     return x
 
 
