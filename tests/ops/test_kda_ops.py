@@ -214,20 +214,40 @@ def test_batched_chunk_equals_reference_values_states_gradients(g_kind, chunk_si
 
 
 @pytest.mark.parametrize("strict", [True, False])
-def test_decayed_scores_matmul_factorisation_equals_pairwise(strict):
-    """The bounded in-tile matmul path == the exact pairwise path == a float64 closed form, at the
-    bound (every step -5) and inside it."""
+def test_decayed_scores_pairwise_equals_closed_form(strict):
+    """The batched pairwise scores (unbounded gates) == a float64 closed form, with decays of up
+    to e^-60 per step and at the K3 bound."""
     a, b = torch.randn(2, 64, K), torch.randn(2, 64, K)
-    for g in (torch.full((2, 64, K), -kc.MATMUL_GATE_BOUND), -kc.MATMUL_GATE_BOUND * torch.rand(2, 64, K)):
+    for g in (torch.full((2, 64, K), -kc.MATMUL_GATE_BOUND), -60 * torch.rand(2, 64, K)):
         G = g.cumsum(-2)
-        fast = kc.decayed_scores(a, b, G, strict, bounded=True)
-        exact = kc.decayed_scores(a, b, G, strict, bounded=False)
+        got = kc.decayed_scores(a, b, G, strict)
         diff = (G.double()[:, :, None, :] - G.double()[:, None, :, :]).clamp(max=0)
         want = (a.double()[:, :, None, :] * diff.exp() * b.double()[:, None, :, :]).sum(-1)
         want = want * torch.ones(64, 64, dtype=torch.bool).tril(-1 if strict else 0)
-        assert torch.isfinite(fast).all()
-        assert_close(fast, want, atol=1e-5, rtol=1e-5, what="matmul factorisation")
-        assert_close(exact, want, atol=1e-5, rtol=1e-5, what="pairwise")
+        assert torch.isfinite(got).all()
+        assert_close(got, want, atol=1e-5, rtol=1e-5, what="pairwise")
+
+
+@pytest.mark.parametrize("g_kind", ["bounded", "floor"])
+def test_sub_chunk_scores_equal_closed_form(g_kind):
+    """_intra_bounded's middle-position factorisation: A_qk and A_kk == float64 closed forms, finite
+    at the bound (every step -5, exponents reaching +-40)."""
+    B, T = 2, 4 * kc.SUB
+    q, k, v, g, beta = make_inputs(B, T, g_kind)
+    shape = lambda t: t.transpose(1, 2).reshape(B, H, T // kc.SUB, kc.SUB, -1)  # noqa: E731
+    q, k, v, g, b = shape(q), shape(k), shape(v), shape(g), shape(beta[..., None])
+    W, U, A_qk, Q, Kt, D = kc._intra_bounded(q, k, v, g, b)
+    G = g.double().cumsum(-2)
+    pair = (G[..., :, None, :] - G[..., None, :, :]).clamp(max=0).exp()  # [.., i, j, K]
+    tril = torch.ones(kc.SUB, kc.SUB, dtype=torch.bool)
+    want_qk = (q.double()[..., :, None, :] * pair * k.double()[..., None, :, :]).sum(-1) * tril.tril()
+    want_kk = (k.double()[..., :, None, :] * pair * k.double()[..., None, :, :]).sum(-1) * tril.tril(-1)
+    want_kk = want_kk * b.double()
+    assert all(torch.isfinite(t).all() for t in (W, U, A_qk, Q, Kt, D))
+    assert_close(A_qk, want_qk, atol=1e-5, rtol=1e-5, what="A_qk")
+    eye = torch.eye(kc.SUB, dtype=torch.float64)
+    want_u = torch.linalg.solve(eye + want_kk, b.double() * v.double())
+    assert_close(U, want_u, atol=1e-4, rtol=1e-5, what="U = (I + A_kk)^-1 beta v")
 
 
 def test_invalid_arguments_raise():

@@ -1,0 +1,151 @@
+"""The inter-chunk state pass of chunkwise KDA, with a hand-written backward.
+
+Shape legend: B batch rows, H heads, N chunks, C chunk length, K key dim, V value dim.
+
+Chunkwise KDA (architecture.md §3.4) splits into a state-independent stage, computed for all
+chunks at once, and this sequential pass over chunks. Given per chunk i the WY factors ``W_i``
+[C, K] and ``U_i`` [C, V], the intra-chunk query-key scores ``A_i`` [C, C], the decayed queries
+``Q_i`` [C, K], the decayed keys ``Kt_i`` [K, C] (already transposed) and the chunk's total decay
+``D_i`` [K, 1], starting from ``S_0``:
+
+    v_i     = U_i - W_i S_i               (pseudo-values)
+    O_i     = Q_i S_i + A_i v_i           (chunk output)
+    S_{i+1} = D_i * S_i + Kt_i v_i        (state after the chunk)
+
+Autograd through this loop records ~8 small ops per chunk and replays them backwards; here the
+loop keeps only what is truly sequential (two matmuls per chunk each way) and every product that
+does not depend on the running state is done once for all chunks as a batched matmul. The
+backward recurrence (with ``dS`` the gradient of the state after chunk i):
+
+    dv_i = A_i^T dO_i + Kt_i^T dS             dS_i = D_i * dS + Q_i^T dO_i - W_i^T dv_i
+    dQ_i = dO_i S_i^T    dA_i = dO_i v_i^T    dKt_i = dS v_i^T    dD_i = sum_V(dS * S_i)
+    dU_i = dv_i          dW_i = -dv_i S_i^T
+
+:func:`kda_state_pass_reference` is the same pass as a plain autograd loop (the test oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check(W, U, A, Q, Kt, D, S0, every) -> int:
+    if W.dim() != 5:
+        raise ValueError(f"W: expected [B, H, N, C, K], got shape {tuple(W.shape)}")
+    B, H, N, C, K = W.shape
+    V = U.shape[-1]
+    expected = {"U": (U, (B, H, N, C, V)), "A": (A, (B, H, N, C, C)), "Q": (Q, (B, H, N, C, K)),
+                "Kt": (Kt, (B, H, N, K, C)), "D": (D, (B, H, N, K, 1)), "S0": (S0, (B, H, K, V))}
+    for name, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape} (from W {tuple(W.shape)}), got {tuple(t.shape)}")
+    if N == 0:
+        raise ValueError("W: need at least one chunk (N >= 1)")
+    every = N if every is None else every
+    if not (isinstance(every, int) and every > 0 and N % every == 0):
+        raise ValueError(f"every={every!r}: must be a positive divisor of the chunk count N={N}")
+    return every
+
+
+def kda_state_pass_reference(W, U, A, Q, Kt, D, S0, every: int | None = None):
+    """Plain autograd form of the state pass (see the module docstring for the recurrence).
+
+    Args:
+        W: [B, H, N, C, K]; U: [B, H, N, C, V]; A: [B, H, N, C, C]; Q: [B, H, N, C, K];
+        Kt: [B, H, N, K, C]; D: [B, H, N, K, 1]; S0: [B, H, K, V]; all fp32.
+        every: return the state after every ``every``-th chunk (N must be a multiple of it);
+            None = only the final state.
+    Returns:
+        (O [B, H, N, C, V], states [B, H, N / every, K, V]); the last state is the final one.
+    Raises:
+        ValueError: inconsistent shapes, or ``every`` not dividing N.
+    """
+    every = _check(W, U, A, Q, Kt, D, S0, every)
+    S, outs, states = S0, [], []
+    for i, (Wi, Ui, Ai, Qi, Ki, Di) in enumerate(zip(*(t.unbind(2) for t in (W, U, A, Q, Kt, D)))):
+        v_new = Ui - Wi @ S
+        outs.append(Qi @ S + Ai @ v_new)
+        S = Di * S + Ki @ v_new
+        if (i + 1) % every == 0:
+            states.append(S)
+    return torch.stack(outs, 2), torch.stack(states, 2)
+
+
+def _bmm_add(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``base + alpha * a @ b`` for [B, H, x, y] operands, as one baddbmm over B*H."""
+    return torch.baddbmm(base.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), alpha=alpha).view(base.shape)
+
+
+def _inference_pass(W, U, A, Q, Kt, D, S0, every):
+    # No backward: compute each chunk's output in the loop, keep only the requested states.
+    S, outs, states = S0, [], []
+    for i in range(W.shape[2]):
+        v_new = _bmm_add(U[:, :, i], W[:, :, i], S, alpha=-1.0)
+        outs.append(_bmm_add(Q[:, :, i] @ S, A[:, :, i], v_new))
+        S = _bmm_add(D[:, :, i] * S, Kt[:, :, i], v_new)
+        if (i + 1) % every == 0:
+            states.append(S)
+    return torch.stack(outs, 2), torch.stack(states, 2)
+
+
+class _StatePass(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, W, U, A, Q, Kt, D, S0, every):
+        N = W.shape[2]
+        S = S0
+        starts, vs = [], []
+        for i in range(N):  # the loop carries S only; all other products are batched below
+            starts.append(S)
+            v_new = _bmm_add(U[:, :, i], W[:, :, i], S, alpha=-1.0)
+            vs.append(v_new)
+            S = _bmm_add(D[:, :, i] * S, Kt[:, :, i], v_new)
+        S_in = torch.stack(starts, 2)  # [B, H, N, K, V]: the state entering each chunk
+        v_all = torch.stack(vs, 2)  # [B, H, N, C, V]
+        O = torch.baddbmm((Q @ S_in).flatten(0, 2), A.flatten(0, 2), v_all.flatten(0, 2)).view_as(v_all)
+        states = torch.cat([S_in[:, :, every::every], S.unsqueeze(2)], dim=2)
+        ctx.every = every
+        ctx.save_for_backward(W, A, Q, Kt, D, S_in, v_all)
+        return O, states
+
+    @staticmethod
+    def backward(ctx, dO, dStates):
+        W, A, Q, Kt, D, S_in, v_all = ctx.saved_tensors
+        N, every = W.shape[2], ctx.every
+        if dO is None:
+            dO = torch.zeros_like(v_all)
+        # State-independent parts of dv_i and dS_i, for all chunks at once.
+        At_dO = A.transpose(-1, -2) @ dO  # [B, H, N, C, V]
+        Qt_dO = Q.transpose(-1, -2) @ dO  # [B, H, N, K, V]
+        Kt_T, W_T = Kt.transpose(-1, -2), W.transpose(-1, -2)
+        dS = torch.zeros_like(S_in[:, :, 0])
+        dv_list, dS_after = [None] * N, [None] * N
+        for i in range(N - 1, -1, -1):
+            if dStates is not None and (i + 1) % every == 0:
+                dS = dS + dStates[:, :, (i + 1) // every - 1]
+            dS_after[i] = dS  # gradient of the state after chunk i
+            dv = _bmm_add(At_dO[:, :, i], Kt_T[:, :, i], dS)
+            dv_list[i] = dv
+            dS = _bmm_add(D[:, :, i] * dS + Qt_dO[:, :, i], W_T[:, :, i], dv, alpha=-1.0)
+        dv_all = torch.stack(dv_list, 2)  # [B, H, N, C, V]
+        dS_next = torch.stack(dS_after, 2)  # [B, H, N, K, V]
+        S_t = S_in.transpose(-1, -2)
+        dW = -(dv_all @ S_t)
+        dA = dO @ v_all.transpose(-1, -2)
+        dQ = dO @ S_t
+        dKt = dS_next @ v_all.transpose(-1, -2)
+        dD = (dS_next * S_in).sum(-1, keepdim=True)
+        return dW, dv_all, dA, dQ, dKt, dD, dS, None
+
+
+def kda_state_pass(W, U, A, Q, Kt, D, S0, every: int | None = None):
+    """The chunk-sequential state pass of chunkwise KDA with a hand-written backward.
+
+    Same arguments, returns and errors as :func:`kda_state_pass_reference` (equal up to fp32
+    rounding; tests/ops/test_kda_scan.py checks values and gradients, and gradcheck in fp64).
+    Memory: with autograd it keeps the state entering every chunk ([B, H, N, K, V]) for the
+    backward, as the autograd loop does; without (inference) only the requested states.
+    """
+    every = _check(W, U, A, Q, Kt, D, S0, every)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (W, U, A, Q, Kt, D, S0))):
+        return _inference_pass(W, U, A, Q, Kt, D, S0, every)
+    return _StatePass.apply(W, U, A, Q, Kt, D, S0, every)
