@@ -15,9 +15,14 @@ are then written as Anthropic content blocks / SSE events. Mapping:
   is continued (partial mode, api.md §1.8);
 * ``tools`` (``input_schema``) -> function tools; ``tool_choice`` auto / any / none -> auto /
   required / none (the named ``tool`` form is a 400, as on the OpenAI surface);
-* ``thinking: {"type": "disabled"}`` -> instant mode; ``budget_tokens`` accepted and ignored;
-  ``temperature`` / ``top_p`` / ``top_k`` accepted within Anthropic's ranges ([0, 1], [0, 1], >= 0;
-  outside: 400) and ignored (K3 samples at fixed values);
+* ``thinking: {"type": "disabled"}`` -> instant mode; ``{"type": "enabled"}`` needs
+  ``budget_tokens``, an integer >= 1024 and below ``max_tokens`` (Anthropic's rule; otherwise a 400
+  naming ``thinking.budget_tokens``), which is then ignored (api.md §7: Kimi is not known to enforce
+  it); ``adaptive`` / ``between_tools`` are thinking on; ``temperature`` / ``top_p`` / ``top_k``
+  accepted within Anthropic's ranges ([0, 1], [0, 1], >= 0; outside: 400) and ignored (K3 samples
+  at fixed values);
+* image blocks are accepted where Anthropic accepts them, in user turns and inside ``tool_result``
+  content; in assistant turns and in ``system`` they are a 400 naming the block;
 * usage: ``input_tokens`` = prompt tokens not served from cache, ``cache_read_input_tokens`` = cached,
   ``cache_creation_input_tokens`` = 0 (Anthropic semantics: the three add up to the prompt).
 """
@@ -58,11 +63,16 @@ def _image_part(block: dict, where: str) -> dict:
     raise bad_request(f"{where}.source.type: unsupported image source {src.get('type')!r} (base64)")
 
 
+IMAGE_PLACES = "image blocks are only allowed in user messages and in tool_result content"
+
+
 def _text_of(blocks: Any, where: str) -> str:
     if isinstance(blocks, str):
         return blocks
     out = []
     for j, b in enumerate(blocks or []):
+        if b.get("type") == "image":
+            raise bad_request(f"{where}[{j}]: {IMAGE_PLACES}, not in {where}")
         if b.get("type") != "text":
             raise bad_request(f"{where}[{j}].type: only text blocks are allowed here")
         out.append(b.get("text") or "")
@@ -88,7 +98,8 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
     """Translate an Anthropic Messages body into a chat-completions body (see the module docstring).
 
     Raises:
-        APIError: 400 for an unsupported block or tool_choice, or an assistant ``tool_use`` turn
+        APIError: 400 for an unsupported block or tool_choice, an image block outside user turns
+            and tool_result content, or an assistant ``tool_use`` turn
             without its thinking block while thinking is on (api.md §3, Anthropic surface).
     """
     messages: list[dict] = []
@@ -128,6 +139,8 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
                 reasoning.append(b.get("thinking") or "")
             elif kind == "redacted_thinking":
                 saw_thinking = True
+            elif kind == "image":
+                raise bad_request(f"{where}.content[{j}]: {IMAGE_PLACES}, not in assistant messages")
             elif kind == "tool_use":
                 calls.append({"id": b.get("id"), "type": "function",
                               "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {},
@@ -207,6 +220,42 @@ def check_sampling_ranges(req: dict) -> None:
         raise bad_request(f"top_k: must be >= 0, got {k!r}")
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic: budget_tokens >= 1024
+
+
+def check_thinking(req: dict) -> bool:
+    """Anthropic ``thinking`` rules beyond the body model's types (which already require ``type``
+    to be enabled / disabled / adaptive / between_tools and ``budget_tokens`` to be an integer):
+    ``enabled`` needs ``budget_tokens`` >= 1024 and, when the request has ``max_tokens`` (the
+    messages route; count_tokens has none), less than it. Returns whether thinking is on (anything
+    but ``disabled``; no ``thinking``: on, K3's default).
+
+    Raises:
+        APIError: 400 naming ``thinking.budget_tokens`` (or ``thinking`` / ``thinking.type`` for a
+            body that skipped the model's validation).
+    """
+    thinking = req.get("thinking")
+    if thinking is None:
+        return True
+    if not isinstance(thinking, dict):
+        raise bad_request(f"thinking: must be an object, got {type(thinking).__name__}")
+    kind = thinking.get("type")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if budget is None:
+            raise bad_request("thinking.budget_tokens: required when thinking.type is 'enabled'")
+        if not isinstance(budget, int) or isinstance(budget, bool):
+            raise bad_request(f"thinking.budget_tokens: must be an integer, got {budget!r}")
+        if budget < MIN_THINKING_BUDGET:
+            raise bad_request(f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got {budget}")
+        max_tokens = req.get("max_tokens")
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and budget >= max_tokens:
+            raise bad_request(f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got {budget}")
+    elif kind not in ("disabled", "adaptive", "between_tools"):
+        raise bad_request(f"thinking.type: unsupported value {kind!r} (enabled, disabled, adaptive, between_tools)")
+    return kind != "disabled"
+
+
 def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
     """Validate an Anthropic body and prepare its generation; returns ``(prepared, chat_body)``.
 
@@ -216,15 +265,14 @@ def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
     serving.check_model(req.get("model"))
     check_unicode(req)  # before translation, so that the path names the client's field
     check_sampling_ranges(req)
-    thinking = req.get("thinking")
-    thinking_on = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
+    thinking_on = check_thinking(req)
     body = to_chat_body(req, thinking_on)
     try:
         validated = ChatCompletionRequest.model_validate(body)
     except ValueError as e:
         raise bad_request(f"Invalid request: {e}") from None
     try:
-        prep = serving.prepare(body, validated)
+        prep = serving.prepare(body, validated, tool_images=True)
     except APIError as e:
         e.message = anthropic_names(e.message)
         raise
@@ -236,8 +284,7 @@ def count_tokens(serving: ChatServing, req: dict) -> dict:
     """``{"input_tokens": N}`` for ``/anthropic/v1/messages/count_tokens``."""
     serving.check_model(req.get("model"))
     check_unicode(req)
-    thinking = req.get("thinking")
-    thinking_on = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
+    thinking_on = check_thinking(req)  # count_tokens has no max_tokens: the budget's upper bound is not checked
     body = to_chat_body(dict(req, max_tokens=1), thinking_on)
     return {"input_tokens": serving.count_tokens(body)}
 

@@ -167,9 +167,11 @@ class StreamOptions(_Open):
 
 
 class JSONSchemaFormat(_Open):
-    """``response_format.json_schema``: ``schema``, ``strict`` (default true, api.md §1.6)."""
+    """``response_format.json_schema``: ``name`` (required), ``schema``, ``strict`` (default true,
+    api.md §1.6). ``name`` is required as in the official OpenAPI document (``required: [name,
+    schema]``) and OpenAI; a missing one is a 400 naming ``response_format.json_schema.name``."""
 
-    name: str | None = None
+    name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
@@ -202,6 +204,8 @@ class ChatCompletionRequest(_Open):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    # OpenAI field, not in Kimi's schema: typed strictly so that "yes" is a 400, not coerced
+    parallel_tool_calls: StrictBool | None = None
     stop: Union[str, list[str], None] = None
     seed: Annotated[StrictInt, Field(ge=-2**63, le=2**63 - 1)] | None = None  # int64, as OpenAI documents
     logprobs: StrictBool | None = None
@@ -370,6 +374,16 @@ class AnthropicTool(_Open):
     input_schema: dict[str, Any] | None = None
 
 
+class AnthropicThinking(_Open):
+    """Anthropic ``thinking``: ``{"type": "enabled", "budget_tokens": N}`` (N >= 1024 and below
+    ``max_tokens``, checked in :func:`openk3.server.anthropic.check_thinking`), ``{"type":
+    "disabled"}``, or the ``adaptive`` / ``between_tools`` forms (thinking on, no budget). The
+    budget is validated but not enforced (api.md §7: not known to be enforced by Kimi)."""
+
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: StrictInt | None = None
+
+
 class AnthropicMessagesRequest(_Open):
     """``POST /anthropic/v1/messages`` body (api.md §7)."""
 
@@ -385,7 +399,7 @@ class AnthropicMessagesRequest(_Open):
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: AnthropicThinking | None = None
 
 
 class AnthropicCountRequest(_Open):
@@ -396,4 +410,4 @@ class AnthropicCountRequest(_Open):
     system: Union[str, list[AnthropicBlock], None] = None
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: AnthropicThinking | None = None

@@ -43,8 +43,8 @@ from openk3.server.images import expand_images, image_locations
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
 from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
-    THINKING_BOOL, Limits, check_image_parts, check_keep, check_messages, check_sampling, check_schema_depths,
-    check_stops, check_tool_history, check_tools, check_unicode, text_chars,
+    THINKING_BOOL, Limits, check_image_parts, check_image_roles, check_keep, check_messages, check_sampling,
+    check_schema_depths, check_stops, check_tool_history, check_tools, check_unicode, text_chars,
 )
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -154,12 +154,14 @@ class ChatServing:
         check_image_parts(prompt.images, self.model.supports_image_in, image_locations(body))
         return prompt, opts
 
-    def prepare(self, body: dict, req: ChatCompletionRequest) -> Prepared:
+    def prepare(self, body: dict, req: ChatCompletionRequest, *, tool_images: bool = False) -> Prepared:
         """Validate and render a chat-completions body (api.md §11 order) into a :class:`Prepared`.
 
         Args:
             body: the JSON body as sent (unknown keys ignored).
             req: the same body validated by :class:`ChatCompletionRequest`.
+            tool_images: accept image parts in ``tool`` messages (the Anthropic adapter: its
+                ``tool_result`` blocks may carry images); otherwise only user messages may.
         Raises:
             APIError: 404 unknown model, 400 for every contract violation (message names the field).
         """
@@ -176,6 +178,7 @@ class ChatServing:
         check_sampling(req, opts.thinking)
         tools = check_tools(body, opts, self.limits)
         check_messages(body, opts.thinking, opts.keep)
+        check_image_roles(body, tool_images)
         check_tool_history(body)
         stops = check_stops(req.stop, self.limits)
         if req.top_logprobs is not None and (not req.logprobs or not 0 <= req.top_logprobs <= 20):

@@ -12,7 +12,8 @@ Decisions recorded here (api.md §11 and the release notes leave a choice):
 * ``reasoning_content`` in history: K3 preserves all thinking (keep=all), so key presence is what
   counts (``""`` is accepted, §11); a tool-call turn without the key is a 400. An explicit
   ``thinking.keep: "all"`` extends the check to every assistant message (§3).
-* Images: only base64 ``data:`` URLs (§1.2; http(s) URLs are a 400, the strict choice of §11).
+* Images: only base64 ``data:`` URLs (§1.2; http(s) URLs are a 400, the strict choice of §11), and
+  only in user messages (OpenAI's rule; the Anthropic surface also allows them in tool results).
 * Malformed text and schemas are refused up front with the field named: a lone UTF-16 surrogate
   anywhere in the body (:func:`check_unicode`), a JSON Schema nested deeper than
   ``MAX_SCHEMA_DEPTH`` (64) levels (:func:`check_schema_depths`).
@@ -117,6 +118,31 @@ def check_messages(body: dict, thinking: bool, keep: str | None) -> None:
             if m.get("tool_calls"):
                 raise bad_request("thinking is enabled but reasoning_content is missing in assistant tool call "
                                   f"message at index {i}")
+
+
+_IMAGE_PARTS = ("image_url", "image")  # the part types the renderer turns into image slots
+
+
+def check_image_roles(body: dict, tool_images: bool = False) -> None:
+    """Image parts only in user messages (OpenAI's chat-completions rule: system / developer,
+    assistant and tool content is text only; Kimi's OpenAPI document shares one content schema
+    across roles and says nothing either way, so the stricter rule is kept).
+
+    Args:
+        tool_images: also allow them in ``tool`` messages (the Anthropic surface, whose
+            ``tool_result`` content may hold image blocks).
+    Raises:
+        APIError: 400 naming the part, ``messages[i].content[j]``.
+    """
+    allowed = ("user", "tool") if tool_images else ("user",)
+    for i, m in enumerate(body["messages"]):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list) or m.get("role") in allowed:
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                raise bad_request(f"messages[{i}].content[{j}]: image parts are only allowed in user messages, "
+                                  f"not in {m.get('role')} messages")
 
 
 def check_tool_history(body: dict) -> None:

@@ -192,3 +192,56 @@ def test_text_only_model_refuses_images(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=body(data_url(16, 16, "PNG")), max_completion_tokens=2)
     assert e.value.body["message"] == "model does not support image input"
+
+
+def test_image_parts_only_where_the_api_allows_them(vhttp):
+    """OpenAI route: image parts only in user messages; system / developer / assistant / tool ones are
+    a 400 naming the part (on a vision model, so the role rule and not the capability answers).
+    Anthropic route: image blocks in user turns and inside tool_result content, not in assistant
+    turns or ``system``."""
+    img = {"type": "image_url", "image_url": {"url": data_url(8, 8, "PNG")}}
+    text = {"type": "text", "text": "look"}
+    call = {"id": "functions.snap:0", "type": "function", "function": {"name": "snap", "arguments": "{}"}}
+    tools = [{"type": "function", "function": {"name": "snap", "parameters": {"type": "object"}}}]
+    ask = {"role": "user", "content": "What do you see?"}
+    cases = [
+        ([{"role": "system", "content": [text, img]}, ask], "messages[0].content[1]", "system"),
+        ([{"role": "developer", "content": [img]}, ask], "messages[0].content[0]", "developer"),
+        ([ask, {"role": "assistant", "content": [text, img], "reasoning_content": ""}, ask],
+         "messages[1].content[1]", "assistant"),
+        ([ask, {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "functions.snap:0", "content": [text, img]}],
+         "messages[2].content[1]", "tool"),
+    ]
+    for messages, where, role in cases:
+        r = vhttp.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": tools,
+                                                     "max_completion_tokens": 2})
+        assert r.status_code == 400, (role, r.text)
+        assert r.json() == {"error": {"message": f"{where}: image parts are only allowed in user messages, not in "
+                                                 f"{role} messages", "type": "invalid_request_error"}}, r.text
+    valid = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text, img]}]
+    ok = vhttp.post("/v1/chat/completions", json={"model": MODEL, "messages": valid, "max_completion_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+    src = {"type": "base64", "media_type": "image/png", "data": data_url(8, 8, "PNG").split(",", 1)[1]}
+    block = {"type": "image", "source": src}
+    a_tool = {"name": "snap", "input_schema": {"type": "object"}}
+    loop = [{"role": "user", "content": "Take a picture."},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                              {"type": "tool_use", "id": "functions.snap:0", "name": "snap",
+                                               "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "functions.snap:0",
+                                          "content": [{"type": "text", "text": "photo"}, block]}]}]
+    for path in ("/anthropic/v1/messages", "/anthropic/v1/messages/count_tokens"):
+        r = vhttp.post(path, json={"model": MODEL, "max_tokens": 2, "tools": [a_tool], "messages": loop})
+        assert r.status_code == 200, (path, r.text)
+    bad = [({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+                {"type": "text", "text": "see"}, block]}]},
+            "messages[1].content[1]: image blocks are only allowed in user messages and in tool_result content, "
+            "not in assistant messages"),
+           ({"system": [{"type": "text", "text": "s"}, block], "messages": [{"role": "user", "content": "hi"}]},
+            "system[1]: image blocks are only allowed in user messages and in tool_result content, not in system")]
+    for extra, message in bad:
+        r = vhttp.post("/anthropic/v1/messages", json={"model": MODEL, "max_tokens": 2, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}, r.text
