@@ -88,6 +88,22 @@ def _inference_pass(W, U, A, Q, Kt, D, S0, every):
     return torch.stack(outs, 2), torch.stack(states, 2)
 
 
+RECOMPUTE = 4  # keep 1 in RECOMPUTE entering states for the backward (4 sub-chunks of 16 = one 64-chunk)
+
+
+def _rebuild_states(S_saved, Kt, D, v_all):
+    """[B, H, N, K, V] entering states from every RECOMPUTE-th one: ``S_{i+1} = D_i * S_i + Kt_i v_i``."""
+    N = Kt.shape[2]
+    states = []
+    for i in range(N):
+        if i % RECOMPUTE == 0:
+            S = S_saved[:, :, i // RECOMPUTE]
+        else:
+            S = _bmm_add(D[:, :, i - 1] * S, Kt[:, :, i - 1], v_all[:, :, i - 1])
+        states.append(S)
+    return torch.stack(states, 2)
+
+
 class _StatePass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, W, U, A, Q, Kt, D, S0, every):
@@ -104,13 +120,16 @@ class _StatePass(torch.autograd.Function):
         O = torch.baddbmm((Q @ S_in).flatten(0, 2), A.flatten(0, 2), v_all.flatten(0, 2)).view_as(v_all)
         states = torch.cat([S_in[:, :, every::every], S.unsqueeze(2)], dim=2)
         ctx.every = every
-        ctx.save_for_backward(W, A, Q, Kt, D, S_in, v_all)
+        # Keep every RECOMPUTE-th entering state only; the backward rebuilds the others with one
+        # matmul each (v is kept), so activation memory across layers is RECOMPUTE times smaller.
+        ctx.save_for_backward(W, A, Q, Kt, D, S_in[:, :, ::RECOMPUTE].clone(), v_all)
         return O, states
 
     @staticmethod
     def backward(ctx, dO, dStates):
-        W, A, Q, Kt, D, S_in, v_all = ctx.saved_tensors
+        W, A, Q, Kt, D, S_saved, v_all = ctx.saved_tensors
         N, every = W.shape[2], ctx.every
+        S_in = _rebuild_states(S_saved, Kt, D, v_all)
         if dO is None:
             dO = torch.zeros_like(v_all)
         # State-independent parts of dv_i and dS_i, for all chunks at once.
@@ -142,8 +161,9 @@ def kda_state_pass(W, U, A, Q, Kt, D, S0, every: int | None = None):
 
     Same arguments, returns and errors as :func:`kda_state_pass_reference` (equal up to fp32
     rounding; tests/ops/test_kda_scan.py checks values and gradients, and gradcheck in fp64).
-    Memory: with autograd it keeps the state entering every chunk ([B, H, N, K, V]) for the
-    backward, as the autograd loop does; without (inference) only the requested states.
+    Memory: with autograd it keeps one entering state in :data:`RECOMPUTE` ([B, H, N / 4, K, V])
+    and rebuilds the rest in the backward (one matmul per chunk); the autograd loop keeps all N.
+    Without autograd (inference) only the requested states are kept.
     """
     every = _check(W, U, A, Q, Kt, D, S0, every)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (W, U, A, Q, Kt, D, S0))):
