@@ -10,7 +10,8 @@ One :meth:`Engine.step`:
 1. the :class:`~openk3.engine.scheduler.Scheduler` admits waiting requests (FCFS, memory
    reserved up front) and plans the step;
 2. all single-token rows (decodes) run as **one** batched forward in the recurrent KDA mode;
-3. prefill pieces run as batched forwards (chunked KDA form), split at snapshot boundaries;
+3. prefill pieces run as batched forwards (chunked KDA form), split at snapshot boundaries, rows
+   of similar length together (the scheduler's length groups);
 4. every request whose known tokens are now all computed is sampled in one batched
    sampler call (constraint masks, temperature, top-k/top-p, per-request generators);
 5. new tokens are checked against stop ids / stop strings / constraint completion / max_tokens,
@@ -72,6 +73,10 @@ class EngineConfig:
             multiple of L that is >= 512 (K3 hashes 512-token blocks, architecture.md §3.5).
         snapshot_fraction: share of ``cache_memory`` for KDA snapshots (prefix cache on only).
         seed: seeds the generators of requests without their own seed (None = global torch RNG).
+        prefill_forward_cost: rows of a prefill round are split into length groups (one forward
+            each) where that saves more than this many padded token positions per extra forward
+            (:func:`~openk3.engine.scheduler.length_groups`); None = one forward per round. The
+            default is about a forward's fixed cost in tokens for the small CPU benchmark models.
     """
 
     max_num_seqs: int = 16
@@ -85,6 +90,7 @@ class EngineConfig:
     snapshot_interval: int | None = None
     snapshot_fraction: float = 0.25
     seed: int | None = None
+    prefill_forward_cost: int | None = 32
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -99,6 +105,9 @@ class EngineConfig:
         si = self.snapshot_interval
         if si is not None and (not isinstance(si, int) or si < self.block_size or si % self.block_size):
             raise ValueError(f"snapshot_interval={si!r}: must be a positive multiple of block_size={self.block_size}")
+        pfc = self.prefill_forward_cost
+        if pfc is not None and (not isinstance(pfc, int) or pfc < 0):
+            raise ValueError(f"prefill_forward_cost={pfc!r}: must be an integer >= 0 or None")
         if not 0 <= self.snapshot_fraction < 1:
             raise ValueError(f"snapshot_fraction={self.snapshot_fraction!r}: must lie in [0, 1)")
 
@@ -174,7 +183,8 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                                  lay.num_blocks * L)
         self.scheduler = Scheduler(self.blocks, self.slots, self.prefix, max_num_seqs=min(cfg.max_num_seqs, lay.num_slots),
-                                   prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill, block_size=L)
+                                   prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill, block_size=L,
+                                   forward_cost=cfg.prefill_forward_cost)
         self._kda_index = {}
         self._mla_index = {}
         for l, t in enumerate(mc.layer_types):
