@@ -447,3 +447,18 @@ def test_short_conv_fast_path_low_precision_input():
     assert y.dtype == new_tail.dtype == torch.bfloat16
     assert_close(y.float(), y_ref.float(), atol=1e-2, rtol=1e-2, what="bf16 output")
     assert torch.equal(new_tail, tail_ref)
+
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.99])
+def test_repeated_keys_keep_full_precision(beta):
+    """Identical keys with beta near 1 and no decay (a run of repeated tokens): A_kk is as large
+    as it gets; the fast form must still match the float64 recurrence to fp32 precision."""
+    T = 48
+    k = unit(torch.randn(1, 1, H, K)).expand(1, T, H, K).contiguous()
+    q, v = unit(torch.randn(1, T, H, K)), torch.randn(1, T, H, V)
+    g, b = torch.zeros(1, T, H, K), torch.full((1, T, H), beta)
+    o, s = kc.kda_chunk_batched(q, k, v, g, b, SCALE)
+    o64, s64 = naive_kda64(q, k, v, g, b, SCALE, torch.zeros(1, H, K, V))
+    assert_close(o, o64, atol=2e-6, rtol=1e-5, what="output, repeated keys")
+    assert_close(s, s64, atol=2e-6, rtol=1e-5, what="state, repeated keys")
