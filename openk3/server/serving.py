@@ -211,7 +211,8 @@ class ChatServing:
 
     def _constraint(self, opts: Any, tools: list[dict], prompt: Any, body: dict) -> Any:
         """The output constraint: response_format (json_object / strict json_schema) and tool-call
-        arguments (each tool's parameter schema); None for free text without tools.
+        arguments (each tool's parameter schema; ``parallel_tool_calls: false`` allows one call);
+        None for free text without tools.
 
         Raises:
             APIError: 400 for a schema the constraint compiler rejects, or a partial prefix the
@@ -238,9 +239,12 @@ class ChatServing:
         make = self._make_constraint
         if make is None:
             from openk3.engine.constraints import make_constraint as make
+        extra = {}
+        if use_tools is not None and body.get("parallel_tool_calls") is False:
+            extra["max_tool_calls"] = 1  # OpenAI's meaning: at most one tool call in the reply
         try:
             constraint = make(self.tokenizer, kind or "text", schema=schema, tools=use_tools,
-                              tool_choice=opts.tool_choice, thinking=opts.thinking)
+                              tool_choice=opts.tool_choice, thinking=opts.thinking, **extra)
         except ValueError as e:
             raise bad_request(f"Invalid request: {e}") from None
         if prompt.partial:

@@ -298,6 +298,22 @@ def test_canonical_tool_messages_accepted_and_violations_rejected(kimi):
     assert replay(c, ids[:i] + bad + ids[i + len(good_seg):]) != (len(ids) - len(good_seg) + len(bad), True)
 
 
+def test_max_tool_calls_limits_calls_per_message(kimi):
+    """max_tool_calls=1 (the server's ``parallel_tool_calls: false``) accepts one call and rejects
+    a second; the default accepts both."""
+    one = _weather_msg("{}", "ping")
+    two = _weather_msg("{}", "ping")
+    two["tool_calls"].append({"id": "call_2", "type": "function", "function": {"name": "ping", "arguments": "{}"}})
+
+    def ok(message: dict, **kw) -> bool:
+        ids = render_assistant_output(message, kimi)
+        n, done = replay(make_constraint(kimi, "text", tools=TOOLS, tool_choice="auto", **kw), ids)
+        return n == len(ids) and done
+
+    assert ok(one, max_tool_calls=1) and ok(two) and ok(one)
+    assert not ok(two, max_tool_calls=1)
+
+
 def test_additional_properties_in_typed_arguments(kimi):
     """Undeclared keys, allowed by the schema, render as typed tags after the declared ones."""
     tools = [{"type": "function", "function": {"name": "kv", "parameters": {

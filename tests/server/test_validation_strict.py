@@ -141,3 +141,29 @@ def test_openai_route_thinking_budget_stays_accept_and_ignore(http):
 def test_unknown_model_still_wins_over_a_bad_thinking_budget(http):
     r = http.post(MESSAGES, json=_anth(model="claude-x", thinking={"type": "enabled"}))
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+
+
+# ------------------------------------------------------------ parallel_tool_calls: false -> one call
+
+@pytest.mark.parametrize("value, want", [(False, {"max_tool_calls": 1}), (True, {}), (None, {})])
+def test_parallel_tool_calls_false_allows_one_call(value, want):
+    """``parallel_tool_calls: false`` builds the tool constraint with at most one call (the
+    constraint's limit itself: tests/engine/test_constraints.py); true / absent keep the default."""
+    from openk3.server import ChatServing, ModelInfo
+    from openk3.server.metrics import Metrics
+    from openk3.server.protocol import ChatCompletionRequest
+    from openk3.tokenizer import load_tokenizer
+
+    seen = []
+
+    def factory(tokenizer, kind, **kw):
+        seen.append(kw)
+        return None
+
+    serving = ChatServing(None, load_tokenizer("openk3-tiny"), ModelInfo(MODEL, 4096), Metrics(),
+                          make_constraint=factory)
+    body = dict(BASE, tools=[TOOL])
+    if value is not None:
+        body["parallel_tool_calls"] = value
+    serving.prepare(body, ChatCompletionRequest.model_validate(body))
+    assert len(seen) == 1 and {k: v for k, v in seen[0].items() if k == "max_tool_calls"} == want
