@@ -15,6 +15,7 @@ are then written as Anthropic content blocks / SSE events. Mapping:
   is continued (partial mode, api.md §1.8);
 * ``tools`` (``input_schema``) -> function tools; ``tool_choice`` auto / any / none -> auto /
   required / none (the named ``tool`` form is a 400, as on the OpenAI surface);
+  ``disable_parallel_tool_use: true`` -> ``parallel_tool_calls: false`` (one call per reply);
 * ``thinking: {"type": "disabled"}`` -> instant mode; ``{"type": "enabled"}`` needs
   ``budget_tokens``, an integer >= 1024 and below ``max_tokens`` (Anthropic's rule; otherwise a 400
   naming ``thinking.budget_tokens``), which is then ignored (api.md §7: Kimi is not known to enforce
@@ -177,6 +178,11 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
         if kind not in ("auto", "any", "none"):
             raise bad_request(f"tool_choice.type: unsupported value {kind!r} (auto, any, none)")
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        dp = tc.get("disable_parallel_tool_use")
+        if dp is not None and not isinstance(dp, bool):
+            raise bad_request(f"tool_choice.disable_parallel_tool_use: must be a boolean, got {dp!r}")
+        if dp:  # Anthropic's name for parallel_tool_calls: false
+            body["parallel_tool_calls"] = False
     if req.get("stop_sequences"):
         body["stop"] = req["stop_sequences"]
     if not thinking_on:

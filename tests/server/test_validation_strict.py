@@ -167,3 +167,15 @@ def test_parallel_tool_calls_false_allows_one_call(value, want):
         body["parallel_tool_calls"] = value
     serving.prepare(body, ChatCompletionRequest.model_validate(body))
     assert len(seen) == 1 and {k: v for k, v in seen[0].items() if k == "max_tool_calls"} == want
+
+
+def test_anthropic_disable_parallel_tool_use_maps_to_one_call(http):
+    from openk3.server.anthropic import to_chat_body
+
+    req = _anth(tools=[{"name": "get_weather", "input_schema": SCHEMA}],
+                tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert to_chat_body(req)["parallel_tool_calls"] is False
+    assert "parallel_tool_calls" not in to_chat_body(dict(req, tool_choice={"type": "auto"}))
+    bad = dict(req, tool_choice={"type": "auto", "disable_parallel_tool_use": "yes"})
+    anthropic_error(http.post(MESSAGES, json=bad),
+                    "tool_choice.disable_parallel_tool_use: must be a boolean, got 'yes'")
