@@ -14,7 +14,8 @@ reference and the test oracle). What differs:
 * otherwise :func:`decayed_scores` evaluates the ``chunk_size`` chunks' scores with batched sub-tile
   ops (exact pairwise form, same numerics as the reference);
 * the state-independent stage (G, ``A_kk``, the triangular solve for W and U, ``A_qk``, decayed q
-  and k) is computed for all chunks at once, then :func:`openk3.ops.kda_scan.kda_state_pass` runs
+  and k) is computed for all sub-chunks at once (the exact form: chunk by chunk, so its pairwise
+  tensors stay cache-sized), then :func:`openk3.ops.kda_scan.kda_state_pass` runs
   the sequential inter-chunk pass with a hand-written backward.
 
 Source: architecture.md §3.4 (chunkwise form, numerics); fla ``chunk_kda`` (the same split into a
@@ -30,7 +31,7 @@ from openk3.ops import kda_reference as _ref
 from openk3.ops.kda_scan import kda_state_pass
 
 TILE = _ref._TILE
-# Sub-chunk length used under the gate bound (see _chunk_rows); a multiple of it must divide chunk_size.
+# Sub-chunk length used under the gate bound when it divides chunk_size (see _chunk_rows).
 SUB = 16
 # Largest per-step |log-decay| for which the sub-chunk matmul factorisation (_intra_bounded) is used
 # (16 tokens: exponents stay within +-40). K3's gate is bounded by gate_lower_bound = -5 so it always
