@@ -165,6 +165,9 @@ class RunConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a non-negative integer")
+        ctx = self.model_config().max_position_embeddings
+        if self.seq_len > ctx:  # the model's declared context; beyond it a row only exhausts memory
+            raise ValueError(f"RunConfig.seq_len={self.seq_len}: exceeds the model's max_position_embeddings={ctx}")
         if self.ep_size > 1 and self.model_config().n_routed_experts % self.ep_size:
             raise ValueError(f"RunConfig.ep_size={self.ep_size}: must divide n_routed_experts="
                              f"{self.model_config().n_routed_experts}")

@@ -385,6 +385,10 @@ def test_cli_lists_recipes_and_rejects_bad_input(capsys):
     assert "RunConfig.total_steps=0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="RunConfig.qat=.int3."):
         get_recipe("smoke", qat="int3")
+    # a row longer than the model's context is refused up front (instead of exhausting memory)
+    assert main(["train", "--recipe", "smoke", "--set", "seq_len=100000"]) == 2
+    assert "RunConfig.seq_len=100000: exceeds the model's max_position_embeddings=4096" in capsys.readouterr().err
+    assert get_recipe("smoke", seq_len=4096).seq_len == 4096
 
 
 def test_metrics_log_truncates_on_resume_and_plots(tmp_path):
