@@ -53,7 +53,8 @@ def test_in_process_vision_checkpoint_returns_per_type_table(tmp_path):
           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "linear_head_dim": 16}
     vit = {"vt_num_hidden_layers": 1, "vt_hidden_size": 32, "mm_hidden_size": 32, "vt_intermediate_size": 64,
            "qkv_hidden_size": 32}
-    run = RunConfig("t", "openk3-tiny", None, 1, extra={"tokenizer_dir": TOK, "model_overrides": lm, "vision": vit})
+    run = RunConfig("t", "openk3-tiny", lambda run, split: None, 1,
+                    extra={"tokenizer_dir": TOK, "model_overrides": lm, "vision": vit})
     model = build_model(vision_model_config(run), seed=0)
     model.save_pretrained(str(tmp_path / "m"))
     load_tokenizer(TOK).save_pretrained(tmp_path / "m")

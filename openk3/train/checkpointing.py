@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -280,10 +281,19 @@ class CheckpointManager:
         path = os.fspath(path)
         if not os.path.isfile(os.path.join(path, STATE_JSON)):
             raise FileNotFoundError(f"{path!r} is not a complete training checkpoint (no {STATE_JSON})")
-        with open(os.path.join(path, STATE_JSON), encoding="utf-8") as f:
-            record = json.load(f)
+        try:
+            with open(os.path.join(path, STATE_JSON), encoding="utf-8") as f:
+                record = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{os.path.join(path, STATE_JSON)}: damaged training state ({e})") from None
         load_model_weights_(model, path)
-        blob = torch.load(os.path.join(path, STATE_PT), map_location="cpu", weights_only=True)
+        try:
+            blob = torch.load(os.path.join(path, STATE_PT), map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ValueError(f"{os.path.join(path, STATE_PT)}: damaged optimizer state, not a readable torch "
+                             f"file ({type(e).__name__})") from None
         if optimizer is not None:
             optimizer.load_state_dict(blob["optimizer"])
         if balancers is not None:

@@ -157,14 +157,20 @@ class RunConfig:
     prepare: Callable[["RunConfig", str, bool], "RunConfig"] | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name in ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins", "ep_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if v < 1:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a positive integer")
         for name in ("eval_every", "eval_batches"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if v < 0:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a non-negative integer")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"RunConfig.threads={self.threads!r}: must be a positive integer or None")
+        if self.adamw_lr is not None and not self.adamw_lr > 0:
+            raise ValueError(f"RunConfig.adamw_lr={self.adamw_lr!r}: must be > 0 or None")
+        self._check_device()
         ctx = self.model_config().max_position_embeddings
         if self.seq_len > ctx:  # the model's declared context; beyond it a row only exhausts memory
             raise ValueError(f"RunConfig.seq_len={self.seq_len}: exceeds the model's max_position_embeddings={ctx}")
@@ -181,6 +187,68 @@ class RunConfig:
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr={self.lr!r}: must be > 0")
         self.step_config()  # validates the schedule and clip fields
+
+    _INTS = ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins", "ep_size",
+             "eval_every", "eval_batches", "seed")
+    _OPT_INTS = ("warmup_steps", "keep_checkpoints", "threads")
+    _FLOATS = ("min_lr_ratio", "lr", "weight_decay")
+    _OPT_FLOATS = ("adamw_lr", "grad_clip", "qk_clip_tau", "qb_ema")
+    _OPT_STRS = ("qat", "init_from")
+
+    def _check_types(self) -> None:
+        """Every field has its declared type (``--set`` values arrive as JSON): a bool is not an
+        integer here, numbers are finite.
+
+        Raises:
+            ValueError: naming the field, the value and the expected type.
+        """
+        def bad(name: str, want: str):
+            return ValueError(f"RunConfig.{name}={getattr(self, name)!r}: must be {want}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+        for n in self._INTS:
+            if not is_int(getattr(self, n)):
+                raise bad(n, "an integer")
+        for n in self._OPT_INTS:
+            if getattr(self, n) is not None and not is_int(getattr(self, n)):
+                raise bad(n, "an integer or null")
+        for n in self._FLOATS:
+            if not is_num(getattr(self, n)):
+                raise bad(n, "a finite number")
+        for n in self._OPT_FLOATS:
+            if getattr(self, n) is not None and not is_num(getattr(self, n)):
+                raise bad(n, "a finite number or null")
+        for n in self._OPT_STRS:
+            if getattr(self, n) is not None and not isinstance(getattr(self, n), str):
+                raise bad(n, "a string or null")
+        if not isinstance(self.name, str):
+            raise bad("name", "a string")
+        if not isinstance(self.model, (str, K3Config)):
+            raise bad("model", "a preset name or a K3Config")
+        if not isinstance(self.device, str):
+            raise bad("device", 'a device string ("cpu", "cuda", "cuda:1")')
+        if not isinstance(self.extra, dict):
+            raise bad("extra", "a JSON object")
+        if not callable(self.data):
+            raise bad("data", "a data factory (callable; set by the recipe)")
+        if self.prepare is not None and not callable(self.prepare):
+            raise bad("prepare", "a callable or null")
+
+    def _check_device(self) -> None:
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"RunConfig.device={self.device!r}: not a torch device (\"cpu\", \"cuda\", "
+                             f"\"cuda:1\")") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"RunConfig.device={self.device!r}: CUDA is not available in this torch build")
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"RunConfig.device={self.device!r}: only cpu and cuda are supported")
 
     def model_config(self) -> K3Config:
         """The model's :class:`K3Config` (a preset is built on each call)."""

@@ -75,7 +75,7 @@ def cli_train(args) -> int:
         if _rank0():  # every rank stops with the same message
             print(f"openk3 train: {e}", file=sys.stderr)
         return 1
-    except ValueError as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         print(f"openk3 train: {e}", file=sys.stderr)
         return 2
     if result.signal is not None:

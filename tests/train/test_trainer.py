@@ -385,6 +385,17 @@ def test_cli_lists_recipes_and_rejects_bad_input(capsys):
     assert "RunConfig.total_steps=0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="RunConfig.qat=.int3."):
         get_recipe("smoke", qat="int3")
+    # every field is type-checked (--set values are JSON), naming field, value and type
+    for setting, message in (('qb_ema="a"', "RunConfig.qb_ema='a': must be a finite number or null"),
+                             ('lr="fast"', "RunConfig.lr='fast': must be a finite number"),
+                             ("batch_size=true", "RunConfig.batch_size=True: must be an integer"),
+                             ('extra="s"', "RunConfig.extra='s': must be a JSON object"),
+                             ('data="x"', "RunConfig.data='x': must be a data factory"),
+                             ('device="tpu"', "RunConfig.device='tpu'"),
+                             ("threads=0", "RunConfig.threads=0: must be a positive integer"),
+                             ("adamw_lr=0", "RunConfig.adamw_lr=0: must be > 0")):
+        assert main(["train", "--recipe", "smoke", "--set", setting]) == 2, setting
+        assert message in capsys.readouterr().err, setting
     # a row longer than the model's context is refused up front (instead of exhausting memory)
     assert main(["train", "--recipe", "smoke", "--set", "seq_len=100000"]) == 2
     assert "RunConfig.seq_len=100000: exceeds the model's max_position_embeddings=4096" in capsys.readouterr().err
@@ -461,3 +472,33 @@ def test_smoke_recipe_learns(tmp_path):
     assert max(pooled) < 1.15 and sum(pooled) / len(pooled) < 1.1
     assert train_recs[0]["qb_max_over_mean"] > max(pooled)
     assert (tmp_path / "metrics.png").exists()
+
+
+def test_out_dir_is_checked_and_an_earlier_run_is_never_overwritten(tmp_path, capsys):
+    """A file as --out, an uncreatable --out, and a second fresh start into a directory that holds
+    a run are refused (the earlier metrics and checkpoints stay as they were); --resume continues.
+    A damaged trainer_state.pt / .json is a ValueError naming the file."""
+    from openk3.cli import main
+
+    args = ["train", "--recipe", "smoke", "--no-progress", "--set", "seq_len=32", "--set", "threads=1"]
+    (tmp_path / "file").write_text("x")
+    assert main(args + ["--out", str(tmp_path / "file"), "--max-steps", "1"]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert main(args + ["--out", str(tmp_path / "file" / "sub"), "--max-steps", "1"]) == 2
+    assert "cannot be created" in capsys.readouterr().err
+    out = tmp_path / "run"
+    assert main(args + ["--out", str(out), "--max-steps", "2"]) == 0
+    before = (out / "metrics.jsonl").read_text()
+    assert main(args + ["--out", str(out), "--max-steps", "1"]) == 2
+    assert "already holds a training run (checkpoints step-0000002): pass --resume" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-0000002"]
+    assert main(args + ["--out", str(out), "--max-steps", "3", "--resume"]) == 0
+    capsys.readouterr()
+    state = out / "checkpoints" / "step-0000003"
+    (state / "trainer_state.pt").write_bytes(b"garbage")
+    assert main(args + ["--out", str(out), "--max-steps", "4", "--resume"]) == 2
+    assert f"{state / 'trainer_state.pt'}: damaged optimizer state" in capsys.readouterr().err
+    (state / "trainer_state.json").write_text("{bad")
+    assert main(args + ["--out", str(out), "--max-steps", "4", "--resume"]) == 2
+    assert f"{state / 'trainer_state.json'}: damaged training state" in capsys.readouterr().err

@@ -91,7 +91,8 @@ def _text_ckpt(tmp_path) -> str:
     from openk3.train.recipes import RunConfig
     from openk3.train.vision_stage import vision_model_config
 
-    run = RunConfig("t", "openk3-tiny", None, 1, extra={"tokenizer_dir": TOK, "model_overrides": TINY_LM})
+    run = RunConfig("t", "openk3-tiny", lambda run, split: None, 1,
+                    extra={"tokenizer_dir": TOK, "model_overrides": TINY_LM})
     cfg = vision_model_config(run)
     cfg.wrapper = None  # the text model of the same LM
     model = build_model(cfg, seed=5)
