@@ -194,6 +194,9 @@ def cli_train_tokenizer(args: Any) -> int:
     the exit code (2 with a message on stderr for bad input)."""
     import sys
 
+    if args.max_mb is not None and not args.max_mb > 0:
+        print(f"openk3 train-tokenizer: --max-mb={args.max_mb}: must be > 0", file=sys.stderr)
+        return 2
     max_bytes = None if args.max_mb is None else int(args.max_mb * (1 << 20))
     try:
         tok = train_tokenizer(args.corpus, args.vocab_size, args.out, min_frequency=args.min_frequency,
@@ -205,4 +208,8 @@ def cli_train_tokenizer(args: Any) -> int:
     print(f"{args.out}: vocab {tok.vocab_size} ({info['bpe_tokens']} BPE + {NUM_SPECIAL_SLOTS} special), "
           f"trained on {info['training_bytes'] / (1 << 20):.1f} MiB; <|end_of_msg|>={tok.end_of_msg_id}, "
           f"[PAD]={tok.pad_id}")
+    if tok.vocab_size < args.vocab_size:
+        print(f"openk3 train-tokenizer: note: the corpus supports only {tok.vocab_size} ids, fewer than "
+              f"--vocab-size {args.vocab_size} (no more merges to learn); use {tok.vocab_size} as the model's "
+              f"vocab_size", file=sys.stderr)
     return 0

@@ -150,3 +150,18 @@ def test_bad_arguments(tmp_path):
         train_tokenizer(tmp_path / "missing", 512)
     with pytest.raises(ValueError, match="manifest"):
         train_tokenizer(tmp_path, 512)
+
+
+def test_cli_max_mb_and_vocab_shortfall(tmp_path, capsys):
+    """``--max-mb`` <= 0 names the flag; a corpus too small for ``--vocab-size`` trains, reports
+    the real size and says so."""
+    from openk3.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat. " * 50)
+    assert main(["train-tokenizer", "--corpus", str(text), "--vocab-size", "600", "--out", str(tmp_path / "a"),
+                 "--max-mb", "0"]) == 2
+    assert "--max-mb=0.0: must be > 0" in capsys.readouterr().err
+    assert main(["train-tokenizer", "--corpus", str(text), "--vocab-size", "100000", "--out", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "fewer than --vocab-size 100000" in err
