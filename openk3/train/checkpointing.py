@@ -310,4 +310,28 @@ class CheckpointManager:
         return record
 
 
-__all__ = ["CheckpointManager", "step_dir_name", "STATE_PT", "STATE_JSON", "LATEST"]
+__all__ = ["CheckpointManager", "check_out_dir", "step_dir_name", "STATE_PT", "STATE_JSON", "LATEST"]
+
+
+def check_out_dir(out_dir: str, resume: bool) -> None:
+    """Create ``out_dir``; refuse a path that is not a directory, and an earlier run there unless
+    ``resume`` (a fresh start would truncate its metrics and mix its checkpoints with the new ones).
+
+    Raises:
+        ValueError: naming the path.
+    """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out_dir {out_dir!r}: exists and is not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out_dir {out_dir!r}: cannot be created ({e.strerror or e})") from None
+    if resume:
+        return
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    earlier = [n for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []) if n.startswith("step-")]
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if earlier or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
+        what = f"checkpoints {sorted(earlier)[-1]}" if earlier else "metrics.jsonl"
+        raise ValueError(f"out_dir {out_dir!r} already holds a training run ({what}): pass --resume to continue "
+                         "it, or choose another --out (or remove the directory) to start over")

@@ -358,30 +358,6 @@ class TrainResult:
     last_metrics: dict
 
 
-def _check_out_dir(out_dir: str, resume: bool) -> None:
-    """Create ``out_dir``; refuse a path that is not a directory, and an earlier run there unless
-    ``resume`` (a fresh start would truncate its metrics and mix its checkpoints with the new ones).
-
-    Raises:
-        ValueError: naming the path.
-    """
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"out_dir {out_dir!r}: exists and is not a directory")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"out_dir {out_dir!r}: cannot be created ({e.strerror or e})") from None
-    if resume:
-        return
-    ckpt_dir = os.path.join(out_dir, "checkpoints")
-    earlier = [n for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []) if n.startswith("step-")]
-    metrics = os.path.join(out_dir, "metrics.jsonl")
-    if earlier or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
-        what = f"checkpoints {sorted(earlier)[-1]}" if earlier else "metrics.jsonl"
-        raise ValueError(f"out_dir {out_dir!r} already holds a training run ({what}): pass --resume to continue "
-                         "it, or choose another --out (or remove the directory) to start over")
-
-
 def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: int | None = None,
           progress: bool = True) -> TrainResult:
     """Run a recipe (:class:`~openk3.train.recipes.RunConfig`) into ``out_dir``.
@@ -410,12 +386,12 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
             while ``resume`` is false, ``resume`` onto a checkpoint of another model, or
             (under torchrun) a multi-stage recipe or an ``ep_size`` that does not divide the world.
     """
-    from openk3.train.checkpointing import CheckpointManager
+    from openk3.train.checkpointing import CheckpointManager, check_out_dir
     from openk3.train.distributed_run import NullLog, distributed_requested, run_context
     from openk3.train.logging import MetricsLog, Progress, plot_metrics
 
     out_dir = os.fspath(out_dir)
-    _check_out_dir(out_dir, resume)
+    check_out_dir(out_dir, resume)
     if run.prepare is not None and not distributed_requested():  # multi-stage: earlier stages first
         run = run.prepare(run, out_dir, resume)
     ctx = run_context(run)
