@@ -69,6 +69,13 @@ def cli_train(args) -> int:
         print(f"openk3 train: {e}", file=sys.stderr)
         return 2
     out = args.out or os.path.join("runs", run.name)
+    if args.resume and _rank0() and run.prepare is None:
+        from openk3.train.checkpointing import CheckpointManager
+
+        if not os.path.isdir(os.path.join(out, "checkpoints")) or CheckpointManager(
+                os.path.join(out, "checkpoints")).latest() is None:
+            print(f"openk3 train: --resume: no checkpoint in {os.path.join(out, 'checkpoints')}; starting at step 0",
+                  file=sys.stderr)
     try:
         result = train(run, out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress)
     except TrainingStopped as e:

@@ -494,7 +494,9 @@ def test_out_dir_is_checked_and_an_earlier_run_is_never_overwritten(tmp_path, ca
     assert (out / "metrics.jsonl").read_text() == before
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-0000002"]
     assert main(args + ["--out", str(out), "--max-steps", "3", "--resume"]) == 0
-    capsys.readouterr()
+    assert "no checkpoint" not in capsys.readouterr().err
+    assert main(args + ["--out", str(tmp_path / "fresh"), "--max-steps", "1", "--resume"]) == 0
+    assert "--resume: no checkpoint in" in capsys.readouterr().err  # a typo in --out is visible
     state = out / "checkpoints" / "step-0000003"
     (state / "trainer_state.pt").write_bytes(b"garbage")
     assert main(args + ["--out", str(out), "--max-steps", "4", "--resume"]) == 2
