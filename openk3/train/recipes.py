@@ -211,21 +211,14 @@ class RunConfig:
         def is_num(v) -> bool:
             return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
-        for n in self._INTS:
-            if not is_int(getattr(self, n)):
-                raise bad(n, "an integer")
-        for n in self._OPT_INTS:
-            if getattr(self, n) is not None and not is_int(getattr(self, n)):
-                raise bad(n, "an integer or null")
-        for n in self._FLOATS:
-            if not is_num(getattr(self, n)):
-                raise bad(n, "a finite number")
-        for n in self._OPT_FLOATS:
-            if getattr(self, n) is not None and not is_num(getattr(self, n)):
-                raise bad(n, "a finite number or null")
-        for n in self._OPT_STRS:
-            if getattr(self, n) is not None and not isinstance(getattr(self, n), str):
-                raise bad(n, "a string or null")
+        checks = ((self._INTS, False, is_int, "an integer"), (self._OPT_INTS, True, is_int, "an integer"),
+                  (self._FLOATS, False, is_num, "a finite number"), (self._OPT_FLOATS, True, is_num, "a finite number"),
+                  (self._OPT_STRS, True, lambda v: isinstance(v, str), "a string"))
+        for names, optional, ok, want in checks:
+            for n in names:
+                v = getattr(self, n)
+                if not (ok(v) or (optional and v is None)):
+                    raise bad(n, want + (" or null" if optional else ""))
         if not isinstance(self.name, str):
             raise bad("name", "a string")
         if not isinstance(self.model, (str, K3Config)):
