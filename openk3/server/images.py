@@ -17,7 +17,7 @@ request is translated).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from openk3.server.protocol import bad_request
 
@@ -59,53 +59,69 @@ def _url(part: dict) -> str:
     return ref.get("url") if isinstance(ref, dict) else ref
 
 
-def expand_images(prompt: Any, body: dict, tokenizer: Any, config: Any, *, pixels: bool) -> ExpandedImages:
-    """Decode the prompt's images and expand their slots.
+def expand_images(prompt: Any, body: dict, tokenizer: Any, config: Any, *, pixels: bool,
+                  check: Callable[[int, list[tuple[int, int, int]]], None] | None = None) -> ExpandedImages:
+    """Expand the prompt's image slots, then (``pixels``) decode and preprocess the images.
+
+    Order, so that a request refused for its size never pays for a decode: every image's header
+    is read (format and size only, :func:`openk3.vision.preprocess.open_image`), the token counts
+    follow from the sizes (:func:`~openk3.vision.preprocess.navit_resize`), the slots are
+    expanded, ``check(len(expanded ids), grids)`` runs (the caller's context and memory limits;
+    grids are the tower's ``(1, gh, gw)`` per image), and only then are pixels decoded.
 
     Args:
         prompt: the rendered :class:`~openk3.chat_format.render.Prompt` (image URLs already checked
             to be base64 data URLs and the model to support images).
         body: the chat body the prompt was rendered from (for error locations).
         tokenizer: the model's tokenizer. config: :class:`openk3.vision.ImageProcessorConfig`.
-        pixels: also resize / normalise / patchify for the engine (False: sizes only, for counting).
+        pixels: also decode / resize / normalise / patchify for the engine (False: sizes from the
+            headers only, for counting; no pixel is decoded).
+        check: called before any decode, also for a prompt without images (grids ``[]``); it
+            raises to refuse the request.
     Raises:
         APIError: 400 for too many images or an image that cannot be used (corrupt, empty, too
-            large, unsupported format), naming ``messages[i].content[j]``.
+            large, unsupported format), naming ``messages[i].content[j]``; whatever ``check`` raises.
     """
     if not prompt.image_slots:
+        if check is not None:
+            check(len(prompt.token_ids), [])
         return ExpandedImages(list(prompt.token_ids), prompt.prompt_tokens)
     from openk3.vision.expand import expand_image_slots
-    from openk3.vision.preprocess import ImageError, decode_image, image_bytes_from_data_url, navit_resize, process_image
+    from openk3.vision.preprocess import ImageError, image_bytes_from_data_url, navit_resize, open_image, process_image
 
     if len(prompt.images) > config.max_images:
         raise bad_request(f"messages: at most {config.max_images} images per request, got {len(prompt.images)}")
     where = image_locations(body)
-    processed, sizes, counts = [], [], []
+    datas, sizes, plans, locs = [], [], [], []
     for k, part in enumerate(prompt.images):
         loc = where.get(id(part), f"image {k}")
         try:
             data = image_bytes_from_data_url(_url(part))
-            if pixels:
-                im = process_image(data, config)
-                processed.append(im)
-                w, h, n = im.width, im.height, im.num_tokens
-            else:
-                w, h = decode_image(data, config).size
-                n = navit_resize(w, h, config).num_tokens
+            w, h = open_image(data, config).size
         except ImageError as e:
             raise bad_request(f"{loc}: invalid image ({e.code}): {e}") from None
+        datas.append(data)
+        locs.append(loc)
         sizes.append((w, h))
-        counts.append(n)
+        plans.append(navit_resize(w, h, config))
     try:
-        expanded = expand_image_slots(prompt.token_ids, prompt.image_slots, sizes, counts, tokenizer)
+        expanded = expand_image_slots(prompt.token_ids, prompt.image_slots, sizes, [p.num_tokens for p in plans],
+                                      tokenizer)
     except ValueError as e:
         raise bad_request(f"Invalid request: {e}") from None
+    if check is not None:
+        check(len(expanded.token_ids), [(1, p.grid_h, p.grid_w) for p in plans])
     prompt_tokens = prompt.prompt_tokens_with_images(expanded.image_token_counts)
     mm = []
     if pixels:
         from openk3.engine.mm import ImageInput
 
-        mm = [ImageInput.from_processed(im, pos) for im, pos in zip(processed, expanded.pad_positions)]
+        for data, loc, pos in zip(datas, locs, expanded.pad_positions):
+            try:
+                im = process_image(data, config)
+            except ImageError as e:
+                raise bad_request(f"{loc}: invalid image ({e.code}): {e}") from None
+            mm.append(ImageInput.from_processed(im, pos))
     return ExpandedImages(expanded.token_ids, prompt_tokens, mm)
 
 

@@ -185,15 +185,17 @@ class ChatServing:
             raise bad_request("top_logprobs: must be 0-20 and requires logprobs: true")
         self.check_text_size(body)
         prompt, opts = self.render(body)
-        expanded = self._expand(prompt, body, pixels=True)
-
-        n_ids = len(expanded.token_ids)
         ctx = self.model.context_length
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if asked is not None and asked < 1:
             raise bad_request(f"max_completion_tokens: must be >= 1, got {asked}")
-        if n_ids >= ctx or (asked is not None and n_ids + asked > ctx):
-            raise bad_request(f"Your request exceeded model token limit: {ctx} (requested: {n_ids + (asked or 1)})")
+
+        def check(n_ids: int, grids: list) -> None:  # runs before any image is decoded
+            if n_ids >= ctx or (asked is not None and n_ids + asked > ctx):
+                raise bad_request(f"Your request exceeded model token limit: {ctx} (requested: {n_ids + (asked or 1)})")
+
+        expanded = self._expand(prompt, body, pixels=True, check=check)
+        n_ids = len(expanded.token_ids)
         max_tokens = asked if asked is not None else min(self.limits.default_max_tokens, ctx - n_ids)
 
         constraint = self._constraint(opts, tools, prompt, body)
@@ -266,16 +268,17 @@ class ChatServing:
                 return ids[i + len(pattern):]
         return []
 
-    def _expand(self, prompt: Any, body: dict, *, pixels: bool) -> Any:
-        """Images decoded and expanded (:func:`openk3.server.images.expand_images`); APIError 400s."""
+    def _expand(self, prompt: Any, body: dict, *, pixels: bool, check: Any = None) -> Any:
+        """Images expanded, then decoded (:func:`openk3.server.images.expand_images`; ``check``
+        runs in between); APIError 400s."""
         config = self.image_config
         if config is None and prompt.image_slots:
             from openk3.vision.preprocess import DEFAULT_CONFIG as config
-        return expand_images(prompt, body, self.tokenizer, config, pixels=pixels)
+        return expand_images(prompt, body, self.tokenizer, config, pixels=pixels, check=check)
 
     def count_tokens(self, body: dict) -> int:
         """``prompt_tokens`` of a request rendered as completions would (api.md §6.2), images
-        included (decoded for their size only).
+        included (sized from their headers; no pixel is decoded).
 
         A request whose message text certainly exceeds the served context (``context_length``, the
         engine's ``--max-model-len``; bound of :meth:`_over_context`) is refused before anything is

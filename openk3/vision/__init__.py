@@ -22,8 +22,8 @@ from openk3.vision.weights import (
 )
 
 _PREPROCESS = ("ImageError", "ImageProcessorConfig", "ProcessedImage", "ResizePlan", "decode_image",
-               "image_bytes_from_data_url", "image_token_count", "navit_resize", "pack_images", "process_image",
-               "process_images")
+               "image_bytes_from_data_url", "image_token_count", "navit_resize", "open_image", "pack_images",
+               "process_image", "process_images")
 
 __all__ = ["VisionConfig", "vision_preset", "MoonViT", "merged_token_counts", "PatchMergerV2", "VisionModel",
            "count_vision_parameters", "init_vision_weights", "load_vision_weights", "vision_state_dict_to_hf",

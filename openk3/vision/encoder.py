@@ -41,6 +41,8 @@ ROPE_THETA = 10_000.0
 ROPE_MAX_SIDE = 512  # the reference precomputes its rotary table for grids up to 512 x 512 patches
 VIT_NORM_EPS = torch.finfo(torch.float32).eps
 ATTENTION_IMPLS = ("sdpa", "reference")
+# Query rows per SDPA call: bounds the score matrix should a call fall back to the math path.
+ATTN_QUERY_BLOCK = 4096
 
 Grid = tuple[int, int, int]
 
@@ -145,11 +147,26 @@ def segment_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def segment_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Same as :func:`segment_attention_reference` through ``F.scaled_dot_product_attention``,
-    one call per segment (sum of L_i^2 work, never a full L x L mask)."""
+    one call per segment and query block (sum of L_i^2 work, never a full L x L mask).
+
+    Memory: every call gets 4-D ``[1, H, rows, K]`` inputs. With 3-D inputs the CPU dispatcher
+    takes the math path, which materialises the H x L_i x L_i scores (L_i = 30,976 patches of a
+    2464 px image: 7.7 GB at H = 2); with a batch dimension it takes the fused flash kernel, which
+    holds O(L_i) memory. Queries also go in blocks of :data:`ATTN_QUERY_BLOCK` rows, so that any
+    fallback to the math path (a dtype or device without a fused kernel) holds at most
+    H x ATTN_QUERY_BLOCK x L_i scores. Each query row's result is independent of the blocking.
+
+    Args:
+        q, k, v: [L, H, K]. bounds: segments covering 0..L in order.
+    Returns:
+        [L, H*K] in ``q.dtype``.
+    """
     outs = []
     for s, e in bounds:
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
-        outs.append(o.transpose(0, 1))
+        ks, vs = k[s:e].transpose(0, 1).unsqueeze(0), v[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L_i, K]
+        for a in range(s, e, ATTN_QUERY_BLOCK):
+            qs = q[a:min(e, a + ATTN_QUERY_BLOCK)].transpose(0, 1).unsqueeze(0)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
     return torch.cat(outs).flatten(-2)
 
 

@@ -240,14 +240,14 @@ def image_bytes_from_data_url(url: str, index: int | None = None) -> bytes:
         raise ImageError(f"invalid base64 image data ({e})", code="corrupt", index=index) from None
 
 
-def decode_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index: int | None = None) -> Image.Image:
-    """Decode PNG / JPEG / WebP / GIF bytes (GIF: first frame) into a loaded Pillow image.
-
-    The size is checked from the header before any pixel is decoded (decompression bombs).
+def open_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index: int | None = None) -> Image.Image:
+    """Read an encoded image's header only: format and size, no pixel decoded (Pillow opens
+    lazily). Callers plan the token count and the memory of a request from these sizes before
+    paying for any decode (:func:`decode_image` then loads the pixels).
 
     Raises:
         ImageError: empty, over ``max_image_bytes`` or ``max_image_pixels``, zero-size, not an
-            image, another format, or corrupt / truncated pixel data.
+            image, or another format.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ImageError(f"image data must be bytes, got {type(data).__name__}", code="corrupt", index=index)
@@ -262,7 +262,7 @@ def decode_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, ind
             img = Image.open(io.BytesIO(bytes(data)))
     except Image.DecompressionBombError as e:
         raise ImageError(f"image too large ({e})", code="too_large", index=index) from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"cannot identify image data ({type(e).__name__})", code="corrupt", index=index) from None
     if img.format not in ALLOWED_FORMATS:
         raise ImageError(f"unsupported image format {img.format!r} (PNG, JPEG, WebP, GIF)",
@@ -273,6 +273,19 @@ def decode_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, ind
     if w * h > config.max_image_pixels:
         raise ImageError(f"{w}x{h} = {w * h} pixels exceeds the limit of {config.max_image_pixels}",
                          code="too_large", index=index)
+    return img
+
+
+def decode_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index: int | None = None) -> Image.Image:
+    """Decode PNG / JPEG / WebP / GIF bytes (GIF: first frame) into a loaded Pillow image.
+
+    The size is checked from the header before any pixel is decoded (:func:`open_image`;
+    decompression bombs).
+
+    Raises:
+        ImageError: see :func:`open_image`; corrupt / truncated pixel data.
+    """
+    img = open_image(data, config, index)
     try:
         img.seek(0)  # animated GIF / WebP: the first frame
         img.load()

@@ -245,6 +245,45 @@ def test_sdpa_matches_reference_attention():
                  atol=1e-5, what="sdpa vs reference")
 
 
+def test_sdpa_query_blocks_match_reference(monkeypatch):
+    """Query blocks that cut through segments give the reference result (rows are independent)."""
+    import openk3.vision.encoder as enc
+
+    monkeypatch.setattr(enc, "ATTN_QUERY_BLOCK", 5)
+    q, k, v = (torch.randn(30, 3, 8) for _ in range(3))
+    bounds = [(0, 7), (7, 23), (23, 30)]
+    assert_close(segment_attention_sdpa(q, k, v, bounds), segment_attention_reference(q, k, v, bounds),
+                 atol=1e-5, what="blocked sdpa vs reference")
+
+
+_PEAK_SCRIPT = """
+import resource, torch
+torch.set_num_threads(1)
+from openk3.vision.encoder import segment_attention_sdpa
+L, H, K = 16384, 2, 32
+q, k, v = (torch.randn(L, H, K) for _ in range(3))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = segment_attention_sdpa(q, k, v, [(0, L)])
+assert out.shape == (L, H * K) and bool(torch.isfinite(out).all())
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+def test_sdpa_attention_memory_is_linear_in_patches():
+    """One 16,384-patch segment (a 1792 px image) at H = 2: the H x L x L scores would be 2 GiB;
+    the tower's attention must stay within a small multiple of its [L, H, K] inputs (measured as
+    the peak RSS growth of a fresh process)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.split()[-1])
+    scores = 2 * 16384 * 16384 * 4
+    assert grown < 64 * 2**20, f"attention grew RSS by {grown / 2**20:.0f} MiB (full scores: {scores / 2**30:.0f} GiB)"
+
+
 def test_video_time_embedding_and_limits():
     model = _tiny_model()
     pe = model.vision_tower.patch_embed.pos_emb
