@@ -1,7 +1,11 @@
 """``AsyncEngine``: the :class:`~openk3.engine.engine.Engine` driven by one background thread, with
 asyncio streaming for the server.
 
-Only the engine thread touches the engine's state. Callers on any event loop enqueue commands
+Only the engine thread touches the engine's state. A step whose work raises fails only the
+requests in that work (``finish_reason="error"``, see :meth:`Engine.step`); an exception outside
+that isolation fails every request in the engine (:meth:`Engine.fail_all`) and serving goes on;
+only an unrecoverable state (or ``KeyboardInterrupt`` / ``SystemExit``) stops the thread, after
+which :attr:`AsyncEngine.healthy` is False. Callers on any event loop enqueue commands
 ("add", "abort") under a lock; the thread drains them before every step, runs ``Engine.step()``
 while work remains, and hands each :class:`~openk3.engine.engine.RequestOutput` to the
 requesting loop with ``call_soon_threadsafe``. Validation (``Engine.check_request``) and the
@@ -151,18 +155,33 @@ class AsyncEngine:
                     return
                 cmds = list(self._cmds)
                 self._cmds.clear()
-            for cmd in cmds:
-                self._apply(cmd)
-            if not self.engine.has_unfinished():
-                continue
             try:
-                outputs = self.engine.step()
-            except BaseException as e:  # noqa: BLE001 - every consumer must learn about it
-                self._error = e
-                with self._cond:
-                    rids = list(self._streams)
-                for rid in rids:
-                    self._deliver(rid, RuntimeError(f"engine step failed: {e!r}"))
+                for cmd in cmds:
+                    self._apply(cmd)
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+            except Exception as e:  # noqa: BLE001 - outside the engine's own isolation: fail everything in it
+                try:
+                    outputs = self.engine.fail_all(e)
+                except BaseException as e2:  # noqa: BLE001 - the state cannot be trusted any more
+                    self._die(e2)
+                    return
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt / SystemExit: stop serving
+                self._die(e)
                 return
             for out in outputs:
                 self._deliver(out.request_id, out)
+
+    def _die(self, e: BaseException) -> None:
+        """The engine cannot serve any more: every consumer learns it, ``healthy`` turns False."""
+        self._error = e
+        with self._cond:
+            rids = list(self._streams)
+        for rid in rids:
+            self._deliver(rid, RuntimeError(f"engine step failed: {e!r}"))
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread has stopped on an unrecoverable error (or exited);
+        a failed step that the engine isolated or recovered from (:meth:`Engine.step`,
+        :meth:`Engine.fail_all`) leaves it True."""
+        return self._error is None and (self._thread.is_alive() or self._stop)

@@ -32,6 +32,7 @@ once the prompt is computed; prefix-cache keys of image blocks include the image
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import uuid
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ from openk3.engine.planner import kda_state_bytes, sequence_bytes
 from openk3.engine.prefix_cache import PrefixCache, extend_keys
 from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
 from openk3.engine.scheduler import Request, Scheduler
+
+
+log = logging.getLogger("openk3.engine")
 
 
 class EngineOverloaded(RuntimeError):
@@ -128,11 +132,13 @@ class RequestOutput:
 
     Attributes:
         new_token_ids: tokens returned by this step (0 or 1; a stop token is never returned).
-        finish_reason: "stop" | "length" | "abort" | None.
+        finish_reason: "stop" | "length" | "abort" | "error" | None.
         usage: counts so far.
         logprobs: one :class:`~openk3.engine.sampling.TokenLogprob` per returned token, when asked.
         stop_reason: what stopped it: the stop token id, the matched stop string (the server cuts
             the text there), "constraint" (grammar complete or rejected), or None.
+        error: with ``finish_reason="error"``: what failed while computing the request
+            (exception type and message; internals a server should log, not show).
     """
 
     request_id: str
@@ -142,6 +148,7 @@ class RequestOutput:
     usage: Usage
     logprobs: list | None = None
     stop_reason: Any = None
+    error: str | None = None
 
 
 class Engine:
@@ -194,6 +201,7 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._arrival = itertools.count()
         self._seeds = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+        self.failures = 0  # step work that raised (each failed its requests, see step())
 
     def _default_cache_memory(self, frac: float) -> int:
         cfg, mc = self.config, self.model.config
@@ -300,32 +308,105 @@ class Engine:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of requests that got a token or finished."""
+        """Run one scheduling step; returns outputs of requests that got a token or finished.
+
+        Failure isolation: an exception (a failed allocation, a tower or constraint error) while
+        computing one forward with its bookkeeping, or while sampling, fails exactly the requests
+        of that work: each gets a final output with ``finish_reason="error"`` and ``error`` set,
+        and its slot, blocks and reservation are released at once (:meth:`_fail`). The step goes
+        on with the other requests, and the engine keeps serving. Only an exception while
+        planning (the scheduler) propagates; :meth:`fail_all` recovers from that.
+        """
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         rows: list[tuple[Request, torch.Tensor]] = []
         if plan.decode:
             items = [(r, r.num_computed, r.num_computed + 1) for r in plan.decode]
-            logits = self._forward(items, [True] * len(items))
-            for i, r in enumerate(plan.decode):
-                self._computed(r, logits[i])
-                rows.append((r, logits[i]))
+            try:
+                logits = self._forward(items, [True] * len(items))
+                for i, r in enumerate(plan.decode):
+                    self._computed(r, logits[i])
+                    rows.append((r, logits[i]))
+            except Exception as e:  # noqa: BLE001 - isolated to these requests
+                outputs += self._fail(plan.decode, e)
         for rnd in plan.prefill:
-            need = [e == len(r.tokens) for r, _, e in rnd]
-            logits = self._forward(rnd, need)
-            j = 0
-            for (r, _, _), nd in zip(rnd, need):
-                row = logits[j] if nd else None
-                j += nd
-                self._computed(r, row)
-                if nd:
-                    rows.append((r, row))
+            rnd = [piece for piece in rnd if not piece[0].finished]  # a failed request's later pieces
+            if not rnd:
+                continue
+            try:
+                need = [e == len(r.tokens) for r, _, e in rnd]
+                logits = self._forward(rnd, need)
+                j = 0
+                for (r, _, _), nd in zip(rnd, need):
+                    row = logits[j] if nd else None
+                    j += nd
+                    self._computed(r, row)
+                    if nd:
+                        rows.append((r, row))
+            except Exception as e:  # noqa: BLE001 - isolated to these requests
+                outputs += self._fail([r for r, _, _ in rnd], e)
         for r in plan.ready:
-            rows.append((r, r.pending_logits))
-            r.pending_logits = None
+            if not r.finished:
+                rows.append((r, r.pending_logits))
+                r.pending_logits = None
+        rows = [(r, x) for r, x in rows if not r.finished]
         if rows:
             outputs += self._sample(rows)
         return outputs
+
+    def _fail(self, reqs: list[Request], exc: BaseException) -> list[RequestOutput]:
+        """Finish ``reqs`` with ``finish_reason="error"`` after ``exc`` was raised while computing
+        them: slot, blocks and reservation go back now. Blocks they had published hold complete,
+        correct latents (a block is published only after the forward that filled it); what the
+        failed work wrote lies in their own unpublished blocks and slot, which are reused only
+        after being overwritten (blocks) or zeroed (slots). Requests already finished are skipped.
+        """
+        self.failures += 1
+        msg = f"{type(exc).__name__}: {exc}"[:2000]
+        log.error("engine: %d request(s) failed: %s", len(reqs), msg, exc_info=exc)
+        out = []
+        for r in reqs:
+            if r.finished or self._requests.get(r.request_id) is not r:
+                continue
+            self.scheduler.release(r)
+            self._requests.pop(r.request_id, None)
+            r.finished, r.finish_reason = True, "error"
+            out.append(RequestOutput(r.request_id, [], True, "error", self._usage(r), error=msg))
+        return out
+
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """Recover from an exception outside the isolated work (e.g. while planning a step): every
+        queued and running request fails with ``finish_reason="error"`` and releases its resources;
+        pending outputs are returned first. Raises RuntimeError if the pools still disagree with
+        the (now empty) request set afterwards (:meth:`check_consistency`)."""
+        outputs, self._pending = self._pending, []
+        outputs += self._fail(list(self._requests.values()), exc)
+        problems = self.check_consistency()
+        if problems:
+            raise RuntimeError(f"engine state inconsistent after a failure: {'; '.join(problems)}")
+        return outputs
+
+    def check_consistency(self) -> list[str]:
+        """Resource accounting against the live requests (empty when consistent): block
+        references, reservations and slots held equal those of the running requests, and every
+        known request is queued or running exactly once. O(blocks + requests)."""
+        sch, b = self.scheduler, self.blocks
+        live = list(sch.running) + list(sch.waiting)
+        problems = []
+        if len({id(r) for r in live}) != len(live) or {r.request_id for r in live} != set(self._requests):
+            problems.append(f"{len(self._requests)} known requests, {len(sch.running)} running + "
+                            f"{len(sch.waiting)} waiting")
+        refs = sum(len(r.blocks) for r in live)
+        if sum(b.refcount) != refs:
+            problems.append(f"MLA block references {sum(b.refcount)} != {refs} held by requests")
+        if b.reserved != sum(r.reserved for r in live):
+            problems.append(f"MLA reservations {b.reserved} != {sum(r.reserved for r in live)} held by requests")
+        if b.num_free + b.num_evictable + sum(1 for c in b.refcount if c > 0) != b.num_blocks:
+            problems.append("MLA blocks neither free, cached nor referenced")
+        slots = sum(1 for r in live if r.slot is not None)
+        if self.slots.num_used != slots:
+            problems.append(f"KDA slots in use {self.slots.num_used} != {slots} held by requests")
+        return problems
 
     def _forward(self, items: list[tuple[Request, int, int]], need: list[bool]) -> torch.Tensor | None:
         """One batched forward of rows (request, start, end); returns logits [sum(need), V] fp32 at
@@ -414,28 +495,40 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling and stopping
     def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:
-        reqs = [r for r, _ in rows]
-        logits = torch.stack([x for _, x in rows]).to(self.device)
-        if self.on_logits is not None:
-            for r, x in rows:
-                self.on_logits(r.request_id, x)
-        masks: list[torch.Tensor | None] = [None] * len(reqs)
+        """Sample one token for every row; a request whose constraint or acceptance raises fails
+        alone (:meth:`_fail`), a failure of the batched sampler fails the rows it held."""
         outputs: list[RequestOutput] = []
-        dead = set()
-        for i, r in enumerate(reqs):
-            if r.constraint is not None:
-                m = constraint_mask(r.constraint.allowed_tokens(), self.vocab_size, self.device)
-                if not bool(m.any()):
-                    dead.add(i)
-                    m = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
-                masks[i] = m
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], masks)
-        lps = top_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
-        for i, (r, tok) in enumerate(zip(reqs, tokens.tolist())):
-            if i in dead:  # the grammar allows nothing more: nothing valid can be generated
-                outputs.append(self._finish(r, [], "abort", "constraint", None))
-            else:
-                outputs.append(self._accept(r, tok, lps[i]))
+        live: list[tuple[Request, torch.Tensor, torch.Tensor | None, bool]] = []
+        for r, x in rows:
+            try:
+                if self.on_logits is not None:
+                    self.on_logits(r.request_id, x)
+                m, dead = None, False
+                if r.constraint is not None:
+                    m = constraint_mask(r.constraint.allowed_tokens(), self.vocab_size, self.device)
+                    if not bool(m.any()):
+                        dead = True
+                        m = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
+                live.append((r, x, m, dead))
+            except Exception as e:  # noqa: BLE001 - isolated to this request
+                outputs += self._fail([r], e)
+        if not live:
+            return outputs
+        reqs = [r for r, _, _, _ in live]
+        try:
+            logits = torch.stack([x for _, x, _, _ in live]).to(self.device)
+            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], [m for _, _, m, _ in live])
+            lps = top_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
+        except Exception as e:  # noqa: BLE001 - isolated to these requests
+            return outputs + self._fail(reqs, e)
+        for i, ((r, _, _, dead), tok) in enumerate(zip(live, tokens.tolist())):
+            try:
+                if dead:  # the grammar allows nothing more: nothing valid can be generated
+                    outputs.append(self._finish(r, [], "abort", "constraint", None))
+                else:
+                    outputs.append(self._accept(r, tok, lps[i]))
+            except Exception as e:  # noqa: BLE001 - isolated to this request
+                outputs += self._fail([r], e)
         return outputs
 
     def _accept(self, r: Request, tok: int, lp) -> RequestOutput:
@@ -484,11 +577,13 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
-        """Pool occupancy, prefix-cache counters per pool, queue lengths, memory layout."""
+        """Pool occupancy, prefix-cache counters per pool, queue lengths, failed step work
+        (``failures``, see :meth:`step`), memory layout."""
         b, s, n, lay = self.blocks, self.slots, self.snapshots, self.layout
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "failures": self.failures,
             "max_model_len": self.max_model_len,
             "mla_blocks": {"total": b.num_blocks, "used": b.num_used, "cached": b.num_evictable,
                            "free": b.num_free, "reserved": b.reserved, "evictions": b.evictions},

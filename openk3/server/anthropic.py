@@ -40,7 +40,7 @@ from openk3.chat_format.parser import (
 )
 from openk3.server.images import LOCATION_KEY
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
-from openk3.server.serving import ChatServing, Finished, Generation, Prepared
+from openk3.server.serving import ENGINE_FAILED, ChatServing, Finished, Generation, Prepared
 from openk3.server.validation import check_unicode
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -319,7 +319,7 @@ async def complete(serving: ChatServing, prep: Prepared, gen: Generation) -> dic
     """Run to the end and build the Anthropic ``message`` object.
 
     Raises:
-        APIError: 503 if the engine aborted the request.
+        APIError: 503 if the engine aborted the request, 500 if the engine failed it.
     """
     reasoning, text, blocks = [], [], []
     fin: Finished | None = None
@@ -332,6 +332,8 @@ async def complete(serving: ChatServing, prep: Prepared, gen: Generation) -> dic
             blocks.append({"type": "tool_use", "id": ev.id, "name": ev.name, "input": _tool_input(ev.arguments)})
         elif isinstance(ev, Finished):
             fin = ev
+    if fin is not None and fin.finish_reason == "error":
+        raise APIError(500, ENGINE_FAILED)
     if fin is None or fin.finish_reason == "abort":
         raise APIError(503, "the request was aborted (server shutting down)")
     content: list[dict] = []
@@ -402,8 +404,9 @@ async def sse(serving: ChatServing, prep: Prepared, gen: Generation) -> AsyncIte
         elif isinstance(ev, ToolCallEnd):
             pieces += close()
         elif isinstance(ev, Finished):
-            if ev.finish_reason == "abort":
-                err = APIError(503, "the request was aborted (server shutting down)").anthropic_body()
+            if ev.finish_reason in ("abort", "error"):
+                err = (APIError(500, ENGINE_FAILED) if ev.finish_reason == "error" else
+                       APIError(503, "the request was aborted (server shutting down)")).anthropic_body()
                 yield "".join(pieces) + _event("error", err)
                 return
             pieces += close()

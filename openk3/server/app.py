@@ -321,7 +321,10 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 
     @app.get("/health")
     async def health() -> Response:
-        if getattr(serving.engine, "_error", None) is not None:  # the engine thread died
+        # 503 only while the engine cannot serve (its thread stopped on an unrecoverable error):
+        # a failed request that the engine isolated leaves it healthy, so a supervisor restarts
+        # the process exactly when it must.
+        if not getattr(serving.engine, "healthy", True):
             return JSONResponse({"status": "error", "model": serving.model.id}, status_code=503)
         return JSONResponse({"status": "ok", "model": serving.model.id})
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from openk3.server.serving import ChatServing
 
 OVERLOADED = "The engine is currently overloaded, please try again later"  # api.md §6.1
+# 500 for a request whose engine work raised (finish_reason "error"); the cause is in the server log
+ENGINE_FAILED = "Internal server error: the engine failed while computing this request"
 
 
 @dataclass
@@ -57,7 +59,8 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Finished:
-    """Last event of a generation. ``finish_reason``: stop | length | tool_calls | abort."""
+    """Last event of a generation. ``finish_reason``: stop | length | tool_calls | abort | error
+    (the engine failed the request: the surfaces answer 500 / an SSE error event)."""
 
     finish_reason: str
     usage: dict
@@ -117,7 +120,8 @@ class Generation:
         """Submit to the engine and wait for the first output.
 
         Raises:
-            APIError: 429 (waiting queue full, with ``Retry-After``) or 400 (engine refused the input).
+            APIError: 429 (waiting queue full, with ``Retry-After``), 400 (engine refused the input)
+                or 500 (the engine failed the request before its first token).
         """
         prep = self.prep
         ids = prep.prompt_ids if prep.prompt_ids is not None else prep.prompt.token_ids
@@ -139,6 +143,10 @@ class Generation:
             if isinstance(e, RuntimeError) and "shutting down" in str(e):
                 raise APIError(503, "the server is shutting down") from None
             raise
+        if self._pending is not None and self._pending.finish_reason == "error":
+            self._engine_done = True  # failed before any token: answer 500 before a response starts
+            await self.aclose()
+            raise APIError(500, ENGINE_FAILED)
 
     def usage_so_far(self) -> dict:
         """Usage as of the latest engine output (after :meth:`start`: prompt and cache hits known)."""
@@ -234,7 +242,9 @@ class Generation:
         return out
 
     def _finish(self) -> Finished:
-        if self.n_calls:
+        if self.engine_reason == "error":
+            reason = "error"
+        elif self.n_calls:
             reason = "tool_calls"
         elif self.stop_hit is not None:
             reason = "stop"

@@ -37,7 +37,7 @@ from openk3.chat_format import encode_request, next_tool_call_index
 from openk3.chat_format.parser import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 from openk3.chat_format.request import parse_messages, parse_options
 from openk3.server.generation import (  # noqa: F401 - re-exported: importers use openk3.server.serving
-    CACHE_REPORT_BLOCK, OVERLOADED, Finished, Generation, Prepared, usage_dict,
+    CACHE_REPORT_BLOCK, ENGINE_FAILED, OVERLOADED, Finished, Generation, Prepared, usage_dict,
 )
 from openk3.server.images import expand_images, image_locations
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
@@ -302,7 +302,8 @@ class ChatServing:
         """Run to the end and build the ``chat.completion`` object (api.md §2.1).
 
         Raises:
-            APIError: 503 if the engine aborted the request (server shutting down).
+            APIError: 503 if the engine aborted the request (server shutting down), 500 if the
+                engine failed it.
         """
         reasoning, content, calls = [], [], []
         fin: Finished | None = None
@@ -315,6 +316,8 @@ class ChatServing:
                 calls.append({"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ev.arguments}})
             elif isinstance(ev, Finished):
                 fin = ev
+        if fin is not None and fin.finish_reason == "error":
+            raise APIError(500, ENGINE_FAILED)
         if fin is None or fin.finish_reason == "abort":
             raise APIError(503, "the request was aborted (server shutting down)")
         message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
@@ -344,7 +347,8 @@ class ChatServing:
         """``chat.completion.chunk`` SSE events (api.md §2.2): role chunk, reasoning / content /
         tool-call deltas (with ``logprobs`` of the tokens since the previous chunk when requested),
         the final chunk with ``usage`` in the choice and at the top level, the
-        ``include_usage`` chunk, ``[DONE]``; an error event if the request is aborted."""
+        ``include_usage`` chunk, ``[DONE]``; an error event (no ``[DONE]``) if the request is
+        aborted or the engine failed it."""
         want_logprobs = getattr(prep.params, "logprobs", None) is not None
         sent = 0
 
@@ -376,8 +380,9 @@ class ChatServing:
             elif isinstance(ev, ToolCallArgumentsDelta):
                 yield chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
             elif isinstance(ev, Finished):
-                if ev.finish_reason == "abort":
-                    err = APIError(503, "the request was aborted (server shutting down)").kimi_body()
+                if ev.finish_reason in ("abort", "error"):
+                    err = (APIError(500, ENGINE_FAILED) if ev.finish_reason == "error" else
+                           APIError(503, "the request was aborted (server shutting down)")).kimi_body()
                     yield "data: " + json.dumps(err) + "\n\n"
                     return
                 yield chunk({}, ev.finish_reason, ev.usage)

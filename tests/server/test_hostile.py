@@ -65,3 +65,94 @@ def test_images_over_the_context_are_refused_from_their_headers(vision_serving, 
     assert loads == [] and counted > 16  # 16 image tokens + text, sized from the header
     prep = vision_serving.prepare(small, ChatCompletionRequest.model_validate(small))
     assert loads == [(64, 40)] and prep.prompt_tokens == counted  # decoded once, after the checks
+
+
+class _LiveApp:
+    """``create_app`` over a real engine, served by uvicorn on a loopback port in a thread of the
+    test process (so that a test can inject a fault into the engine's forward)."""
+
+    def __init__(self, checkpoint, **serving_kwargs):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        from openk3.server.app import build_serving, create_app
+
+        self.serving, self.aengine = build_serving(str(checkpoint), served_model_name=MODEL, **serving_kwargs)
+        app = create_app(self.serving, engine_shutdown=self.aengine.shutdown)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def poison(self, n: int = 1, after_tokens: int = 0) -> list:
+        """The next ``n`` forwards that compute a request past ``after_tokens`` generated tokens
+        raise like a failed allocation; returns the list of failures so far."""
+        engine = self.aengine.engine
+        original = engine._forward
+        failed: list = []
+
+        def forward(items, need):
+            if len(failed) < n and any(r.completion_tokens >= after_tokens for r, _, _ in items):
+                failed.append([r.request_id for r, _, _ in items])
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+            return original(items, need)
+
+        engine._forward = forward
+        return failed
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def live(checkpoint):
+    app = _LiveApp(checkpoint, max_num_seqs=4)
+    yield app
+    app.close()
+
+
+def test_engine_failure_is_a_500_then_the_server_serves_100_requests(live):
+    """A request whose engine work fails gets a 500 in the platform envelope (non-streaming and
+    Anthropic), or an SSE error event once streaming has started; its blocks and slot are back at
+    once, /health stays ok, and the next 100 requests all succeed."""
+    import json
+
+    import httpx
+
+    from openk3.server.generation import ENGINE_FAILED
+
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}], "max_completion_tokens": 4}
+    with httpx.Client(base_url=live.base, timeout=60) as http:
+        failed = live.poison(1)
+        r = http.post("/v1/chat/completions", json=ask)
+        assert len(failed) == 1
+        assert r.status_code == 500 and r.json() == {"error": {"message": ENGINE_FAILED, "type": "server_error"}}
+        live.poison(1)
+        r = http.post("/anthropic/v1/messages", json={"model": MODEL, "max_tokens": 4,
+                                                       "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 500 and r.json() == {"type": "error", "error": {"type": "api_error",
+                                                                                "message": ENGINE_FAILED}}
+        live.poison(1, after_tokens=2)  # fails mid-stream, after two tokens went out
+        with http.stream("POST", "/v1/chat/completions", json=dict(ask, stream=True, max_completion_tokens=8)) as s:
+            assert s.status_code == 200
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-1]) == {"error": {"message": ENGINE_FAILED, "type": "server_error"}}
+        assert "[DONE]" not in events and len(events) >= 2
+        assert http.get("/health").json()["status"] == "ok"
+        stats = live.aengine.engine.stats()
+        assert stats["failures"] == 3 and stats["kda_slots"]["used"] == 0 and stats["mla_blocks"]["used"] == 0
+        codes = [http.post("/v1/chat/completions", json=dict(ask, max_completion_tokens=2)).status_code
+                 for _ in range(100)]
+        assert codes == [200] * 100
+        assert http.get("/health").json()["status"] == "ok"
+        assert live.aengine.engine.check_consistency() == []
