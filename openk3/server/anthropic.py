@@ -269,10 +269,11 @@ def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
         APIError: 404 unknown model, 400 invalid request.
     """
     serving.check_model(req.get("model"))
-    check_unicode(req)  # before translation, so that the path names the client's field
     check_sampling_ranges(req)
     thinking_on = check_thinking(req)
     body = to_chat_body(req, thinking_on)
+    serving.check_text_size(body)  # before the checks whose work grows with the body
+    check_unicode(req)  # on the client's body, so that the path names the client's field
     try:
         validated = ChatCompletionRequest.model_validate(body)
     except ValueError as e:

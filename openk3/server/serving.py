@@ -20,9 +20,11 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
   ``thinking.effort`` beats ``reasoning_effort``, as the vendor verifier checks); ``medium`` is
   accepted (the template supports it).
 * Images count in ``usage.prompt_tokens`` with their expanded blocks (:mod:`openk3.server.images`).
-* A prompt whose text certainly exceeds the context is refused before it is tokenized
-  (:meth:`ChatServing.check_text_size`); the token-count endpoints refuse it too, with a
-  ``messages:`` field-named 400, instead of counting megabytes (:meth:`ChatServing.count_tokens`).
+* A prompt whose text certainly exceeds the context is refused first, before any work that grows
+  with the body (:meth:`ChatServing.check_text_size`; the bound covers every rendered field:
+  messages, tool calls, tool and dynamic-tool declarations, the response schema); the token-count
+  endpoints refuse it too, with a ``request:`` 400, instead of counting megabytes
+  (:meth:`ChatServing.count_tokens`).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
 from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
     THINKING_BOOL, Limits, check_image_parts, check_image_roles, check_keep, check_messages, check_sampling,
-    check_schema_depths, check_stops, check_tool_history, check_tools, check_unicode, text_chars,
+    check_schema_depths, check_stops, check_tool_history, check_tools, check_unicode, rendered_chars,
 )
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -106,41 +108,50 @@ class ChatServing:
             self._max_token_bytes = cached
         return cached
 
-    def _over_context(self, body: dict) -> tuple[int, int] | None:
-        """``(chars, at_least_tokens)`` when the message text certainly exceeds the context, else None.
+    def _over_context(self, body: dict, thinking: bool = False) -> tuple[int, int] | None:
+        """``(chars, at_least_tokens)`` when the text to render certainly exceeds the context, else None.
 
-        Soundness: the rendered prompt contains every counted text verbatim (escaping only adds),
-        a character is at least one UTF-8 byte and a token at most :meth:`max_token_bytes` bytes, so
-        ``chars > context_length * max_token_bytes`` implies more than ``context_length`` tokens.
-        Costs one pass over the message texts, no tokenization.
+        Soundness: :func:`~openk3.server.validation.rendered_chars` counts only text the prompt
+        contains verbatim (messages, tool calls, tool declarations, the response schema; reasoning
+        when ``thinking``), a character is at least one UTF-8 byte and a token at most
+        :meth:`max_token_bytes` bytes, so ``chars > context_length * max_token_bytes`` implies more
+        than ``context_length`` tokens. One pass over the body, no tokenization.
         """
         per_token = self.max_token_bytes()
         if per_token <= 0:
             return None
-        chars = text_chars(body.get("messages"))
+        chars = rendered_chars(body, thinking)
         if chars > self.model.context_length * per_token:
             return chars, -(-chars // per_token)
         return None
 
-    def check_text_size(self, body: dict) -> None:
-        """Reject a prompt that certainly exceeds the context before tokenizing it (tokenizing
-        megabytes holds the GIL for seconds and freezes the server); the bound is
-        :meth:`_over_context`'s.
+    def check_text_size(self, body: dict, thinking: bool = False, counting: bool = False) -> None:
+        """Reject a prompt that certainly exceeds the context before any work proportional to its
+        size (schema compilation, rendering, tokenizing: megabytes of that hold the GIL for seconds
+        and freeze the server); the bound is :meth:`_over_context`'s, over every rendered field.
 
         Raises:
-            APIError: 400 with the platform's context-length message (api.md §6.1).
+            APIError: 400 with the platform's context-length message (api.md §6.1); for the
+                token-count endpoints (``counting``) a ``request:`` message saying nothing was counted.
         """
-        over = self._over_context(body)
-        if over is not None:
-            raise bad_request(f"Your request exceeded model token limit: {self.model.context_length} "
-                              f"(requested: at least {over[1]})")
+        over = self._over_context(body, thinking)
+        if over is None:
+            return
+        chars, at_least = over
+        if counting:
+            raise bad_request(f"request: the text to render ({chars} characters of messages, tools and schemas, "
+                              f"at least {at_least} tokens) exceeds the model token limit of "
+                              f"{self.model.context_length}; not counted")
+        raise bad_request(f"Your request exceeded model token limit: {self.model.context_length} "
+                          f"(requested: at least {at_least})")
 
-    def render(self, body: dict) -> tuple[Any, Any]:
+    def render(self, body: dict, counting: bool = False) -> tuple[Any, Any]:
         """Validate the request-level options and render; returns ``(prompt, options)``.
 
         Raises:
             APIError: 400 for a bool ``thinking``, a malformed request (the renderer's field-named
-                message), unsupported image input.
+                message), text (reasoning included, with thinking on) certainly over the context
+                (:meth:`check_text_size`, before tokenizing), unsupported image input.
         """
         if isinstance(body.get("thinking"), bool):
             raise bad_request(THINKING_BOOL)
@@ -148,6 +159,11 @@ class ChatServing:
             raise bad_request(f"messages: at most {self.limits.max_messages} messages are allowed")
         try:
             opts = parse_options(body, parse_messages(body))
+        except (ValueError, TypeError, RecursionError) as e:
+            raise bad_request(f"Invalid request: {e}") from None
+        if opts.thinking:
+            self.check_text_size(body, thinking=True, counting=counting)  # history reasoning is rendered too
+        try:
             prompt = encode_request(body, self.tokenizer)
         except (ValueError, TypeError, RecursionError) as e:
             raise bad_request(f"Invalid request: {e}") from None
@@ -166,6 +182,7 @@ class ChatServing:
             APIError: 404 unknown model, 400 for every contract violation (message names the field).
         """
         self.check_model(req.model)
+        self.check_text_size(body)  # first: every later check costs work proportional to the body
         check_unicode(body)
         if isinstance(body.get("thinking"), bool):
             raise bad_request(THINKING_BOOL)
@@ -183,7 +200,6 @@ class ChatServing:
         stops = check_stops(req.stop, self.limits)
         if req.top_logprobs is not None and (not req.logprobs or not 0 <= req.top_logprobs <= 20):
             raise bad_request("top_logprobs: must be 0-20 and requires logprobs: true")
-        self.check_text_size(body)
         prompt, opts = self.render(body)
         ctx = self.model.context_length
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -280,21 +296,18 @@ class ChatServing:
         """``prompt_tokens`` of a request rendered as completions would (api.md §6.2), images
         included (sized from their headers; no pixel is decoded).
 
-        A request whose message text certainly exceeds the served context (``context_length``, the
-        engine's ``--max-model-len``; bound of :meth:`_over_context`) is refused before anything is
-        tokenized: no request that large can be served, and counting megabytes would stall the server.
+        A request whose text to render (messages, tool calls, tools, schemas) certainly exceeds the
+        served context (``context_length``, the engine's ``--max-model-len``; bound of
+        :meth:`_over_context`) is refused before anything is tokenized: no request that large can
+        be served, and counting megabytes would stall the server.
 
         Raises:
-            APIError: 400 ``messages: ...`` for text over the context; a field-named 400 for an
+            APIError: 400 ``request: ...`` for text over the context; a field-named 400 for an
                 unpaired surrogate; the 400s of :meth:`render` and of the image expansion otherwise.
         """
+        self.check_text_size(body, counting=True)
         check_unicode(body)
-        over = self._over_context(body)
-        if over is not None:
-            chars, at_least = over
-            raise bad_request(f"messages: the message text ({chars} characters, at least {at_least} tokens) "
-                              f"exceeds the model token limit of {self.model.context_length}; not counted")
-        prompt, _ = self.render(body)
+        prompt, _ = self.render(body, counting=True)
         return self._expand(prompt, body, pixels=False).prompt_tokens
 
     # ------------------------------------------------------------------ OpenAI surface

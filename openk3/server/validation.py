@@ -194,20 +194,75 @@ def check_tool_history(body: dict) -> None:
     unanswered()
 
 
-def text_chars(messages: Any) -> int:
-    """Characters of the message texts that are rendered verbatim (content strings and text parts,
-    reasoning); image parts and wire keys are not counted, so the count never exceeds the rendered text."""
+def _strings(value: Any, keys: bool = True) -> int:
+    """Characters of every string in a JSON value (object keys too when ``keys``); iterative."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, (dict, list)):
+            if isinstance(v, dict):
+                total += sum(len(k) for k in v if type(k) is str) if keys else 0
+                v = v.values()
+            # strings counted here in C-speed passes: a 1M-value enum must not cost 1M loop turns
+            strs = [x for x in v if type(x) is str]
+            total += sum(map(len, strs))
+            if len(strs) < len(v):
+                stack.extend(x for x in v if isinstance(x, (dict, list)))
+    return total
+
+
+def _arguments_chars(args: Any) -> int:
+    """Rendered characters of a tool call's ``arguments`` at least: an object's keys and string
+    values are rendered verbatim (§6); text that is not JSON is rendered verbatim as a json block.
+    The whitespace and punctuation of a JSON string are not, hence the parse."""
+    if isinstance(args, dict):
+        return _strings(args)
+    if not isinstance(args, str) or not args.strip():
+        return 0
+    try:
+        return _strings(json.loads(args))
+    except (ValueError, RecursionError):
+        return len(args)
+
+
+def rendered_chars(body: dict, thinking: bool = False) -> int:
+    """A lower bound on the characters the renderer will tokenize for a chat body, in one cheap
+    pass (no tokenizer, no JSON encoding): every string that reaches the prompt verbatim —
+    message ``content`` strings and text parts, tool-call names and argument keys / values, and
+    with ``thinking`` the assistant reasoning (``reasoning_content``, else ``reasoning``; instant
+    mode drops it) — and, since tool declarations and the ``response_format`` schema are
+    rendered as their canonical JSON (chat-format §5, §7), every key and string value of
+    request-level ``tools``, of dynamic ``messages[i].tools`` and of the response schema. Image
+    parts and fields rendered only in some cases (``name``) or never (ids, roles, ``model``,
+    ``stop``) are not counted, so the count never exceeds what is rendered (escaping only adds)."""
     total = 0
-    for m in messages if isinstance(messages, list) else ():
+    for m in body.get("messages") if isinstance(body.get("messages"), list) else ():
         if not isinstance(m, dict):
             continue
-        for key in ("content", "reasoning_content", "reasoning"):
-            v = m.get(key)
-            if isinstance(v, str):
-                total += len(v)
-            elif isinstance(v, list):
-                total += sum(len(p["text"]) for p in v if isinstance(p, dict) and p.get("type", "text") == "text"
-                             and isinstance(p.get("text"), str))
+        v = m.get("content")
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, list):
+            total += sum(len(p["text"]) for p in v if isinstance(p, dict) and p.get("type", "text") == "text"
+                         and isinstance(p.get("text"), str))
+        reasoning = m.get("reasoning_content") or m.get("reasoning")
+        if thinking and m.get("role") == "assistant" and isinstance(reasoning, str):
+            total += len(reasoning)
+        for call in m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else ():
+            fn = call.get("function", call) if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                total += len(fn["name"]) if isinstance(fn.get("name"), str) else 0
+                total += _arguments_chars(fn.get("arguments"))
+        if m.get("tools") is not None:
+            total += _strings(m["tools"])
+    total += _strings(body.get("tools"))
+    rf = body.get("response_format")
+    wrapper = rf.get("json_schema") if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
+    if isinstance(wrapper, dict):
+        key = next((k for k in ("schema", "json_schema") if k in wrapper), None)
+        total += _strings(wrapper[key] if key else wrapper)
     return total
 
 

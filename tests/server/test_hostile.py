@@ -156,3 +156,133 @@ def test_engine_failure_is_a_500_then_the_server_serves_100_requests(live):
         assert codes == [200] * 100
         assert http.get("/health").json()["status"] == "ok"
         assert live.aengine.engine.check_consistency() == []
+
+
+def _spy_tokenizer(monkeypatch, tok) -> list[int]:
+    """Lengths of every text the tokenizer encodes while the test runs."""
+    seen: list[int] = []
+    real = tok.encode_text
+
+    def encode_text(text: str) -> list[int]:
+        seen.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(tok, "encode_text", encode_text)
+    return seen
+
+
+def _bodies() -> list[dict]:
+    """Chat bodies exercising every rendered field (thinking on and off)."""
+    params = {"type": "object", "properties": {"city": {"type": "string", "description": "the city name",
+                                                        "enum": ["Paris", "Lyon", "Nice"]}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": params}}]
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "later", "parameters": params}}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}, {"type": "text", "text": " And Lyon?"}]},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two cities, two calls.", "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":   "Paris",\n  "n": [1, 2, {"k": "v"}]}'}},
+            {"id": "functions.get_weather:1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "not json at all"}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": [{"type": "text", "text": "21 C"}]},
+        {"role": "user", "content": "Thanks. As JSON please."},
+    ]
+    schema = {"type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": {
+        "type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}}}
+    out = []
+    for thinking in ({"type": "enabled"}, {"type": "disabled"}):
+        out.append({"model": MODEL, "messages": history, "tools": tools, "thinking": thinking})
+        out.append({"model": MODEL, "messages": history, "tools": tools, "thinking": thinking,
+                    "response_format": schema, "tool_choice": "none"})
+        out.append({"model": MODEL, "thinking": thinking, "messages": history[:3] + [
+            {"role": "assistant", "content": "", "reasoning_content": "Partial thought", "partial": True}]})
+    return out
+
+
+def test_rendered_chars_never_exceeds_what_is_tokenized(tokenizer, monkeypatch):
+    """The bound's soundness: the characters it counts are all tokenized by the renderer."""
+    from openk3.chat_format import encode_request
+    from openk3.chat_format.request import parse_messages, parse_options
+    from openk3.server.validation import rendered_chars
+
+    seen = _spy_tokenizer(monkeypatch, tokenizer)
+    for body in _bodies():
+        thinking = parse_options(body, parse_messages(body)).thinking
+        seen.clear()
+        encode_request(body, tokenizer)
+        counted = rendered_chars(body, thinking)
+        assert 0 < counted <= sum(seen), (body.get("thinking"), counted, sum(seen))
+        assert rendered_chars(body) <= counted  # without the reasoning: still a lower bound
+    # and it does count every field family: each one alone pushes the total
+    base = _bodies()[0]
+    grow = {
+        "tool description": lambda b: b["tools"][0]["function"].__setitem__("description", "d" * 5000),
+        "enum": lambda b: b["tools"][0]["function"]["parameters"]["properties"]["city"].__setitem__(
+            "enum", ["e" * 50] * 100),
+        "dynamic tools": lambda b: b["messages"][1]["tools"][0]["function"].__setitem__("description", "d" * 5000),
+        "arguments": lambda b: b["messages"][3]["tool_calls"][0]["function"].__setitem__(
+            "arguments", '{"city": "' + "p" * 5000 + '"}'),
+        "response schema": lambda b: b.__setitem__("response_format", {"type": "json_schema", "json_schema": {
+            "schema": {"type": "object", "description": "s" * 5000}}}),
+        "reasoning": lambda b: b["messages"][3].__setitem__("reasoning_content", "r" * 5000),
+    }
+    import copy
+
+    for what, change in grow.items():
+        body = copy.deepcopy(base)
+        change(body)
+        assert rendered_chars(body, True) >= rendered_chars(base, True) + 4000, what
+
+
+def test_every_rendered_field_is_bounded_before_any_work(tokenizer, monkeypatch):
+    """Megabyte tool descriptions, enums, schemas, dynamic tools, tool-call arguments and
+    Anthropic tool descriptions, on both surfaces and both count endpoints: a 400 naming the
+    token limit, with nothing tokenized and no schema compiled."""
+    import llguidance
+
+    from openk3.server import anthropic
+    from openk3.server.metrics import Metrics
+    from openk3.server.protocol import APIError, ChatCompletionRequest
+    from openk3.server.serving import ChatServing, ModelInfo
+
+    ctx = 64
+    serving = ChatServing(None, tokenizer, ModelInfo(MODEL, ctx), Metrics())
+    big = "x" * (ctx * serving.max_token_bytes() + 1)
+    seen = _spy_tokenizer(monkeypatch, tokenizer)
+    compiled: list = []
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", lambda *a, **k: compiled.append(a) or "")
+    fn = {"name": "f", "parameters": {"type": "object"}}
+    user = [{"role": "user", "content": "hi"}]
+    chat_cases = {
+        "tool description": {"tools": [{"type": "function", "function": dict(fn, description=big)}]},
+        "enum": {"tools": [{"type": "function", "function": dict(fn, parameters={"type": "object", "properties": {
+            "a": {"enum": [big[:100]] * (len(big) // 100 + 1)}}})}]},
+        "response_format": {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "object", "description": big}}}},
+        "dynamic tools": {"messages": [{"role": "system", "content": "", "tools": [
+            {"type": "function", "function": dict(fn, description=big)}]}] + user},
+        "tool-call arguments": {"messages": user + [
+            {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": [
+                {"id": "c0", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + big + '"}'}}]},
+            {"role": "tool", "tool_call_id": "c0", "content": "ok"}, {"role": "user", "content": "?"}]},
+    }
+    for what, extra in chat_cases.items():
+        body = {"model": MODEL, "messages": user, **extra}
+        with pytest.raises(APIError) as e:
+            serving.prepare(body, ChatCompletionRequest.model_validate(body))
+        assert e.value.status == 400 and e.value.message.startswith(
+            f"Your request exceeded model token limit: {ctx} (requested: at least "), what
+        with pytest.raises(APIError) as e:
+            serving.count_tokens(body)
+        assert e.value.status == 400 and e.value.message.startswith("request: the text to render ("), what
+    a_body = {"model": MODEL, "max_tokens": 4, "messages": user,
+              "tools": [{"name": "f", "description": big, "input_schema": {"type": "object"}}]}
+    with pytest.raises(APIError) as e:
+        anthropic.prepare(serving, a_body)
+    assert e.value.message.startswith(f"Your request exceeded model token limit: {ctx}")
+    with pytest.raises(APIError) as e:
+        anthropic.count_tokens(serving, a_body)
+    assert e.value.message.startswith("request: the text to render (")
+    assert seen == [] and compiled == []

@@ -32,7 +32,7 @@ def test_estimate_token_count_matches_fixture_cases():
 
 
 def test_oversized_text_is_refused_before_tokenizing(monkeypatch):
-    """Both token-count endpoints answer 400 naming ``messages`` for text that certainly exceeds the
+    """Both token-count endpoints answer 400 (``request: ...``) for text that certainly exceeds the
     served context (chars > context_length * longest-token bytes), without tokenizing any of it;
     text exactly at the bound is still counted."""
     tok = kimi_tokenizer()
@@ -71,8 +71,8 @@ def test_oversized_text_is_refused_before_tokenizing(monkeypatch):
 
     kimi, anth, seen, ok = asyncio.run(run())
     n_chars = bound + 1 + 1  # the trailing "?" message counts too
-    expected = (f"messages: the message text ({n_chars} characters, at least {-(-n_chars // per_token)} tokens) "
-                f"exceeds the model token limit of {ctx}; not counted")
+    expected = (f"request: the text to render ({n_chars} characters of messages, tools and schemas, at least "
+                f"{-(-n_chars // per_token)} tokens) exceeds the model token limit of {ctx}; not counted")
     assert kimi.status_code == 400, kimi.text
     assert kimi.json() == {"error": {"message": expected, "type": "invalid_request_error"}}
     assert anth.status_code == 400, anth.text
