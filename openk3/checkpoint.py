@@ -8,9 +8,18 @@ are:
 
 * routed experts: openk3 stacks them (``experts.w1`` [E, F, L]); the file stores one tensor per
   expert (``experts.{e}.w1.weight`` [F, L]);
-* KDA ``A_log``: openk3 holds one value per head [H]; Kimi Linear files store [1, 1, H, 1] and
-  the K3 release pads it with zeros to ``head_dim``; both are read, [H] (K3) / [1,1,H,1] (Kimi
-  Linear) is written.
+* KDA ``A_log``: openk3 holds one value per head [H]. Files differ by the code that loads them:
+  the K3 reference (``modeling_kimi_linear.py`` of the K3 release, which also runs Kimi-Linear
+  configs) declares [H] and the K3 release pads it with zeros to ``head_dim``; the original Kimi
+  Linear (``modeling_kimi.py`` of Kimi-Linear-48B-A3B, whose files hold [1, 1, 32, 1]), vLLM's
+  ``kimi_linear`` and transformers' ``KimiLinear`` declare [1, 1, H, 1]. All are read. Written:
+  [H] for a ``kimi_k3`` checkpoint or a K3 gate (``gate_lower_bound`` set), the shapes the K3
+  reference loads; [1, 1, H, 1] for a bare ``kimi_linear`` checkpoint with the Kimi Linear gate,
+  the shape Kimi Linear's own code loads (:func:`a_log_file_shape`).
+* ``num_nextn_predict_layers > 0``: MTP layers (``model.layers.{L}`` .. ``{L+n-1}``) are not
+  implemented; their tensors are skipped on load with a logged warning.
+* Zero-size tensors (the zero-width shared MLP of ``num_shared_experts=0``) are written, as the
+  reference does, and may be absent from a file (they hold no values).
 * MXFP4 experts (k3-release-notes.md §1.9): a quantized file stores each routed expert weight as
   ``experts.{e}.w1.weight_packed`` uint8 [O, K/2] + ``.weight_scale`` uint8 [O, K/32] and carries
   the compressed-tensors ``quantization_config`` in its text config. The format is recognised by
@@ -29,6 +38,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import math
 import os
 import re
 import shutil
@@ -62,8 +73,19 @@ _MXFP4_FORMAT = "mxfp4-pack-quantized"
 _FOREIGN_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
+_log = logging.getLogger("openk3.checkpoint")
+
+
 def _prefix(config: K3Config) -> str:
     return "language_model." if config.wrapper is not None else ""
+
+
+def a_log_file_shape(config: K3Config, heads: int) -> tuple[int, ...]:
+    """The shape ``A_log`` is written with: [H] when the checkpoint targets the K3 reference code
+    (a ``kimi_k3`` wrapper, or a K3 lower-bounded gate, which only that code runs), [1, 1, H, 1] for
+    a bare ``kimi_linear`` checkpoint with the Kimi Linear softplus gate (the original Kimi Linear
+    ``modeling_kimi.py``, vLLM ``kimi_linear`` and transformers ``KimiLinear`` load that shape)."""
+    return (heads,) if config.wrapper is not None or config.is_k3 else (1, 1, heads, 1)
 
 
 def quantized_config(config: K3Config, quantization: str | QuantScheme | None) -> K3Config:
@@ -131,8 +153,8 @@ def to_hf_state_dict(
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied to embed_tokens: stored once, as transformers does
-        if name.endswith("self_attn.A_log") and not config.is_k3:
-            t = t.reshape(1, 1, -1, 1)
+        if name.endswith("self_attn.A_log"):
+            t = t.reshape(a_log_file_shape(config, t.numel()))
         out[pre + name] = t
     return out
 
@@ -235,6 +257,7 @@ def from_hf_state_dict(
     """
     _check_quantization_config(config)
     pre = _prefix(config)
+    tensors = _skip_mtp(tensors, config, pre)
     embed = tensors.get(f"{pre}model.embed_tokens.weight")
     float_dtype = embed.dtype if embed is not None and embed.is_floating_point() else torch.float32
     stacks: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -267,6 +290,8 @@ def from_hf_state_dict(
     for key, parts in stacks.items():
         out.update(_expert_stack(pre, key, parts, expected, float_dtype))
     for key, shape in expected.items():
+        if key not in out and math.prod(shape) == 0:
+            out[key] = torch.empty(tuple(shape), dtype=float_dtype)  # zero-size: nothing to read
         if key not in out:
             raise ValueError(f"checkpoint is missing tensor {_file_name(pre, key, 0)} (expected shape {tuple(shape)})")
         if tuple(out[key].shape) != tuple(shape):
@@ -278,6 +303,27 @@ def from_hf_state_dict(
     if unexpected:
         raise ValueError(f"checkpoint has unexpected tensor {_file_name(pre, unexpected[0])}")
     return out
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _skip_mtp(tensors: dict[str, torch.Tensor], config: K3Config, pre: str) -> dict[str, torch.Tensor]:
+    """Drop the MTP layers' tensors (``model.layers.{L}`` .. ``{L+n-1}``, DeepSeek-V3 layout) of a
+    config with ``num_nextn_predict_layers = n > 0``, logging how many were skipped."""
+    n, L = config.num_nextn_predict_layers, config.num_hidden_layers
+    if n <= 0:
+        return tensors
+    kept = {}
+    skipped = 0
+    for name, t in tensors.items():
+        m = _LAYER.match(name[len(pre):]) if name.startswith(pre) else None
+        if m and L <= int(m[1]) < L + n:
+            skipped += 1
+            continue
+        kept[name] = t
+    _log.warning("num_nextn_predict_layers=%d: MTP is not implemented; %d MTP tensor(s) skipped", n, skipped)
+    return kept
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ without it (Kimi Linear) the layers use a plain pre-norm residual stream.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -272,12 +273,23 @@ class K3ForCausalLM(nn.Module):
                 ``weight_packed`` + ``weight_scale`` quantized from the full-precision weights (before
                 any ``dtype`` cast), with the released ``quantization_config`` in the text config
                 (k3-release-notes.md §1.9); everything else unquantized.
+        A ``kimi_k3`` config without a ``vision_config`` is written as its bare ``kimi_linear`` text
+        config (unprefixed names, logged): the official ``KimiK3ForConditionalGeneration`` cannot be
+        built without a vision config, while the reference ``KimiLinearForCausalLM``, vLLM and
+        SGLang load the text config.
+
         Raises:
             ValueError: unknown ``quantization`` or expert widths that are not multiples of 32.
         """
         from openk3.checkpoint import DEFAULT_SHARD_BYTES, quantized_config, to_hf_state_dict, write_checkpoint
 
-        config = quantized_config(self.config, quantization)
+        config = self.config
+        if config.wrapper is not None and config.wrapper.get("vision_config") is None:
+            logging.getLogger("openk3.checkpoint").warning(
+                "%s: a kimi_k3 config without vision_config is written as its kimi_linear text config "
+                "(the official KimiK3ForConditionalGeneration needs a vision_config)", path)
+            config = config.text_only()
+        config = quantized_config(config, quantization)
         tensors = to_hf_state_dict(self.state_dict(), config, quantization)
         if dtype is not None:
             tensors = type(tensors)(

@@ -74,7 +74,7 @@ def test_kimi_linear_flags_round_trip():
     "changes, field",
     [
         ({"hidden_size": 0}, "hidden_size"),
-        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"hidden_act": "relu"}, "hidden_act"),
         ({"num_experts_per_tok": 99}, "num_experts_per_tok"),
         ({"layer_types": ["linear_attention"] * 5 + ["mamba"]}, "layer_types[5]"),
         ({"layer_types": ["linear_attention"] * 2}, "layer_types"),
@@ -118,8 +118,12 @@ def test_bad_layer_lists_are_rejected():
         ("vocab_size", 100, "bos_token_id"),
         ("moe_renormalize", "no", "norm_topk_prob"),
         ("tie_word_embeddings", "yes", "tie_word_embeddings"),
-        ("topk_method", "greedy", "topk_method"),
-        ("activation_situ_beta", None, "activation_situ_beta"),
+        ("hidden_act", "relu", "hidden_act"),
+        ("hidden_act", None, "hidden_act"),
+        ("num_expert_group", None, "num_expert_group"),
+        ("mla_use_nope", False, "mla_use_nope"),
+        ("attention_bias", True, "attention_bias"),
+        ("activation_situ_beta", 0.0, "activation_situ_beta"),
     ],
 )
 def test_malformed_official_configs_raise_value_error_naming_the_field(key, value, field):
@@ -129,11 +133,11 @@ def test_malformed_official_configs_raise_value_error_naming_the_field(key, valu
         K3Config.from_dict(d)
 
 
-def test_missing_core_field_is_not_defaulted_to_the_full_model():
+def test_missing_core_field_means_the_official_class_default():
+    # KimiLinearConfig(hidden_size=4096): a file without the key means 4096, not the 2.78T release value
     d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
     del d["text_config"]["hidden_size"]
-    with pytest.raises(ValueError, match="hidden_size: missing"):
-        K3Config.from_dict(d)
+    assert K3Config.from_dict(d).hidden_size == 4096
     d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
     d["text_config"]["linear_attn_config"]["kda_layers"] = 3
     with pytest.raises(ValueError, match="kda_layers"):

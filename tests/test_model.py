@@ -140,7 +140,10 @@ def test_save_load_round_trip_is_bit_exact(name, tmp_path):
 
 
 def test_k3_wrapper_writes_official_names(tmp_path):
+    from openk3.vision.config import vision_preset
+
     cfg = preset("k3-test-tiny").as_k3_wrapper()
+    cfg.wrapper["vision_config"] = vision_preset("tiny").to_dict()
     model = build_model(cfg)
     model.save_pretrained(tmp_path)
     names = set(read_safetensors(str(tmp_path)))

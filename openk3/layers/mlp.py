@@ -1,4 +1,4 @@
-"""Gated MLPs: SiTU-GLU (Kimi K3) and SwiGLU (Kimi Linear).
+"""Gated MLPs: SiTU-GLU (Kimi K3), SwiGLU (Kimi Linear) and GeGLU (``hidden_act="gelu"``).
 
 Shape legend: ``*`` any leading dims, D model width (``hidden_size``), I intermediate width.
 
@@ -10,6 +10,7 @@ shared experts), config fields ``hidden_act``, ``activation_situ_beta`` (β₁, 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable
 
 import torch
@@ -26,7 +27,7 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float | None) -> torch.Tensor:
     """SiTU-GLU: ``[β₁ tanh(g/β₁) σ(g)] ⊙ [β₂ tanh(u/β₂)]`` (architecture.md §8).
 
     Each factor is a soft cap (``β tanh(x/β)``) so ``|out| < β₁β₂`` elementwise, while matching
@@ -35,12 +36,15 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -
 
     Args:
         gate, up: [*, I] pre-activations (same shape, any float dtype).
-        beta1, beta2: positive caps (the config's ``activation_situ_beta`` / ``..._linear_beta``).
+        beta1: positive gate cap (``activation_situ_beta``).
+        beta2: positive up cap (``activation_situ_linear_beta``), or None: the up branch is used
+            uncapped (the reference's ``SituAndMul`` with ``linear_beta=None``).
     Returns:
         [*, I] in ``gate.dtype``.
     """
     g, u = _upcast(gate), _upcast(up)
-    out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
+    capped_up = u if beta2 is None else beta2 * torch.tanh(u / beta2)
+    out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * capped_up
     return out.to(gate.dtype)
 
 
@@ -53,21 +57,39 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(_upcast(gate)) * _upcast(up)).to(gate.dtype)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GeGLU ``gelu(g) ⊙ u`` (``hidden_act="gelu"``: erf; ``"gelu_pytorch_tanh"``: tanh
+    approximation, as transformers' ACT2FN), in fp32, cast back.
+
+    Args:
+        gate, up: [*, I]. Returns: [*, I] in ``gate.dtype``.
+    """
+    return (F.gelu(_upcast(gate), approximate=approximate) * _upcast(up)).to(gate.dtype)
+
+
 def glu_activation(config: K3Config) -> GluActivation:
     """The ``(gate, up) -> hidden`` nonlinearity selected by ``config.hidden_act``.
 
     Raises:
-        ValueError: ``hidden_act`` not ``"situ"``/``"silu"``, or a non-positive SiTU beta.
+        ValueError: ``hidden_act`` not one of situ / silu / gelu / gelu_pytorch_tanh, or a
+            non-positive SiTU beta.
     """
     if config.hidden_act == "silu":
         return swiglu
+    if config.hidden_act == "gelu":
+        return geglu
+    if config.hidden_act == "gelu_pytorch_tanh":
+        return functools.partial(geglu, approximate="tanh")
     if config.hidden_act == "situ":
         b1, b2 = config.activation_situ_beta, config.activation_situ_linear_beta
         for name, b in (("activation_situ_beta", b1), ("activation_situ_linear_beta", b2)):
+            if b is None and name == "activation_situ_linear_beta":
+                continue
             if not (isinstance(b, (int, float)) and b > 0):
                 raise ValueError(f"K3Config.{name}={b!r}: SiTU betas must be positive numbers")
-        return functools.partial(situ_glu, beta1=float(b1), beta2=float(b2))
-    raise ValueError(f"K3Config.hidden_act={config.hidden_act!r}: must be 'situ' (SiTU-GLU) or 'silu' (SwiGLU)")
+        return functools.partial(situ_glu, beta1=float(b1), beta2=None if b2 is None else float(b2))
+    raise ValueError(f"K3Config.hidden_act={config.hidden_act!r}: must be 'situ' (SiTU-GLU), 'silu' (SwiGLU), "
+                     "'gelu' or 'gelu_pytorch_tanh'")
 
 
 class MLP(nn.Module):
@@ -82,28 +104,33 @@ class MLP(nn.Module):
     ``down_proj.weight`` [D, I].
 
     Raises:
-        ValueError: non-positive widths, or a bad activation config (see :func:`glu_activation`).
+        ValueError: a non-positive ``hidden_size``, a negative ``intermediate_size`` (0 is the
+            zero-width shared MLP of ``num_shared_experts=0``, as the reference builds it), or a bad
+            activation config (see :func:`glu_activation`).
     """
 
     def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"MLP {name}={v!r}: must be a positive integer")
+        for name, v, least in (("hidden_size", hidden_size, 1), ("intermediate_size", intermediate_size, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ValueError(f"MLP {name}={v!r}: must be an integer >= {least}")
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.initializer_range = config.initializer_range
         self.act = glu_activation(config)
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        with warnings.catch_warnings():  # torch warns that a zero-size init is a no-op; it is meant here
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """All three projections ~ N(0, ``initializer_range``) (meta-device safe)."""
         for lin in (self.gate_proj, self.up_proj, self.down_proj):
-            nn.init.normal_(lin.weight, mean=0.0, std=self.initializer_range)
+            if lin.weight.numel():
+                nn.init.normal_(lin.weight, mean=0.0, std=self.initializer_range)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [*, D] -> [*, D] (dtype of the weights' matmul with x)."""

@@ -91,13 +91,15 @@ class Router(nn.Module):
     persistent buffer (trained by Quantile Balancing outside autograd, frozen at inference).
 
     Raises:
-        ValueError: unsupported ``topk_method``, or k / group settings that cannot be satisfied.
+    Grouping follows ``n_group`` / ``topk_group`` alone: the official gates read neither
+    ``use_grouped_topk`` nor ``topk_method`` (see :mod:`openk3.config_fields`).
+
+    Raises:
+        ValueError: k / group settings that cannot be satisfied.
     """
 
     def __init__(self, config: K3Config) -> None:
         super().__init__()
-        if config.topk_method != "noaux_tc":
-            raise ValueError(f"K3Config.topk_method={config.topk_method!r}: only 'noaux_tc' is implemented")
         if config.moe_router_activation_func not in ("sigmoid", "softmax"):
             raise ValueError(
                 f"K3Config.moe_router_activation_func={config.moe_router_activation_func!r}: "
@@ -105,8 +107,8 @@ class Router(nn.Module):
             )
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
-        self.n_group = config.n_group if config.use_grouped_topk else 1
-        self.topk_group = config.topk_group if config.use_grouped_topk else 1
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = float(config.routed_scaling_factor)
         self.activation = config.moe_router_activation_func
@@ -229,7 +231,8 @@ class LatentMoE(nn.Module):
     Kimi Linear (``routed_expert_hidden_size=None``): no projections and no norm, experts at
     width D, ``y = u + shared_experts(x)``. ``routed_expert_norm`` exists only when
     ``latent_moe_use_norm``; ``shared_experts`` (one MLP of width ``n_shared_experts *
-    moe_intermediate_size``) only when ``n_shared_experts > 0``.
+    moe_intermediate_size``) whenever ``n_shared_experts`` is not None, so ``n_shared_experts=0``
+    gives a zero-width MLP (zero-size tensors that add nothing) exactly as the reference builds it.
     """
 
     def __init__(self, config: K3Config, layer_idx: int) -> None:
@@ -245,7 +248,7 @@ class LatentMoE(nn.Module):
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(l, eps=config.rms_norm_eps)
             self.routed_expert_up_proj = nn.Linear(l, d, bias=False)
-        if config.n_shared_experts > 0:
+        if config.n_shared_experts is not None:
             self.shared_experts = MLP(
                 config, config.hidden_size, config.n_shared_experts * config.moe_intermediate_size
             )

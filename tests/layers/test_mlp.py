@@ -124,9 +124,9 @@ def test_mlp_checkpoint_names_shapes_and_init():
 def test_mlp_rejects_bad_arguments():
     cfg = preset("k3-test-tiny")
     with pytest.raises(ValueError, match="intermediate_size"):
-        MLP(cfg, 64, 0)
+        MLP(cfg, 64, -1)
     bad = preset("k3-test-tiny")
-    bad.hidden_act = "gelu"
+    bad.hidden_act = "relu"
     with pytest.raises(ValueError, match="hidden_act"):
         glu_activation(bad)
     bad = preset("k3-test-tiny")

@@ -37,7 +37,7 @@ def _naive_moe(cfg: K3Config, p: dict[str, torch.Tensor], x: torch.Tensor, force
     """One token at a time, straight from the spec. p: float64 state dict of LatentMoE (stacked
     expert names); x: [N, D] float64. Returns (y [N, D], chosen experts per token, in pick order)."""
     k = cfg.num_experts_per_tok
-    n_group, topk_group = (cfg.n_group, cfg.topk_group) if cfg.use_grouped_topk else (1, 1)
+    n_group, topk_group = cfg.n_group, cfg.topk_group
     bias = p["gate.e_score_correction_bias"]
     outs, chosen = [], []
     for t in range(x.shape[0]):
@@ -173,10 +173,14 @@ def test_grouped_router_uses_groups():
     biased = (out.scores + r.e_score_correction_bias).tolist()
     for t in range(30):
         assert out.topk_idx[t].tolist() == _naive_grouped_topk(biased[t], 3, 4, 2)
-    # use_grouped_topk=False ignores the groups.
-    flat = Router(cfg.replace(use_grouped_topk=False))
-    flat.load_state_dict(r.state_dict())
-    assert torch.equal(flat(x).topk_idx, select_topk(torch.tensor(biased), 3))
+    # use_grouped_topk=false does not turn the groups off: the official gates never read it (they group
+    # whenever num_expert_group > topk_group), and neither does openk3.
+    d = cfg.to_dict()
+    d["use_grouped_topk"] = False
+    same = Router(K3Config.from_dict(d))
+    same.load_state_dict(r.state_dict())
+    assert torch.equal(same(x).topk_idx, out.topk_idx)
+    assert not torch.equal(out.topk_idx, select_topk(torch.tensor(biased), 3))  # the groups did matter
 
 
 def test_k_equals_e_and_ties():
@@ -194,8 +198,6 @@ def test_k_equals_e_and_ties():
 
 def test_router_errors():
     cfg = preset("k3-test-tiny")
-    with pytest.raises(ValueError, match="topk_method"):
-        Router(cfg.replace(topk_method="greedy"))
     with pytest.raises(ValueError, match="k=3"):
         select_topk(torch.zeros(2, 8), 3, n_group=4, topk_group=1)
     with pytest.raises(ValueError, match="n_group"):
@@ -229,8 +231,12 @@ def test_structure_and_checkpoint_names():
         "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight",
     }
     assert kl.experts.w1.shape == (8, 24, 64)
-    no_shared = LatentMoE(preset("k3-test-tiny").replace(n_shared_experts=0), 1)
+    no_shared = LatentMoE(preset("k3-test-tiny").replace(n_shared_experts=None), 1)
     assert "shared_experts" not in dict(no_shared.named_children())
+    # num_shared_experts=0: the reference's zero-width shared MLP (zero-size tensors, adds nothing)
+    zero = LatentMoE(preset("k3-test-tiny").replace(n_shared_experts=0), 1)
+    assert tuple(zero.shared_experts.gate_proj.weight.shape) == (0, 64)
+    assert tuple(zero.shared_experts.down_proj.weight.shape) == (64, 0)
 
 
 def test_init():

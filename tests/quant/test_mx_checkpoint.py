@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from openk3.checkpoint import read_safetensors
 from openk3.config import preset
+from openk3.vision.config import vision_preset
 from openk3.pretrained import build_model, load_pretrained
 from openk3.quant.mx import mxfp4_weight_from_packed, mxfp4_weight_to_packed
 from openk3.quant.packed import PackedExperts, compressed_tensors_config, expert_storage
@@ -24,9 +25,14 @@ EXPERT_PATTERN = re.compile(r"\.experts\.N\.wN\.")
 
 
 def _cfg(wrapper: bool = True):
-    """k3-test-tiny with F = 32 (its F = 24 holds no whole MX block)."""
+    """k3-test-tiny with F = 32 (its F = 24 holds no whole MX block); ``wrapper``: as the released
+    ``kimi_k3`` layout, with a tiny vision tower (the official class needs a vision_config)."""
     cfg = preset("k3-test-tiny").replace(moe_intermediate_size=32)
-    return cfg.as_k3_wrapper() if wrapper else cfg
+    if not wrapper:
+        return cfg
+    cfg = cfg.as_k3_wrapper()
+    cfg.wrapper["vision_config"] = vision_preset("tiny").to_dict()
+    return cfg
 
 
 def _pattern(name: str) -> str:
