@@ -80,12 +80,43 @@ def _prefix(config: K3Config) -> str:
     return "language_model." if config.wrapper is not None else ""
 
 
+_A_LOG_LAYOUT = "__a_log_layout__"  # K3Config.source key: how the loaded file stored A_log
+
+
 def a_log_file_shape(config: K3Config, heads: int) -> tuple[int, ...]:
-    """The shape ``A_log`` is written with: [H] when the checkpoint targets the K3 reference code
-    (a ``kimi_k3`` wrapper, or a K3 lower-bounded gate, which only that code runs), [1, 1, H, 1] for
-    a bare ``kimi_linear`` checkpoint with the Kimi Linear softplus gate (the original Kimi Linear
-    ``modeling_kimi.py``, vLLM ``kimi_linear`` and transformers ``KimiLinear`` load that shape)."""
-    return (heads,) if config.wrapper is not None or config.is_k3 else (1, 1, heads, 1)
+    """The shape ``A_log`` is written with, by the code the checkpoint is for.
+
+    * [H]: a ``kimi_k3`` wrapper or a K3 lower-bounded gate (only the K3 reference code runs
+      those; it declares ``A_log`` [num_heads]).
+    * A bare ``kimi_linear`` config with the Kimi Linear softplus gate is read by two official
+      codes that disagree: the K3 reference (``modeling_kimi_linear.py``, [H]) and Kimi Linear's
+      own ``modeling_kimi.py`` ([1, 1, H, 1], as are vLLM ``kimi_linear`` and transformers
+      ``KimiLinear``). The layout of the checkpoint the config was loaded from wins (a round trip
+      keeps its reader), then the ``auto_map`` of the config (``modeling_kimi_linear`` /
+      ``configuration_kimi_k3``: [H]), else [1, 1, H, 1].
+    """
+    if config.wrapper is not None or config.is_k3:
+        return (heads,)
+    layout = (config.source or {}).get(_A_LOG_LAYOUT)
+    if layout is not None:
+        return (heads,) if layout == "per_head" else (1, 1, heads, 1)
+    auto_map = config.extra_text_config.get("auto_map")
+    if isinstance(auto_map, dict) and any(
+        isinstance(v, str) and ("modeling_kimi_linear." in v or "configuration_kimi_k3." in v) for v in auto_map.values()
+    ):
+        return (heads,)
+    return (1, 1, heads, 1)
+
+
+def record_file_layout(config: K3Config, tensors: dict[str, torch.Tensor]) -> None:
+    """Remember in ``config.source`` how the checkpoint stored ``A_log`` (``per_head`` [H] or
+    ``unsqueezed`` [1, 1, H, 1]), so that saving the loaded model writes it the same way."""
+    if config.source is None:
+        return
+    for name, t in tensors.items():
+        if name.endswith("self_attn.A_log"):
+            config.source[_A_LOG_LAYOUT] = "unsqueezed" if t.dim() == 4 else "per_head"
+            return
 
 
 def quantized_config(config: K3Config, quantization: str | QuantScheme | None) -> K3Config:

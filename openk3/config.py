@@ -358,10 +358,7 @@ class K3Config:
         out["model_type"] = "kimi_k3"
         for f in WRAPPER_FIELDS:
             if f.attr is not None:
-                value = getattr(self, f.attr)
-                if value is None and (self.source is None or f.attr not in self.source):
-                    continue  # a wrapper made in code names only what it has
-                _write_field(out, f, value, self.source)
+                _write_field(out, f, getattr(self, f.attr), self.source, absent=_absent_meaning(f, self))
         return out
 
     def to_json_string(self) -> str:
@@ -486,11 +483,22 @@ def _same(a: Any, b: Any) -> bool:
                                              and isinstance(b, (int, float)) and not isinstance(b, bool) and a == b)
 
 
-def _write_field(d: dict[str, Any], f: Field, value: Any, src: dict[str, Any] | None) -> None:
+def _absent_meaning(f: Field, cfg_or_kwargs: Any) -> Any:
+    """What a missing key means. ``media_placeholder_token_id``: KimiK3Config's 163605, which for a
+    vocabulary that does not reach it can match no input id, i.e. no image placeholder (None)."""
+    if f.attr == "media_placeholder_token_id":
+        vocab = cfg_or_kwargs.get("vocab_size") if isinstance(cfg_or_kwargs, dict) else cfg_or_kwargs.vocab_size
+        return f.absent if isinstance(vocab, int) and f.absent < vocab else None
+    return f.absent
+
+
+def _write_field(d: dict[str, Any], f: Field, value: Any, src: dict[str, Any] | None,
+                 absent: Any = MISSING) -> None:
+    absent = f.absent if absent is MISSING else absent
     if src is not None and f.attr in src:
         keys, raw = src[f.attr]
         if raw is MISSING:
-            if _same(value, f.absent):
+            if _same(value, absent):
                 return
         elif _same(_meaning(f, raw), value):
             for key in keys:
@@ -597,6 +605,9 @@ def _from_hf_text(t: dict[str, Any], *, wrapper: dict[str, Any] | None = None,
         layout["mlp_layer_types"] = True
     source["__layers__"] = layout
     if wrapper_kwargs:
+        for f in WRAPPER_FIELDS:
+            if f.attr in wrapper_kwargs and (wrapper_source or {}).get(f.attr, ((), None))[1] is MISSING:
+                wrapper_kwargs[f.attr] = _absent_meaning(f, kwargs)
         kwargs.update(wrapper_kwargs)
         source.update(wrapper_source or {})
     extra = {k: copy.deepcopy(v) for k, v in t.items()

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from openk3.checkpoint import from_hf_state_dict, read_safetensors
+from openk3.checkpoint import from_hf_state_dict, read_safetensors, record_file_layout
 from openk3.config import K3Config
 from openk3.model import K3ForCausalLM
 
@@ -78,6 +78,7 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
     path = resolve_model_path(path)
     config = K3Config.from_pretrained(path)
     tensors = read_safetensors(path)
+    record_file_layout(config, tensors)
     # Vision tensors without a vision_config are ignored, as the text model always did.
     with_vision = vision_config_of(config) is not None and any(k.startswith(VISION_PREFIXES) for k in tensors)
     with torch.device("meta"):
