@@ -246,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     serve.add_argument("--max-waiting", type=int, help="admission queue bound; beyond it requests get 429")
     serve.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by memory)")
+    serve.add_argument("--max-request-memory", type=_bytes,
+                       help="activation memory one request may need (vision tower); larger ones get a 400 "
+                            "(default: half of the memory available at start-up)")
     serve.set_defaults(func=_cmd_serve)
 
     cost = sub.add_parser("cost", help="price a workload or a running server's recorded usage")

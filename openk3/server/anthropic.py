@@ -39,7 +39,7 @@ from openk3.chat_format.parser import (
     ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
 from openk3.server.images import LOCATION_KEY
-from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
+from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request, show_int
 from openk3.server.serving import ENGINE_FAILED, ChatServing, Finished, Generation, Prepared
 from openk3.server.validation import check_unicode
 
@@ -53,7 +53,10 @@ def _signature(thinking: str) -> str:
 
 def _image_part(block: dict, where: str) -> dict:
     # LOCATION_KEY: image errors name the block as the client sent it, not the translated message
-    src = block.get("source") or {}
+    src = block.get("source")
+    if not isinstance(src, dict):
+        raise bad_request(f"{where}.source: must be an object (type base64 with media_type and data), "
+                          f"got {type(src).__name__}")
     if src.get("type") == "base64" and not isinstance(src.get("data"), str):
         raise bad_request(f"{where}.source.data: must be a base64 string, got {type(src.get('data')).__name__}")
     if src.get("type") == "base64":
@@ -253,10 +256,10 @@ def check_thinking(req: dict) -> bool:
         if not isinstance(budget, int) or isinstance(budget, bool):
             raise bad_request(f"thinking.budget_tokens: must be an integer, got {budget!r}")
         if budget < MIN_THINKING_BUDGET:
-            raise bad_request(f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got {budget}")
+            raise bad_request(f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got {show_int(budget)}")
         max_tokens = req.get("max_tokens")
         if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and budget >= max_tokens:
-            raise bad_request(f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got {budget}")
+            raise bad_request(f"thinking.budget_tokens: must be less than max_tokens ({show_int(max_tokens)}), got {show_int(budget)}")
     elif kind not in ("disabled", "adaptive", "between_tools"):
         raise bad_request(f"thinking.type: unsupported value {kind!r} (enabled, disabled, adaptive, between_tools)")
     return kind != "disabled"

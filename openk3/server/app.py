@@ -20,6 +20,7 @@ for in-flight responses; the lifespan then drains and stops the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -339,10 +340,15 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 def build_serving(model_path: str, *, served_model_name: str | None = None, max_num_seqs: int = 16,
                   cache_memory: int | None = None, enable_prefix_cache: bool = True,
                   max_waiting: int | None = None, max_model_len: int | None = None,
-                  limits: Limits = Limits()) -> tuple[ChatServing, Any]:
+                  limits: Limits = Limits(), max_request_memory: int | None = None) -> tuple[ChatServing, Any]:
     """Load a checkpoint directory (config + safetensors + tokenizer files) and start its engine.
     A checkpoint with a vision tower (``K3ForConditionalGeneration``) serves image input
     (``supports_image_in``; preprocessing from its ``preprocessor_config.json`` when present).
+
+    ``max_request_memory``: bytes of activations one request may need (the vision tower's
+    estimate, :func:`openk3.vision.encoder.tower_activation_bytes`); None = half of the memory
+    available at start-up (``MemAvailable``), the rest being the cache pools', the weights' and
+    other requests' share.
 
     Returns:
         ``(serving, async_engine)``.
@@ -375,8 +381,33 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     info = ModelInfo(id=name, context_length=context, supports_image_in=image_config is not None,
                      created=int(time.time()))
     async_engine = AsyncEngine(engine)
-    serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits, image_config=image_config)
+    activation_bytes = None
+    vc = getattr(model, "vision_config", None)
+    if vc is not None:
+        from openk3.vision.encoder import tower_activation_bytes
+
+        def activation_bytes(grids: list) -> int:
+            return tower_activation_bytes(vc, sum(t * h * w for t, h, w in grids), engine.dtype.itemsize)
+
+    if max_request_memory is None:
+        avail = _available_memory()
+        max_request_memory = avail // 2 if avail else None
+    limits = dataclasses.replace(limits, max_request_memory=max_request_memory)
+    serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits, image_config=image_config,
+                          activation_bytes=activation_bytes)
     return serving, async_engine
+
+
+def _available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def main(args: Any) -> int:
@@ -400,7 +431,8 @@ def main(args: Any) -> int:
         serving, async_engine = build_serving(
             path, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
             cache_memory=args.cache_memory, enable_prefix_cache=not args.no_prefix_cache,
-            max_waiting=getattr(args, "max_waiting", None), max_model_len=getattr(args, "max_model_len", None))
+            max_waiting=getattr(args, "max_waiting", None), max_model_len=getattr(args, "max_model_len", None),
+            max_request_memory=getattr(args, "max_request_memory", None))
     except (FileNotFoundError, ValueError) as e:
         print(f"openk3 serve: cannot load {path!r}: {e}", file=sys.stderr)
         return 2

@@ -85,6 +85,14 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": kind, "message": self._safe_message()}}
 
 
+def show_int(value: int) -> str:
+    """An integer for an error message: its digits, or its size when it has more than 30 digits
+    (Python refuses to print ints over 4,300 digits, and nobody reads 30)."""
+    if abs(value) < 10**30:
+        return str(value)
+    return f"{'-' if value < 0 else ''}an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+
+
 def bad_request(message: str) -> APIError:
     """A 400 ``invalid_request_error``."""
     return APIError(400, message)

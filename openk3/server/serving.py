@@ -42,7 +42,7 @@ from openk3.server.generation import (  # noqa: F401 - re-exported: importers us
     CACHE_REPORT_BLOCK, ENGINE_FAILED, OVERLOADED, Finished, Generation, Prepared, usage_dict,
 )
 from openk3.server.images import expand_images, image_locations
-from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request
+from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request, show_int
 from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
     THINKING_BOOL, Limits, check_image_parts, check_image_roles, check_keep, check_messages, check_sampling,
@@ -78,13 +78,17 @@ class ChatServing:
             released preprocessing; only used when ``model.supports_image_in``).
         sampling_params: the ``SamplingParams`` class (default ``openk3.engine.sampling``).
         make_constraint: constraint factory (default ``openk3.engine.constraints.make_constraint``).
+        activation_bytes: ``(grids) -> bytes`` peak activation memory of the vision tower for a
+            request's image grids (``(1, gh, gw)`` each); with ``limits.max_request_memory`` a
+            request above it is refused before its images are decoded.
     """
 
     def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
                  *, sampling_params: Callable | None = None, make_constraint: Callable | None = None,
-                 image_config: Any = None):
+                 image_config: Any = None, activation_bytes: Callable | None = None):
         self.engine, self.tokenizer, self.model, self.metrics, self.limits = engine, tokenizer, model, metrics, limits
         self.image_config = image_config
+        self.activation_bytes = activation_bytes
         if sampling_params is None:
             from openk3.engine.sampling import SamplingParams as sampling_params
         self._sampling_params = sampling_params
@@ -145,6 +149,21 @@ class ChatServing:
         raise bad_request(f"Your request exceeded model token limit: {self.model.context_length} "
                           f"(requested: at least {at_least})")
 
+    def check_memory(self, grids: list) -> None:
+        """Refuse images whose vision-tower activations exceed ``limits.max_request_memory``.
+
+        Raises:
+            APIError: 400 naming the estimate and the limit (``--max-request-memory``).
+        """
+        limit = self.limits.max_request_memory
+        if not grids or limit is None or self.activation_bytes is None:
+            return
+        need = self.activation_bytes(grids)
+        if need > limit:
+            raise bad_request(f"messages: the images need about {need / 2**20:.0f} MiB of activation memory in the "
+                              f"vision tower, above this server's per-request limit of {limit / 2**20:.0f} MiB "
+                              "(--max-request-memory); send fewer or smaller images")
+
     def render(self, body: dict, counting: bool = False) -> tuple[Any, Any]:
         """Validate the request-level options and render; returns ``(prompt, options)``.
 
@@ -204,11 +223,13 @@ class ChatServing:
         ctx = self.model.context_length
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if asked is not None and asked < 1:
-            raise bad_request(f"max_completion_tokens: must be >= 1, got {asked}")
+            raise bad_request(f"max_completion_tokens: must be >= 1, got {show_int(asked)}")
 
         def check(n_ids: int, grids: list) -> None:  # runs before any image is decoded
             if n_ids >= ctx or (asked is not None and n_ids + asked > ctx):
-                raise bad_request(f"Your request exceeded model token limit: {ctx} (requested: {n_ids + (asked or 1)})")
+                raise bad_request(f"Your request exceeded model token limit: {ctx} "
+                                  f"(requested: {show_int(n_ids + (asked or 1))})")
+            self.check_memory(grids)
 
         expanded = self._expand(prompt, body, pixels=True, check=check)
         n_ids = len(expanded.token_ids)

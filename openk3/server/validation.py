@@ -37,7 +37,7 @@ THINKING_BOOL = "the thinking field in the request (expected type object) is ill
 @dataclass(frozen=True)
 class Limits:
     """Request limits (api.md §1.1: ≤128 tools, ≤5 stop strings of ≤32 bytes; K3 default output
-    budget 131,072)."""
+    budget 131,072); ``max_request_memory`` is ``openk3 serve --max-request-memory``."""
 
     max_body_bytes: int = 32 * 2**20
     max_messages: int = 10_000
@@ -46,6 +46,7 @@ class Limits:
     max_stop_bytes: int = 32
     default_max_tokens: int = 131_072
     retry_after_s: int = 1
+    max_request_memory: int | None = None  # bytes of activations one request may need; None: unbounded
 
 
 def _fmt(v: float) -> str:

@@ -356,6 +356,19 @@ class MoonViT(nn.Module):
         return temporal_pool_merge(x, grids, self.config.merge_kernel_size)
 
 
+def tower_activation_bytes(config: VisionConfig, num_patches: int, itemsize: int = 4) -> int:
+    """Upper estimate of the peak memory (bytes) one tower call adds for ``num_patches`` packed
+    patches L, pixel patches included: per patch the pixel patch (3 P^2), and at the widest point
+    of a block the residual, its norm and two temporaries (4 D), qkv (3 A), the rotated q and k
+    (2 A), the attention output (A), the MLP hidden before and after the GELU (2 I), and the merged
+    output (D); times 1.5 for allocator slack. Attention itself adds O(L) (fused kernel, see
+    :func:`segment_attention_sdpa`). Measured on the shipped tiny tower at L = 16,384 the peak is
+    below this bound (``tests/vision/test_encoder.py``)."""
+    p, d, a, i = config.patch_size, config.vt_hidden_size, config.qkv_hidden_size, config.vt_intermediate_size
+    per_patch = 3 * p * p + 4 * d + 3 * a + 2 * a + a + 2 * i + d
+    return int(1.5 * num_patches * per_patch * itemsize)
+
+
 def merged_token_counts(grid_thws: torch.Tensor | Sequence[Sequence[int]], kernel: tuple[int, int]) -> list[int]:
     """Merged tokens per item: (h/kh) * (w/kw) (frames are pooled, so t does not count)."""
     return [(h // kernel[0]) * (w // kernel[1]) for _, h, w in normalize_grids(grid_thws)]

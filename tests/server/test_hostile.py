@@ -286,3 +286,59 @@ def test_every_rendered_field_is_bounded_before_any_work(tokenizer, monkeypatch)
         anthropic.count_tokens(serving, a_body)
     assert e.value.message.startswith("request: the text to render (")
     assert seen == [] and compiled == []
+
+
+def test_images_over_the_memory_budget_are_refused_before_decoding(tokenizer, loads):
+    """With ``--max-request-memory``, images whose tower activations exceed it get a 400 naming
+    the limit, from the header sizes alone; within it they are served as before."""
+    import dataclasses
+
+    from openk3.server.metrics import Metrics
+    from openk3.server.protocol import APIError, ChatCompletionRequest
+    from openk3.server.serving import ChatServing, ModelInfo
+    from openk3.server.validation import Limits
+    from openk3.vision import vision_preset
+    from openk3.vision.encoder import tower_activation_bytes
+
+    vc = vision_preset("tiny")
+    serving = ChatServing(None, tokenizer, ModelInfo(MODEL, 4096, supports_image_in=True), Metrics(),
+                          dataclasses.replace(Limits(), max_request_memory=64 * 2**20),
+                          activation_bytes=lambda grids: tower_activation_bytes(vc, sum(t * h * w for t, h, w in grids)))
+    def req(side):
+        return {"model": MODEL, "max_completion_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": _png(side, side)}}]}]}
+
+    big = req(1400)  # 100 x 100 patches: 2,500 tokens, inside the context
+    need = tower_activation_bytes(vc, 100 * 100)
+    assert need > 64 * 2**20
+    with pytest.raises(APIError) as e:
+        serving.prepare(big, ChatCompletionRequest.model_validate(big))
+    assert e.value.status == 400 and e.value.message == (
+        f"messages: the images need about {need / 2**20:.0f} MiB of activation memory in the vision tower, above "
+        "this server's per-request limit of 64 MiB (--max-request-memory); send fewer or smaller images")
+    assert loads == []
+    small = req(280)
+    assert serving.prepare(small, ChatCompletionRequest.model_validate(small)).mm_inputs and loads == [(280, 280)]
+
+
+def test_small_hostile_fields_are_400s_naming_the_field(live):
+    """A 4,300-digit ``max_tokens`` (Python cannot print it) and an Anthropic image ``source``
+    that is not an object: 400s in the platform envelope, never a 500."""
+    import httpx
+
+    huge = "9" * 4300
+    user = '[{"role": "user", "content": "hi"}]'
+    with httpx.Client(base_url=live.base, timeout=60, headers={"content-type": "application/json"}) as http:
+        r = http.post("/v1/chat/completions", content=f'{{"model": "{MODEL}", "messages": {user}, "max_tokens": {huge}}}')
+        assert r.status_code == 400, r.text
+        ctx = live.serving.model.context_length
+        assert r.json()["error"]["message"].startswith(f"Your request exceeded model token limit: {ctx} (requested: "
+                                                       "an integer of about 430"), r.text  # 4,300 or 4,301 digits
+        r = http.post("/anthropic/v1/messages", content=f'{{"model": "{MODEL}", "messages": {user}, "max_tokens": {huge}}}')
+        assert r.status_code == 400 and "an integer of about 430" in r.json()["error"]["message"], r.text
+        block = {"type": "tool_result", "tool_use_id": "t0", "content": [{"type": "image", "source": "abc"}]}
+        r = http.post("/anthropic/v1/messages", json={"model": MODEL, "max_tokens": 4,
+                                                       "messages": [{"role": "user", "content": [block]}]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == ("messages[0].content[0].content[0].source: must be an object (type "
+                                                "base64 with media_type and data), got str")

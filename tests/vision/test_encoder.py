@@ -284,6 +284,40 @@ def test_sdpa_attention_memory_is_linear_in_patches():
     assert grown < 64 * 2**20, f"attention grew RSS by {grown / 2**20:.0f} MiB (full scores: {scores / 2**30:.0f} GiB)"
 
 
+_TOWER_SCRIPT = """
+import json, resource, torch
+torch.set_num_threads(1)
+from openk3.vision import VisionConfig, VisionModel, init_vision_weights
+from openk3.vision.encoder import tower_activation_bytes
+cfg = VisionConfig.from_dict(json.load(open("openk3/shipped/openk3-tiny/config.json"))["vision_config"])
+m = VisionModel(cfg).eval()
+init_vision_weights(m, torch.Generator().manual_seed(0))
+h = w = 128
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+pv = torch.randn(h * w, 3, 14, 14)
+with torch.inference_mode():
+    out = m(pv, [(1, h, w)])
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024, tower_activation_bytes(cfg, h * w))
+"""
+
+
+def test_tower_peak_memory_is_within_its_estimate():
+    """The shipped tiny tower on a 1792 px image (16,384 patches): the measured peak RSS growth
+    (pixels included) stays below :func:`tower_activation_bytes`, the estimate the server admits
+    requests by, and the estimate is not absurdly loose (within 4x)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run([sys.executable, "-c", _TOWER_SCRIPT], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    grown, estimate = (int(v) for v in out.stdout.split()[-2:])
+    assert grown <= estimate <= 4 * grown, (grown, estimate)
+
+
 def test_video_time_embedding_and_limits():
     model = _tiny_model()
     pe = model.vision_tower.patch_embed.pos_emb
