@@ -406,10 +406,14 @@ class K3Config:
             return preset(p)
         if os.path.isdir(p):
             p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
+        if not os.path.exists(p):  # something else than a file there: read_json names it
             raise FileNotFoundError(f"no config.json at {path!r} and no preset of that name ({', '.join(PRESETS)})")
-        with open(p, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        from openk3.files import read_json
+
+        data = read_json(p)  # a regular file under a size cap; any failure names the file
+        if not isinstance(data, dict):
+            raise ValueError(f"{p}: cannot load: expected a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
 
     def as_k3_wrapper(self) -> "K3Config":
         """A copy that serializes as the multimodal ``kimi_k3`` wrapper (``language_model.`` names).

@@ -9,6 +9,7 @@ plus ``vision_tower`` / ``mm_projector``) when the file holds the vision tensors
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -46,6 +47,22 @@ def cast_model_(model: K3ForCausalLM, dtype: torch.dtype) -> K3ForCausalLM:
     return model
 
 
+_LAYER_KEY = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
+
+
+def _check_layers_in_file(config: K3Config, tensors: dict, path: str) -> None:
+    """Fail fast on a config whose depth the weights cannot back (``num_hidden_layers: 1000000``
+    would otherwise build a million-layer skeleton for minutes before the missing tensors show).
+
+    Raises:
+        ValueError: naming ``config.json``'s ``num_hidden_layers`` and the layers in the file.
+    """
+    present = {int(m.group(1)) for k in tensors for m in [_LAYER_KEY.search(k)] if m}
+    if present and config.num_hidden_layers > max(present) + 1:
+        raise ValueError(f"{os.path.join(os.fspath(path), 'config.json')}: num_hidden_layers="
+                         f"{config.num_hidden_layers} but the weights hold layers 0..{max(present)} only")
+
+
 def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None, keep_packed: bool = False) -> K3ForCausalLM:
     """Load an official-format checkpoint (``config.json`` + safetensors) into openk3.
@@ -78,6 +95,7 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
     path = resolve_model_path(path)
     config = K3Config.from_pretrained(path)
     tensors = read_safetensors(path)
+    _check_layers_in_file(config, tensors, path)
     record_file_layout(config, tensors)
     # Vision tensors without a vision_config are ignored, as the text model always did.
     with_vision = vision_config_of(config) is not None and any(k.startswith(VISION_PREFIXES) for k in tensors)

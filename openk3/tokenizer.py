@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from openk3.files import MAX_TOKENIZER_BYTES, check_regular, read_json, read_text
 from openk3.tokenizer_backends import (  # noqa: F401 - KIMI_PAT_STR, NUM_SPECIAL_SLOTS, _split_runs re-exported
     KIMI_PAT_STR, NUM_SPECIAL_SLOTS, ByteLevelBPEBackend, TiktokenBackend,
 )
@@ -312,24 +313,35 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     cfg_file = d / "tokenizer_config.json"
     config: dict[str, Any] = {}
     if cfg_file.exists():
-        try:
-            config = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file}: invalid JSON ({e})") from e
+        config = read_json(cfg_file)
+        if not isinstance(config, dict):
+            raise ValueError(f"{cfg_file}: cannot load: expected a JSON object, got {type(config).__name__}")
     added: dict[int, str] = {}
-    for k, v in (config.get("added_tokens_decoder") or {}).items():
-        content = v.get("content") if isinstance(v, dict) else v
-        if not isinstance(content, str):
-            raise ValueError(f"{cfg_file}: added_tokens_decoder[{k!r}] has no string 'content'")
-        added[int(k)] = content
-    if (d / "tiktoken.model").exists():
+    try:
+        for k, v in (config.get("added_tokens_decoder") or {}).items():
+            content = v.get("content") if isinstance(v, dict) else v
+            if not isinstance(content, str):
+                raise ValueError(f"added_tokens_decoder[{k!r}] has no string 'content'")
+            added[int(k)] = content
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{cfg_file}: cannot load: {e}") from None
+    ranks, spec = d / "tiktoken.model", d / "tokenizer.json"
+    if ranks.exists():
         if not cfg_file.exists():
             raise ValueError(f"load_tokenizer: {cfg_file} is required next to tiktoken.model "
                              "(it names the special slots)")
-        return Tokenizer(TiktokenBackend(d / "tiktoken.model", added), config)
-    if (d / "tokenizer.json").exists():
-        text = (d / "tokenizer.json").read_text(encoding="utf-8")
-        for t in json.loads(text).get("added_tokens") or []:
-            added.setdefault(int(t["id"]), t["content"])
-        return Tokenizer(ByteLevelBPEBackend(text, {s: i for i, s in added.items()}), config)
+        check_regular(ranks, MAX_TOKENIZER_BYTES)
+        try:
+            return Tokenizer(TiktokenBackend(ranks, added), config)
+        except (ValueError, TypeError, KeyError, IndexError, UnicodeError) as e:
+            raise ValueError(f"{ranks}: cannot load: {e}") from None
+    if spec.exists():
+        text = read_text(spec, MAX_TOKENIZER_BYTES)
+        try:
+            for t in json.loads(text).get("added_tokens") or []:
+                added.setdefault(int(t["id"]), t["content"])
+            return Tokenizer(ByteLevelBPEBackend(text, {s: i for i, s in added.items()}), config)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception types
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{spec}: cannot load: {first}") from None
     raise ValueError(f"load_tokenizer: {str(d)!r} holds neither tiktoken.model nor tokenizer.json")

@@ -8,22 +8,26 @@ Guards, in order, as one ASGI middleware in front of the routes (api.md §11 val
 the API key (``Authorization: Bearer`` or ``x-api-key``, compared in constant time; only ``/v1`` and
 ``/anthropic`` are protected — ``/health`` and ``/metrics`` stay open for probes and scrapers, and the
 API description ``/openapi.json``, ``/docs``, ``/redoc`` for tooling such as the schemathesis run),
-then the body size (``Content-Length`` first, then the bytes actually received) -> 413.
+then the body size (``Content-Length`` first, then the bytes actually received) -> 413: the JSON
+endpoints take up to ``Limits.max_body_bytes`` (32 MiB), every other path at most 64 KiB announced and never
+reads or buffers a body.
 
 Every error answers with the Kimi envelope ``{"error": {"message", "type"}}`` (the Anthropic one
 under ``/anthropic``); unexpected exceptions are logged and answered 500 without internals.
 A client that disconnects aborts its engine request (streaming: the response task is cancelled;
 non-streaming: a watcher on the connection). SIGTERM: uvicorn stops accepting connections and waits
-for in-flight responses; the lifespan then drains and stops the engine.
+for in-flight responses; the lifespan then drains and stops the engine, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
 import os
+import signal
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -47,6 +51,7 @@ log = logging.getLogger("openk3.server")
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/models", "/v1/tokenizers/estimate-token-count", "/anthropic/v1/messages",
               "/anthropic/v1/messages/count_tokens", "/health", "/metrics"}
+SMALL_BODY = 64 * 1024  # body bytes a request to a path without a JSON body may announce
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted for requests whose client left
 _BODY_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/tokenizers/estimate-token-count": TokenCountRequest,
                 "/anthropic/v1/messages": AnthropicMessagesRequest,
@@ -139,11 +144,15 @@ class Guard:
         headers = dict(scope.get("headers") or [])
         if self.api_key and path.startswith(("/v1", "/anthropic")) and not self._authorized(headers):
             return await _error_response(path, APIError(401, "Invalid Authentication"))(scope, receive, send)
-        too_large = APIError(413, f"request body too large (limit {self.max_body} bytes)")
+        # Only the JSON endpoints take a body: for any other path (open probes, the API docs,
+        # unknown paths) at most SMALL_BODY bytes are announced, and none is ever read or buffered.
+        takes_body = path in _BODY_MODELS
+        limit = self.max_body if takes_body else SMALL_BODY
+        too_large = APIError(413, f"request body too large (limit {limit} bytes)")
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
+        if length is not None and length.isdigit() and int(length) > limit:
             return await _error_response(path, too_large)(scope, receive, send)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
+        if scope["method"] not in ("POST", "PUT", "PATCH") or not takes_body:
             return await self.app(scope, receive, send)
         chunks, total = [], 0
         while True:
@@ -445,6 +454,16 @@ def main(args: Any) -> int:
     sys.setswitchinterval(0.001)
 
     class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    # SIGTERM is a supervisor's "stop": once drained, exit 0 rather than re-raising it
+                    # (which would end the process with -15 / 143, read as a crash)
+                    self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started and self.servers:

@@ -104,7 +104,7 @@ def server(checkpoint, tmp_path_factory):
     yield srv
     code = srv.stop()
     assert "Traceback" not in srv.output(), srv.output()
-    assert code in (0, -signal.SIGTERM), srv.output()  # uvicorn re-raises SIGTERM after its graceful shutdown
+    assert code == 0, srv.output()  # SIGTERM: drained, then a clean exit
 
 
 @pytest.fixture

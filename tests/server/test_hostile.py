@@ -342,3 +342,72 @@ def test_small_hostile_fields_are_400s_naming_the_field(live):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"] == ("messages[0].content[0].content[0].source: must be an object (type "
                                                 "base64 with media_type and data), got str")
+
+
+def test_bodies_to_paths_without_one_are_never_buffered(server):
+    """POSTs to open or unknown paths: a large announced body is a 413 before any byte is read;
+    a small one gets the path's own answer. Auth still guards /v1 before any body is read."""
+    import httpx
+
+    for path in ("/health", "/metrics", "/docs", "/no/such/path"):
+        with httpx.Client(base_url=server.base, timeout=30) as http:
+            r = http.post(path, content=b"{}", headers={"content-type": "application/json"})
+            assert r.status_code in (404, 405), (path, r.status_code)
+    import socket
+
+    for path in ("/health", "/no/such/path", "/v1/chat/completions"):
+        host, port = server.base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {31 * 2**20}\r\n\r\n".encode())  # announced, never sent
+            head = s.recv(4096).decode()
+        want = "401" if path.startswith("/v1") else "413"
+        assert head.startswith(f"HTTP/1.1 {want}"), (path, head[:80])
+
+
+def test_malformed_checkpoint_files_are_one_line_errors_naming_the_file(tmp_path):
+    """Tokenizer and config files that are special files, malformed, not UTF-8 or not objects,
+    and a config deeper than its weights: a ValueError naming the file, raised before any large
+    read or build (``openk3 serve`` prints it as one ``cannot load`` line)."""
+    import json
+    import os
+    import shutil
+
+    from openk3.pretrained import load_pretrained
+    from openk3.shipped import shipped_model_path
+    from openk3.tokenizer import load_tokenizer
+
+    src = shipped_model_path()
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    cases = {
+        "tokenizer.json": [("symlink", "/dev/urandom", "not a regular file"), ("text", '{"model": ', "Expecting value"),
+                           ("bytes", b"\xff\xfe", "not UTF-8 text")],
+        "tokenizer_config.json": [("text", "[1, 2]", "expected a JSON object"), ("text", "{", "invalid JSON"),
+                                  ("text", '{"added_tokens_decoder": {"x": "y"}}', "invalid literal")],
+    }
+    for name, variants in cases.items():
+        for kind, value, want in variants:
+            target = ck / name
+            target.unlink()
+            if kind == "symlink":
+                os.symlink(value, target)
+            elif kind == "bytes":
+                target.write_bytes(value)
+            else:
+                target.write_text(value)
+            with pytest.raises(ValueError) as e:
+                load_tokenizer(ck)
+            msg = str(e.value)
+            assert msg.startswith(f"{target}: cannot load: ") and want in msg and "\n" not in msg, msg
+            target.unlink()
+            shutil.copy(src / name, target)
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] = 1_000_000
+    (ck / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: num_hidden_layers=1000000 but the weights hold layers 0\.\.7"):
+        load_pretrained(ck)
+    (ck / "config.json").unlink()
+    os.mkfifo(ck / "config.json")  # a FIFO would block a plain open() forever
+    with pytest.raises(ValueError, match="config.json: cannot load: not a regular file"):
+        load_pretrained(ck)

@@ -130,4 +130,4 @@ def test_sigterm_drains_in_flight_stream(small_server):
         lines.extend(line for line in it if line)
     assert lines[-1] == "data: [DONE]"
     assert '"finish_reason": "length"' in lines[-2]
-    assert small_server.proc.wait(30) in (0, -signal.SIGTERM)
+    assert small_server.proc.wait(30) == 0  # drained, then a clean exit (not -15)
