@@ -1,0 +1,214 @@
+"""Soak: well-behaved streams, client disconnects and hostile bodies against one ``openk3 serve``
+on loopback, for a bounded time; prints errors, 5xx, leaked blocks / slots, peak RSS and the p99
+time to first token of the well-behaved streams, next to a baseline run without hostile traffic.
+
+    python benchmarks/soak.py [--minutes 1] [--streams 64] [--json out.json]
+
+Traffic, per client (``--streams`` async clients, each looping until the time is up):
+
+* 75 %: a well-behaved streaming chat request (short prompt, 16 tokens); its TTFT is recorded;
+* 25 %: the same stream, disconnected after its first content chunk;
+* hostile run only, one extra client in four also sends, in turn: a 5 MiB tool description, a
+  200k-value enum, a 4,300-digit ``max_tokens``, an image over the context (16 x 7168 px headers),
+  a 2464 px image (inside the context: answered 200 or 400), an Anthropic image with a string
+  ``source``, a 31 MiB announced body to ``/health``.
+
+Pass criteria (the issue's acceptance): 0 5xx, 0 leaked MLA blocks / KDA slots after the run
+(``/metrics`` engine stats once idle), p99 TTFT of the well-behaved streams within 2x of the
+baseline. Only 127.0.0.1 is contacted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+
+MODEL = "openk3-tiny"
+
+
+def _png(side: int, mode: str = "1") -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, (side, side)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def hostile_bodies() -> list[tuple[str, str, bytes, dict]]:
+    """(name, path, raw body, headers) of the hostile requests, built once."""
+    user = [{"role": "user", "content": "hi"}]
+    fn = {"name": "f", "parameters": {"type": "object"}}
+    j = {"content-type": "application/json"}
+
+    def chat(**extra):
+        return json.dumps({"model": MODEL, "messages": user, "max_tokens": 4, **extra}).encode()
+
+    img = lambda url: [{"role": "user", "content": [{"type": "text", "text": "?"},  # noqa: E731
+                                                    {"type": "image_url", "image_url": {"url": url}}]}]
+    big_img = _png(7168)
+    return [
+        ("tool description 5 MiB", "/v1/chat/completions",
+         chat(tools=[{"type": "function", "function": dict(fn, description="x" * (5 << 20))}]), j),
+        ("enum 200k values", "/v1/chat/completions", chat(tools=[{"type": "function", "function": dict(
+            fn, parameters={"type": "object", "properties": {"a": {"enum": [f"v{i}" for i in range(200_000)]}}})}]), j),
+        ("max_tokens 4,300 digits", "/v1/chat/completions",
+         b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": %s}'
+         % (MODEL.encode(), b"9" * 4300), j),
+        ("16 images of 7168 px", "/v1/chat/completions",
+         json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+             {"type": "text", "text": "?"}] + [{"type": "image_url", "image_url": {"url": big_img}}] * 16}]}).encode(), j),
+        ("image 2464 px", "/v1/chat/completions",
+         json.dumps({"model": MODEL, "max_tokens": 1, "messages": img(_png(2464, "RGB"))}).encode(), j),
+        ("anthropic source string", "/anthropic/v1/messages", json.dumps({
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": "x"}]}]}]}).encode(), j),
+    ]
+
+
+async def well_behaved(c: httpx.AsyncClient, disconnect: bool, stats: dict) -> None:
+    body = {"model": MODEL, "stream": True, "max_tokens": 16,
+            "messages": [{"role": "user", "content": "Tell me about the weather in Paris."}]}
+    t0 = time.monotonic()
+    try:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            stats["codes"][r.status_code] = stats["codes"].get(r.status_code, 0) + 1
+            if r.status_code != 200:
+                return
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"error"' in line:
+                    stats["stream_errors"] += 1
+                    return
+                if line.startswith("data: ") and ('"content"' in line or '"reasoning_content"' in line) \
+                        and '"role"' not in line:
+                    if "first" not in locals():
+                        first = time.monotonic() - t0
+                        if not disconnect:
+                            stats["ttft"].append(first)
+                    if disconnect:
+                        stats["disconnects"] += 1
+                        return
+    except httpx.HTTPError:
+        stats["client_errors"] += 1
+
+
+async def hostile(c: httpx.AsyncClient, bodies: list, k: int, stats: dict) -> None:
+    name, path, raw, headers = bodies[k % len(bodies)]
+    try:
+        r = await c.post(path, content=raw, headers=headers)
+        stats["hostile"].setdefault(name, {}).setdefault(r.status_code, 0)
+        stats["hostile"][name][r.status_code] += 1
+        stats["codes"][r.status_code] = stats["codes"].get(r.status_code, 0) + 1
+    except httpx.HTTPError:
+        stats["client_errors"] += 1
+
+
+def engine_stats(base: str) -> dict:
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        m = re.match(r'openk3_engine_stat\{key="([^"]+)"\} (\S+)', line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def rss_mb(pid: int) -> tuple[int, int]:
+    s = open(f"/proc/{pid}/status").read()
+    return tuple(int(re.search(k + r":\s+(\d+)", s).group(1)) // 1024 for k in ("VmRSS", "VmHWM"))
+
+
+async def run_phase(base: str, seconds: float, streams: int, bodies: list | None) -> dict:
+    stats = {"codes": {}, "ttft": [], "disconnects": 0, "stream_errors": 0, "client_errors": 0, "hostile": {}}
+    end = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=streams + 8)
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as c:
+        async def client(i: int) -> None:
+            n = 0
+            while time.monotonic() < end:
+                await well_behaved(c, disconnect=(n + i) % 4 == 0, stats=stats)
+                n += 1
+
+        async def attacker(i: int) -> None:
+            k = i
+            while time.monotonic() < end:
+                await hostile(c, bodies, k, stats)
+                k += 1
+
+        tasks = [client(i) for i in range(streams)]
+        if bodies:
+            tasks += [attacker(i) for i in range(max(1, streams // 16))]
+        await asyncio.gather(*tasks)
+    return stats
+
+
+def p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * 0.99))] if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=1.0, help="per phase (baseline, then hostile)")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    log = open(os.devnull if not os.environ.get("SOAK_LOG") else os.environ["SOAK_LOG"], "w")
+    proc = subprocess.Popen([sys.executable, "-m", "openk3.cli", "serve", "--port", "0", "--host", "127.0.0.1",
+                             "--max-num-seqs", "16"], stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    line = proc.stdout.readline()
+    m = re.search(r"at (http://\S+)/v1", line)
+    if not m:
+        print("server did not start:", line, file=sys.stderr)
+        return 1
+    base = m.group(1)
+    results = {}
+    try:
+        bodies = hostile_bodies()
+        for phase, hostile_traffic in (("baseline", None), ("hostile", bodies)):
+            s = asyncio.run(run_phase(base, args.minutes * 60, args.streams, hostile_traffic))
+            time.sleep(2)
+            st = engine_stats(base)
+            rss, hwm = rss_mb(proc.pid)
+            results[phase] = {
+                "requests": sum(s["codes"].values()), "codes": s["codes"], "5xx": sum(v for k, v in s["codes"].items()
+                                                                                 if k >= 500),
+                "stream_errors": s["stream_errors"], "client_errors": s["client_errors"],
+                "disconnects": s["disconnects"], "ttft_p50_s": sorted(s["ttft"])[len(s["ttft"]) // 2] if s["ttft"]
+                else None, "ttft_p99_s": p99(s["ttft"]), "leaked_blocks": st.get("mla_blocks.used"),
+                "leaked_slots": st.get("kda_slots.used"), "engine_failures": st.get("failures"),
+                "rss_mb": rss, "peak_rss_mb": hwm, "hostile": s["hostile"]}
+    finally:
+        proc.terminate()
+        code = proc.wait(120)
+    results["exit_code_after_sigterm"] = code
+    b, h = results["baseline"], results["hostile"]
+    results["ttft_p99_ratio"] = h["ttft_p99_s"] / b["ttft_p99_s"]
+    print(f"{'phase':10s} {'requests':>8s} {'5xx':>4s} {'errors':>6s} {'disc.':>5s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+          f"{'leaked blocks/slots':>20s} {'peak RSS':>9s}")
+    for name in ("baseline", "hostile"):
+        r = results[name]
+        print(f"{name:10s} {r['requests']:8d} {r['5xx']:4d} {r['stream_errors'] + r['client_errors']:6d} "
+              f"{r['disconnects']:5d} {r['ttft_p50_s']:8.3f}s {r['ttft_p99_s']:8.3f}s "
+              f"{int(r['leaked_blocks'] or 0):>10d}/{int(r['leaked_slots'] or 0):<9d} {r['peak_rss_mb']:6d} MB")
+    print("hostile answers:", json.dumps(h["hostile"]))
+    print(f"p99 TTFT ratio hostile/baseline: {results['ttft_p99_ratio']:.2f}; exit code after SIGTERM: {code}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    ok = (h["5xx"] == 0 and b["5xx"] == 0 and not h["leaked_blocks"] and not h["leaked_slots"]
+          and results["ttft_p99_ratio"] <= 2.0)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
