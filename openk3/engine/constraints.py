@@ -26,13 +26,16 @@ import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from openk3.engine.grammars import Markers, Tool, output_grammar_lark
+from openk3.engine.json_schema import bound_schema
 
 __all__ = ["Constraint", "GrammarConstraint", "ll_tokenizer", "make_constraint", "normalize_tools",
-           "check_json_schema", "check_schema_depth", "DEFAULT_JSON_WHITESPACE", "MAX_SCHEMA_DEPTH"]
+           "check_json_schema", "check_schema_depth", "COMPACT_JSON", "MAX_SCHEMA_DEPTH"]
 
-# JSON whitespace allowed at each position: bounded, so a degenerate model cannot loop on blanks
-# forever, yet wide enough for pretty-printed output several levels deep.
-DEFAULT_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,64}"
+# JSON layout of every constrained JSON value (response formats, tool arguments): compact, as the
+# platform writes it (the vendor verifier's test_response_format_with requires no newline or tab):
+# no whitespace but one optional space after "," and ":" (json.dumps' default separators and its
+# compact form are both allowed; models are trained on both spellings). llguidance x-guidance keys.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 
 
 @runtime_checkable
@@ -238,7 +241,8 @@ def check_json_schema(schema: Any, where: str = "schema") -> None:
 
 def normalize_tools(tools: Sequence[Any] | None) -> list[Tool]:
     """OpenAI tool objects (``{"type": "function", "function": {...}}`` or flat ``{"name", "parameters"}``)
-    -> ``Tool`` list. Missing ``parameters`` means no arguments.
+    -> ``Tool`` list. Missing ``parameters`` means no arguments. The grammar gets each schema through
+    :func:`openk3.engine.json_schema.bound_schema` (annotations out, numbers bounded).
 
     Raises:
         ValueError: a tool without a string name, a duplicate name, or an invalid parameter schema.
@@ -259,7 +263,7 @@ def normalize_tools(tools: Sequence[Any] | None) -> list[Tool]:
             raise ValueError(f"tools[{i}].function.parameters.type: must be 'object', got {t_!r}")
         if any(fn["name"] == o.name for o in out):
             raise ValueError(f"tools[{i}].function.name: duplicate tool name {fn['name']!r}")
-        out.append(Tool(fn["name"], params))
+        out.append(Tool(fn["name"], bound_schema(params)))
     return out
 
 
@@ -268,7 +272,7 @@ Kind = Literal["text", "json_object", "json_schema"]
 
 def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, tools: Sequence[Any] | None = None,
                     tool_choice: Any = "auto", thinking: bool = True, *, vocab_size: int | None = None,
-                    json_whitespace: str | None = DEFAULT_JSON_WHITESPACE, lenient: bool = False,
+                    json_whitespace: str | None = None, lenient: bool = False,
                     lenient_tools: bool = True,
                     think_max_chars: int | None = None, text_max_chars: int | None = None,
                     max_tool_calls: int = 16, json_block: bool = True) -> GrammarConstraint:
@@ -287,7 +291,7 @@ def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, too
             False: it starts in the response channel.
         vocab_size: mask length V (the model's vocabulary, >= the tokenizer's); default the tokenizer's.
         json_whitespace: regex for the whitespace allowed at each JSON position (llguidance
-            ``whitespace_pattern``); None = llguidance's default (unbounded).
+            ``whitespace_pattern``, with its default separators); None = :data:`COMPACT_JSON`.
         lenient: let llguidance ignore keywords/formats of `schema` it cannot enforce instead of
             raising (strict response formats should fail loudly, hence False).
         lenient_tools: the same for tool parameter schemas (True: a tool whose schema uses, say, an
@@ -321,12 +325,14 @@ def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, too
         if schema is None:
             raise ValueError("schema: required for kind 'json_schema'")
         check_json_schema(schema, "schema")
-        json_schema = schema
+        json_schema = bound_schema(schema)
     else:
-        json_schema = {"type": "object"}
+        json_schema = bound_schema({"type": "object"})
     options: dict[str, Any] = {"lenient": bool(lenient)}
     if json_whitespace is not None:
         options["whitespace_pattern"] = json_whitespace
+    else:
+        options.update(COMPACT_JSON)
     tool_options = dict(options, lenient=bool(lenient_tools))
     m = Markers(tokenizer.open_id, tokenizer.close_id, tokenizer.sep_id, tokenizer.end_of_msg_id)
     grammar = output_grammar_lark(
