@@ -11,7 +11,8 @@ overhead is additive, and a small model keeps the step-time noise of a shared ma
   timestamps every SSE event on arrival.
 * ``in_process``: :func:`openk3.server.app.build_serving` on the same directory in this process
   (same engine settings); the request body is rendered with the server's own ``prepare`` (untimed),
-  then ``AsyncEngine.generate(prompt_ids, params)`` is timed.
+  then ``AsyncEngine.generate(prompt_ids, params, constraint)`` is timed (the server constrains every
+  request with the output grammar, so both sides run it).
 
 Both use the API's fixed sampling (temperature 1.0, top_p 0.95) with the same ``seed``, so they
 generate the same tokens; asserted: equal ``completion_tokens`` and the server's streamed
@@ -143,10 +144,10 @@ def _stream_server(client, body: dict) -> dict:
     return {"first_text": first_text, "final": last, "text": "".join(text), "usage": usage}
 
 
-async def _in_process(aeng, ids: list[int], params) -> dict:
+async def _in_process(aeng, ids: list[int], params, constraint=None) -> dict:
     t0 = time.perf_counter()
     times, tokens, n_out = [], [], 0
-    async for out in aeng.generate(ids, params):
+    async for out in aeng.generate(ids, params, constraint):
         now = time.perf_counter() - t0
         n_out += 1
         times.append((now, list(out.new_token_ids)))
@@ -209,7 +210,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                         if side == "server":
                             res[side] = _stream_server(client, body)
                         else:
-                            res[side] = loop.run_until_complete(_in_process(aeng, prep.prompt.token_ids, prep.params))
+                            res[side] = loop.run_until_complete(_in_process(aeng, prep.prompt.token_ids, prep.params,
+                                                                            prep.constraint))
                     s, e = res["server"], res["in_process"]
                     text, k = _parsed_text(serving.tokenizer, prep, e["tokens"])
                     n_completion = e["usage"].completion_tokens

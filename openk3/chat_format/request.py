@@ -394,7 +394,7 @@ def parse_options(request: dict, messages: list[Message]) -> RequestOptions:
     * effort = first set of ``chat_template_kwargs.thinking_effort``, ``thinking.effort``,
       ``reasoning_effort``; default ``max``;
     * tool_choice ``none``/``required`` is rendered only when a tool is declared (request-level or
-      dynamic); the named-function form is rejected;
+      dynamic); the named-function form renders nothing (the platform treats it as absent, §9);
     * response_format ``json_object`` / ``json_schema`` render a message, ``text`` nothing.
 
     Raises:
@@ -437,7 +437,7 @@ def parse_options(request: dict, messages: list[Message]) -> RequestOptions:
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
-        raise _fail("tool_choice", "the named-function form is not supported by K3; use auto, none or required")
+        choice = "auto"  # the named form: the platform ignores it (§9); the server checks its shape
     if choice not in TOOL_CHOICES:
         raise _fail("tool_choice", f"unsupported value {choice!r} (auto, none, required)")
 

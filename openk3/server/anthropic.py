@@ -7,14 +7,17 @@ A Messages request is translated into a chat-completions body and goes through
 :meth:`ChatServing.prepare` (same rendering, validation, constraints and engine); the parser events
 are then written as Anthropic content blocks / SSE events. Mapping:
 
-* ``system`` (string or text blocks) -> a leading system message;
+* ``system`` (string or text blocks) -> a leading system message; a ``role: "system"`` turn inside
+  ``messages`` (Claude Code sends one) -> a system message at its position (K3 allows one anywhere);
 * user ``text`` / ``image`` (base64 source -> data URL) blocks -> content parts; ``tool_result``
   blocks -> ``tool`` messages (in block order, before the rest of that user turn);
 * assistant ``thinking`` blocks -> ``reasoning_content`` (concatenated), ``text`` -> content,
   ``tool_use`` -> ``tool_calls`` (``input`` serialised); a final assistant message is a prefill and
   is continued (partial mode, api.md §1.8);
-* ``tools`` (``input_schema``) -> function tools; ``tool_choice`` auto / any / none -> auto /
-  required / none (the named ``tool`` form is a 400, as on the OpenAI surface);
+* ``tools`` (``input_schema``, ``strict``) -> function tools, non-strict unless ``strict: true``
+  (Anthropic's default: a keyword the grammar cannot enforce is then left out of the grammar);
+  ``tool_choice`` auto / any / none -> auto / required / none, the named ``tool`` form -> auto
+  (accepted and ignored, as the platform treats OpenAI's named form);
   ``disable_parallel_tool_use: true`` -> ``parallel_tool_calls: false`` (one call per reply);
 * ``thinking: {"type": "disabled"}`` -> instant mode; ``{"type": "enabled"}`` needs
   ``budget_tokens``, an integer >= 1024 and below ``max_tokens`` (Anthropic's rule; otherwise a 400
@@ -24,6 +27,8 @@ are then written as Anthropic content blocks / SSE events. Mapping:
   at fixed values);
 * image blocks are accepted where Anthropic accepts them, in user turns and inside ``tool_result``
   content; in assistant turns and in ``system`` they are a 400 naming the block;
+* errors: the context-limit 400s use Anthropic's wording (``prompt is too long: ...``, ``input length
+  and `max_tokens` exceed context limit: I + O > N, ...``), which Anthropic clients parse to retry;
 * usage: ``input_tokens`` = prompt tokens not served from cache, ``cache_read_input_tokens`` = cached,
   ``cache_creation_input_tokens`` = 0 (Anthropic semantics: the three add up to the prompt).
 """
@@ -114,6 +119,9 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
     for i, m in enumerate(turns):
         where = f"messages[{i}]"
         role, content = m.get("role"), m.get("content")
+        if role == "system":  # a system turn inside messages (Claude Code sends one): K3 allows it anywhere
+            messages.append({"role": "system", "content": _text_of(content, f"{where}.content")})
+            continue
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
             continue
@@ -170,17 +178,16 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
             raise bad_request(f"tools[{j}].type: unsupported tool type {t.get('type')!r}; only client tools "
                               "(name, description, input_schema) are supported")
     if req.get("tools"):
-        body["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
-                                                           "parameters": t.get("input_schema") or {"type": "object"}}}
-                         for t in req["tools"]]
+        body["tools"] = [_function_tool(t) for t in req["tools"]]
     tc = req.get("tool_choice")
     if tc:
         kind = tc.get("type")
-        if kind == "tool":
-            raise bad_request("tool_choice: the named 'tool' form is not supported for this model; use auto, any or none")
-        if kind not in ("auto", "any", "none"):
-            raise bad_request(f"tool_choice.type: unsupported value {kind!r} (auto, any, none)")
-        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        if kind not in ("auto", "any", "none", "tool"):
+            raise bad_request(f"tool_choice.type: unsupported value {kind!r} (auto, any, tool, none)")
+        if kind == "tool" and not isinstance(tc.get("name"), str):
+            raise bad_request("tool_choice.name: required for tool_choice.type 'tool'")
+        # the named form is accepted and ignored, as the platform treats OpenAI's named tool_choice
+        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none", "tool": "auto"}[kind]
         dp = tc.get("disable_parallel_tool_use")
         if dp is not None and not isinstance(dp, bool):
             raise bad_request(f"tool_choice.disable_parallel_tool_use: must be a boolean, got {dp!r}")
@@ -193,6 +200,15 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
     if req.get("stream"):
         body["stream"] = True
     return body
+
+
+def _function_tool(t: dict) -> dict:
+    """An Anthropic client tool as a chat-completions function tool (``strict`` kept when sent)."""
+    fn: dict[str, Any] = {"name": t.get("name"), "description": t.get("description"),
+                          "parameters": t.get("input_schema") or {"type": "object"}}
+    if isinstance(t.get("strict"), bool):
+        fn["strict"] = t["strict"]
+    return {"type": "function", "function": fn}
 
 
 # chat-completions field names in shared validation messages -> the Anthropic request's names
@@ -282,9 +298,9 @@ def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
     except ValueError as e:
         raise bad_request(f"Invalid request: {e}") from None
     try:
-        prep = serving.prepare(body, validated, tool_images=True)
+        prep = serving.prepare(body, validated, tool_images=True, strict_tools=False)
     except APIError as e:
-        e.message = anthropic_names(e.message)
+        e.message = e.anthropic_message or anthropic_names(e.message)
         raise
     prep.id = "msg_" + uuid.uuid4().hex
     return prep, body
@@ -319,25 +335,90 @@ def _tool_input(arguments: str) -> Any:
     return value if isinstance(value, dict) else {"_value": value}
 
 
+def partial_input(text: str) -> dict:
+    """The object a truncated ``input_json_delta`` sequence stands for, read as a streaming client
+    reads accumulated ``partial_json``: complete members and elements are kept, an unfinished
+    string, number or literal (and the key it belongs to) is dropped, open brackets are closed;
+    ``{}`` when nothing is complete. One pass over `text`, then one ``json.loads``.
+
+    Example: ``{"city": "Paris", "days": [1, 2`` -> ``{"city": "Paris", "days": [1]}``.
+    """
+    stack: list[str] = []  # closers of the open containers
+    best: tuple[int, str] | None = None  # (end of the last complete value, closers there)
+    in_str = esc = False
+    key = False  # the string being read is an object key
+    scalar = False  # inside a number / literal
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if not key:
+                    best = (i + 1, "".join(reversed(stack)))
+            continue
+        if scalar and (ch in ",]} \t\r\n"):
+            scalar = False
+            best = (i, "".join(reversed(stack)))
+        if ch == '"':
+            in_str, key = True, bool(stack) and stack[-1] == "}" and _expects_key(text, i)
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+            best = (i + 1, "".join(reversed(stack)))
+        elif ch in "}]":
+            if stack:
+                stack.pop()
+            best = (i + 1, "".join(reversed(stack)))
+        elif ch not in ",: \t\r\n":
+            scalar = True
+    if best is None:
+        return {}
+    end, closers = best
+    try:
+        value = json.loads(text[:end].rstrip().rstrip(",") + closers)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _expects_key(text: str, i: int) -> bool:
+    """Whether the string opening at `i` (inside an object) is a key: the last non-blank character
+    before it is ``{`` or ``,``."""
+    j = i - 1
+    while j >= 0 and text[j] in " \t\r\n":
+        j -= 1
+    return j >= 0 and text[j] in "{,"
+
+
 async def complete(serving: ChatServing, prep: Prepared, gen: Generation) -> dict:
     """Run to the end and build the Anthropic ``message`` object.
 
     Raises:
         APIError: 503 if the engine aborted the request, 500 if the engine failed it.
     """
-    reasoning, text, blocks = [], [], []
+    reasoning, text, blocks, partial = [], [], {}, {}
     fin: Finished | None = None
     async for ev in gen.events():
         if isinstance(ev, ReasoningDelta):
             reasoning.append(ev.text)
         elif isinstance(ev, ContentDelta):
             text.append(ev.text)
+        elif isinstance(ev, ToolCallStart):  # a block cut by max_tokens is returned as the stream showed it
+            blocks[ev.index] = {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}}
+            partial[ev.index] = []
+        elif isinstance(ev, ToolCallArgumentsDelta):
+            partial[ev.index].append(ev.text)
         elif isinstance(ev, ToolCallEnd):
-            blocks.append({"type": "tool_use", "id": ev.id, "name": ev.name, "input": _tool_input(ev.arguments)})
+            blocks[ev.index]["input"] = _tool_input(ev.arguments)
+            partial.pop(ev.index, None)
         elif isinstance(ev, Finished):
             fin = ev
     if fin is not None and fin.finish_reason == "error":
         raise APIError(500, ENGINE_FAILED)
+    for k, parts in partial.items():
+        blocks[k]["input"] = partial_input("".join(parts))
     if fin is None or fin.finish_reason == "abort":
         raise APIError(503, "the request was aborted (server shutting down)")
     content: list[dict] = []
@@ -346,7 +427,7 @@ async def complete(serving: ChatServing, prep: Prepared, gen: Generation) -> dic
         content.append({"type": "thinking", "thinking": thought, "signature": _signature(thought)})
     if text:
         content.append({"type": "text", "text": "".join(text)})
-    content.extend(blocks)
+    content.extend(blocks[k] for k in sorted(blocks))
     return {"id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": content,
             "stop_reason": _stop_reason(fin), "stop_sequence": fin.stop_sequence, "usage": _usage(fin.usage)}
 

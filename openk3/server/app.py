@@ -2,11 +2,13 @@
 
 Routes (``../shared/spec/api.md`` §0.1): ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/tokenizers/estimate-token-count``, ``POST /anthropic/v1/messages``,
-``POST /anthropic/v1/messages/count_tokens``, ``GET /health``, ``GET /metrics``.
+``POST /anthropic/v1/messages/count_tokens``, ``GET /anthropic/v1/models`` and ``/{id}`` (Anthropic's
+model objects), ``GET|HEAD /health``, ``GET /metrics``, and ``GET|HEAD`` on the roots ``/``, ``/v1``,
+``/anthropic`` (reachability probes).
 
 Guards, in order, as one ASGI middleware in front of the routes (api.md §11 validation order):
 the API key (``Authorization: Bearer`` or ``x-api-key``, compared in constant time; only ``/v1`` and
-``/anthropic`` are protected — ``/health`` and ``/metrics`` stay open for probes and scrapers, and the
+``/anthropic`` are protected — ``/health``, ``/metrics`` and the bare roots stay open for probes and scrapers, and the
 API description ``/openapi.json``, ``/docs``, ``/redoc`` for tooling such as the schemathesis run),
 then the body size (``Content-Length`` first, then the bytes actually received) -> 413: the JSON
 endpoints take up to ``Limits.max_body_bytes`` (32 MiB), every other path at most 64 KiB announced and never
@@ -50,7 +52,9 @@ from openk3.server.validation import Limits
 log = logging.getLogger("openk3.server")
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/models", "/v1/tokenizers/estimate-token-count", "/anthropic/v1/messages",
-              "/anthropic/v1/messages/count_tokens", "/health", "/metrics"}
+              "/anthropic/v1/messages/count_tokens", "/anthropic/v1/models", "/health", "/metrics", "/", "/v1",
+              "/anthropic"}
+_ROOTS = ("/", "/v1", "/v1/", "/anthropic", "/anthropic/")  # status only: open like /health
 SMALL_BODY = 64 * 1024  # body bytes a request to a path without a JSON body may announce
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted for requests whose client left
 _BODY_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/tokenizers/estimate-token-count": TokenCountRequest,
@@ -123,7 +127,10 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path in _ENDPOINTS else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        endpoint = path.rstrip("/") or "/"
+        if endpoint not in _ENDPOINTS:
+            endpoint = next((p + "/{id}" for p in ("/v1/models", "/anthropic/v1/models") if path.startswith(p + "/")),
+                            "other")
         status_box = [500]
 
         async def send_tracked(message: dict) -> None:
@@ -142,7 +149,8 @@ class Guard:
         """Run the guards and the app; returns the status to count for a request that got no
         response (499: the client left while uploading its body), else None."""
         headers = dict(scope.get("headers") or [])
-        if self.api_key and path.startswith(("/v1", "/anthropic")) and not self._authorized(headers):
+        if self.api_key and path.startswith(("/v1", "/anthropic")) and path not in _ROOTS \
+                and not self._authorized(headers):
             return await _error_response(path, APIError(401, "Invalid Authentication"))(scope, receive, send)
         # Only the JSON endpoints take a body: for any other path (open probes, the API docs,
         # unknown paths) at most SMALL_BODY bytes are announced, and none is ever read or buffered.
@@ -319,6 +327,30 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         serving.check_model(model_id)
         return _card()
 
+    def _anthropic_card() -> dict:
+        m = serving.model
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.created))
+        return {"type": "model", "id": m.id, "display_name": m.id, "created_at": created}
+
+    @app.get("/anthropic/v1/models", response_model=None)
+    async def anthropic_list_models() -> dict:
+        """Anthropic's model list (``client.models.list()``): one page with the served model."""
+        card = _anthropic_card()
+        return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
+
+    @app.get("/anthropic/v1/models/{model_id:path}", response_model=None, responses=_ERRORS)
+    async def anthropic_get_model(model_id: str) -> dict:
+        if model_id != serving.model.id:
+            raise APIError(404, f"model: {model_id}")  # Anthropic's not_found_error text
+        return _anthropic_card()
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/v1", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/anthropic", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> Response:
+        """Reachability probes (clients send ``HEAD`` to the base URL): 200, no model output."""
+        return JSONResponse({"status": "ok"})
+
     @app.post("/anthropic/v1/messages", response_model=None, responses=_ERRORS)
     async def anthropic_messages(body: AnthropicMessagesRequest, request: Request) -> Response:
         prep, _ = await asyncio.to_thread(anthropic.prepare, serving, await request.json())
@@ -329,7 +361,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     async def anthropic_count_tokens(body: AnthropicCountRequest, request: Request) -> dict:
         return await asyncio.to_thread(anthropic.count_tokens, serving, await request.json())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         # 503 only while the engine cannot serve (its thread stopped on an unrecoverable error):
         # a failed request that the engine isolated leaves it healthy, so a supervisor restarts

@@ -13,6 +13,10 @@ Decisions (``../shared/spec/api.md`` §11 leaves the choice):
   reported in whole 256-token blocks (:func:`usage_dict`).
 * Stop strings are applied to the reasoning and the content text; the text from the match on is
   never sent (held back while it could still become a match).
+* A tool call cut by ``max_tokens`` gives ``finish_reason: "length"`` (``tool_calls`` only when every
+  call ended); streamed, its start and argument deltas have been sent, so the non-streaming
+  response returns it too, with the arguments generated so far (OpenAI's behaviour for a
+  truncated call).
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class Generation:
         self._last_token_t: float | None = None
         self.stop_hit: str | None = None
         self.n_calls = 0
+        self.open_calls: set[int] = set()  # calls started and not yet ended (cut by max_tokens: "length")
         self.engine_reason: str | None = None
         self.usage: Any = None
         self.logprobs: list[Any] = []
@@ -223,8 +228,11 @@ class Generation:
                 result.extend(self._flush())
                 if self.stop_hit is not None:
                     return result
-                if kind is ToolCallEnd:
+                if kind is ToolCallStart:
+                    self.open_calls.add(ev.index)
+                elif kind is ToolCallEnd:
                     self.n_calls += 1
+                    self.open_calls.discard(ev.index)
                 result.append(ev)
         return result
 
@@ -244,6 +252,8 @@ class Generation:
     def _finish(self) -> Finished:
         if self.engine_reason == "error":
             reason = "error"
+        elif self.open_calls and self.stop_hit is None and self.engine_reason == "length":
+            reason = "length"  # max_tokens cut a call: returned as far as it got, in both modes
         elif self.n_calls:
             reason = "tool_calls"
         elif self.stop_hit is not None:

@@ -60,14 +60,18 @@ class APIError(Exception):
         message: client-facing text (never internals).
         type: error type; default from :data:`KIMI_ERROR_TYPES`.
         headers: extra response headers (``Retry-After`` on 429).
+        anthropic_message: the text on the Anthropic surface when Anthropic words the same error
+            differently and clients match on it (context-limit errors); default `message`.
     """
 
-    def __init__(self, status: int, message: str, type: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, type: str | None = None, headers: dict | None = None,
+                 anthropic_message: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.headers = dict(headers or {})
+        self.anthropic_message = anthropic_message
 
     def _safe_message(self) -> str:
         # a message may quote client text (a model id) holding a lone surrogate: escape it, or
@@ -370,16 +374,17 @@ class AnthropicBlock(_Open):
 class AnthropicMessage(_Open):
     """A Messages-API turn: string content or content blocks."""
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[AnthropicBlock]]
 
 
 class AnthropicTool(_Open):
-    """An Anthropic tool: ``name``, ``description``, ``input_schema``."""
+    """An Anthropic tool: ``name``, ``description``, ``input_schema``, ``strict``."""
 
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
+    strict: StrictBool | None = None
 
 
 class AnthropicThinking(_Open):

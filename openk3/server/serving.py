@@ -15,8 +15,8 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
 :mod:`openk3.server.validation`, the usage and stop-string ones in :mod:`openk3.server.generation`):
 
 * Thinking is on by default; ``thinking.type: "disabled"`` / ``chat_template_kwargs.thinking:
-  false`` / ``reasoning_effort: "none"`` switch to instant mode as the open template and vLLM do
-  (the hosted K3 never disables it). Effort precedence is the chat-format spec's (§8:
+  false`` switch to instant mode as the open template and vLLM do (the hosted K3 never disables
+  it); ``reasoning_effort: "none"`` is a 400 as on the hosted K3. Effort precedence is the chat-format spec's (§8:
   ``thinking.effort`` beats ``reasoning_effort``, as the vendor verifier checks); ``medium`` is
   accepted (the template supports it).
 * Images count in ``usage.prompt_tokens`` with their expanded blocks (:mod:`openk3.server.images`).
@@ -25,6 +25,8 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
   messages, tool calls, tool and dynamic-tool declarations, the response schema); the token-count
   endpoints refuse it too, with a ``request:`` 400, instead of counting megabytes
   (:meth:`ChatServing.count_tokens`).
+* Every request is grammar-constrained (:meth:`ChatServing._constraint`): with no tool declared (or
+  ``tool_choice: "none"``) the tools channel is unreachable, so the reply is content, never calls.
 """
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ from openk3.server.images import expand_images, image_locations
 from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request, show_int
 from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
-    THINKING_BOOL, Limits, check_image_parts, check_image_roles, check_keep, check_messages, check_sampling,
-    check_schema_depths, check_stops, check_tool_history, check_tools, check_unicode, rendered_chars,
+    THINKING_BOOL, Limits, check_effort, check_image_parts, check_image_roles, check_keep, check_messages,
+    check_sampling, check_schema_depths, check_stops, check_tool_history, check_tools, check_unicode, rendered_chars,
 )
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -98,7 +100,7 @@ class ChatServing:
     def check_model(self, model: Any) -> None:
         """Raises APIError 404 for a model id other than the served one (api.md §6.1)."""
         if model != self.model.id:
-            raise APIError(404, f"Not found the model {model} or Permission denied")
+            raise APIError(404, f"Not found the model {model} or Permission denied", anthropic_message=f"model: {model}")
 
     def max_token_bytes(self) -> int:
         """Bytes of the tokenizer's longest token (computed once; 0 when the tokenizer cannot say)."""
@@ -146,8 +148,10 @@ class ChatServing:
             raise bad_request(f"request: the text to render ({chars} characters of messages, tools and schemas, "
                               f"at least {at_least} tokens) exceeds the model token limit of "
                               f"{self.model.context_length}; not counted")
-        raise bad_request(f"Your request exceeded model token limit: {self.model.context_length} "
+        err = bad_request(f"Your request exceeded model token limit: {self.model.context_length} "
                           f"(requested: at least {at_least})")
+        err.anthropic_message = f"prompt is too long: {at_least} tokens > {self.model.context_length - 1} maximum"
+        raise err
 
     def check_memory(self, grids: list) -> None:
         """Refuse images whose vision-tower activations exceed ``limits.max_request_memory``.
@@ -189,7 +193,8 @@ class ChatServing:
         check_image_parts(prompt.images, self.model.supports_image_in, image_locations(body))
         return prompt, opts
 
-    def prepare(self, body: dict, req: ChatCompletionRequest, *, tool_images: bool = False) -> Prepared:
+    def prepare(self, body: dict, req: ChatCompletionRequest, *, tool_images: bool = False,
+                strict_tools: bool = True) -> Prepared:
         """Validate and render a chat-completions body (api.md §11 order) into a :class:`Prepared`.
 
         Args:
@@ -197,6 +202,8 @@ class ChatServing:
             req: the same body validated by :class:`ChatCompletionRequest`.
             tool_images: accept image parts in ``tool`` messages (the Anthropic adapter: its
                 ``tool_result`` blocks may carry images); otherwise only user messages may.
+            strict_tools: whether a tool without a boolean ``strict`` is strict (the platform's
+                default, true; the Anthropic adapter passes false, Anthropic's default).
         Raises:
             APIError: 404 unknown model, 400 for every contract violation (message names the field).
         """
@@ -206,13 +213,14 @@ class ChatServing:
         if isinstance(body.get("thinking"), bool):
             raise bad_request(THINKING_BOOL)
         check_schema_depths(body)
+        check_effort(body)
         try:
             opts = parse_options(body, parse_messages(body))
         except (ValueError, TypeError) as e:
             raise bad_request(f"Invalid request: {e}") from None
         check_keep(opts.keep)
         check_sampling(req, opts.thinking)
-        tools = check_tools(body, opts, self.limits)
+        tools = check_tools(body, opts, self.limits, strict_default=strict_tools)
         check_messages(body, opts.thinking, opts.keep)
         check_image_roles(body, tool_images)
         check_tool_history(body)
@@ -227,8 +235,15 @@ class ChatServing:
 
         def check(n_ids: int, grids: list) -> None:  # runs before any image is decoded
             if n_ids >= ctx or (asked is not None and n_ids + asked > ctx):
-                raise bad_request(f"Your request exceeded model token limit: {ctx} "
+                err = bad_request(f"Your request exceeded model token limit: {ctx} "
                                   f"(requested: {show_int(n_ids + (asked or 1))})")
+                # Anthropic's wording: Claude Code and other Anthropic clients parse these numbers
+                # to shrink max_tokens or compact the conversation, and retry
+                err.anthropic_message = (
+                    f"prompt is too long: {n_ids} tokens > {ctx - 1} maximum" if n_ids >= ctx else
+                    f"input length and `max_tokens` exceed context limit: {n_ids} + {asked} > {ctx}, "
+                    "decrease input length or `max_tokens` and try again")
+                raise err
             self.check_memory(grids)
 
         expanded = self._expand(prompt, body, pixels=True, check=check)
@@ -244,19 +259,23 @@ class ChatServing:
         return Prepared(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model.id,
                         prompt=prompt, prompt_tokens=expanded.prompt_tokens, params=params, constraint=constraint,
                         tool_index_start=next_tool_call_index(body["messages"]),
-                        tools_enabled=opts.tool_choice != "none", stops=stops, stream=bool(req.stream),
+                        tools_enabled=bool(tools) and opts.tool_choice != "none", stops=stops, stream=bool(req.stream),
                         include_usage=include_usage, prompt_ids=expanded.token_ids,
                         mm_inputs=expanded.mm_inputs or None)
 
     def _constraint(self, opts: Any, tools: list[dict], prompt: Any, body: dict) -> Any:
-        """The output constraint: response_format (json_object / strict json_schema) and tool-call
-        arguments (each tool's parameter schema; ``parallel_tool_calls: false`` allows one call);
-        None for free text without tools.
+        """The output constraint, on every request: the K3 output grammar with the response as
+        free text or JSON (response_format json_object / strict json_schema) and a tools channel
+        only when a tool is declared and ``tool_choice`` is not ``none`` (arguments valid under each
+        tool's prepared schema; ``parallel_tool_calls: false`` allows one call). Without a tool the
+        grammar has no tools channel, so a model that would open one writes its answer as content.
 
         Raises:
-            APIError: 400 for a schema the constraint compiler rejects, or a partial prefix the
+            APIError: 400 for a schema the grammar cannot enforce, or a partial prefix the
                 constraint cannot continue.
         """
+        from openk3.engine.json_schema import SchemaNotEnforceable, prepare_schema
+
         rf = body.get("response_format") or {}
         kind = opts.response_format  # None | json_object | json_schema
         schema = opts.response_schema if kind == "json_schema" else None
@@ -272,9 +291,12 @@ class ChatServing:
                                   f"'_' or '-', got {name!r}")
             if wrapper.get("strict") is False:  # non-strict: any JSON object (api.md §1.6)
                 kind, schema = "json_object", None
+            else:
+                try:
+                    schema, _ = prepare_schema(schema, "response_format.json_schema.schema", strict=True)
+                except SchemaNotEnforceable as e:
+                    raise bad_request(str(e)) from None
         use_tools = tools if tools and opts.tool_choice != "none" else None
-        if kind is None and use_tools is None:
-            return None
         make = self._make_constraint
         if make is None:
             from openk3.engine.constraints import make_constraint as make
@@ -283,7 +305,7 @@ class ChatServing:
             extra["max_tool_calls"] = 1  # OpenAI's meaning: at most one tool call in the reply
         try:
             constraint = make(self.tokenizer, kind or "text", schema=schema, tools=use_tools,
-                              tool_choice=opts.tool_choice, thinking=opts.thinking, **extra)
+                              tool_choice=opts.tool_choice if use_tools else "none", thinking=opts.thinking, **extra)
         except ValueError as e:
             raise bad_request(f"Invalid request: {e}") from None
         if prompt.partial:
@@ -339,15 +361,20 @@ class ChatServing:
             APIError: 503 if the engine aborted the request (server shutting down), 500 if the
                 engine failed it.
         """
-        reasoning, content, calls = [], [], []
+        reasoning, content, calls = [], [], {}
         fin: Finished | None = None
         async for ev in gen.events():
             if isinstance(ev, ReasoningDelta):
                 reasoning.append(ev.text)
             elif isinstance(ev, ContentDelta):
                 content.append(ev.text)
+            elif isinstance(ev, ToolCallStart):  # built from the deltas: a call cut by max_tokens is
+                calls[ev.index] = {"id": ev.id, "type": "function",  # returned as streamed (finish "length")
+                                   "function": {"name": ev.name, "arguments": ""}}
+            elif isinstance(ev, ToolCallArgumentsDelta):
+                calls[ev.index]["function"]["arguments"] += ev.text
             elif isinstance(ev, ToolCallEnd):
-                calls.append({"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ev.arguments}})
+                calls[ev.index]["function"]["arguments"] = ev.arguments
             elif isinstance(ev, Finished):
                 fin = ev
         if fin is not None and fin.finish_reason == "error":
@@ -358,7 +385,7 @@ class ChatServing:
         if gen.thinking_output:
             message["reasoning_content"] = "".join(reasoning)
         if calls:
-            message["tool_calls"] = calls
+            message["tool_calls"] = [calls[k] for k in sorted(calls)]
         logprobs = self._logprobs(gen.logprobs) if prep.params.logprobs is not None else None
         return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": prep.model,
                 "choices": [{"index": 0, "message": message, "finish_reason": fin.finish_reason,

@@ -4,9 +4,8 @@ The weights are ``build_model(preset("k3-test-tiny"))`` (random, every K3 branch
 make generations *terminate*: the output head is steered toward a fixed set of tokens (printable
 ASCII, the XTML markers, JSON closers). A random model over a ~1k vocabulary almost never emits
 ``<|close|>``, so constrained outputs (JSON, tool calls) would never finish within a small
-``max_tokens``; with the steered head a grammar-constrained output completes in a few dozen tokens
-while unconstrained output stays gibberish that runs to ``max_tokens`` (``<|end_of_msg|>`` is not
-favoured).
+``max_tokens``; with the steered head a grammar-constrained output (the server constrains every
+request) completes in a few dozen tokens, and may also run to a small ``max_tokens`` first.
 
 How the steering works: every token embedding gets a large constant in hidden dimension 0. The
 random layers add only small updates, so the final hidden state after the output norm points along

@@ -131,3 +131,27 @@ def test_say_ok(sdk):
                                     messages=[{"role": "user", "content": "Say 'OK' and nothing else."}])
     assert r.choices[0].message.content == "OK"
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_no_tools_means_no_tool_calls(default_server):
+    """Without tools the shipped model called a tool it invented on 4 of 8 seeds (Anthropic surface: 3
+    of 8) for this request; with no tools channel in the grammar, the reply is always content."""
+    import concurrent.futures
+
+    import httpx
+
+    msg = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def openai_(seed):
+        r = httpx.post(default_server.url + "/chat/completions", timeout=300,
+                       json={"model": DEFAULT_MODEL, "messages": msg, "max_tokens": 300, "seed": seed}).json()
+        return r["choices"][0]["finish_reason"], "tool_calls" in r["choices"][0]["message"]
+
+    def anthropic_(_):
+        r = httpx.post(default_server.base + "/anthropic/v1/messages", timeout=300,
+                       json={"model": DEFAULT_MODEL, "messages": msg, "max_tokens": 300}).json()  # no seed field here
+        return r["stop_reason"], any(b["type"] == "tool_use" for b in r["content"])
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(openai_, range(8))) + list(pool.map(anthropic_, range(8)))
+    assert all(reason not in ("tool_calls", "tool_use") and not has_calls for reason, has_calls in results), results

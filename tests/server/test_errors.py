@@ -60,10 +60,15 @@ def test_instant_mode_temperature(http):
 def test_tool_choice_cases(http):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     assert "required" in _error(http.post("/v1/chat/completions", json=dict(BASE, tool_choice="required")), 400)
-    assert "tools" in _error(http.post("/v1/chat/completions", json=dict(BASE, tools=[])), 400)
-    named = {"type": "function", "function": {"name": "f"}}
+    # an empty list declares no tools (kosong sends it on every call); `required` still needs one
+    assert http.post("/v1/chat/completions", json=dict(BASE, tools=[])).status_code == 200
+    assert "required" in _error(http.post("/v1/chat/completions", json=dict(BASE, tools=[],
+                                                                             tool_choice="required")), 400)
     assert "tool_choice" in _error(http.post("/v1/chat/completions", json=dict(BASE, tools=[tool],
-                                                                                tool_choice=named)), 400)
+                                                                                tool_choice={"type": "x"})), 400)
+    untyped = {"function": dict(tool["function"], name="g")}
+    assert _error(http.post("/v1/chat/completions", json=dict(BASE, tools=[tool, untyped])), 400) == \
+        "tools[1].type: required (only 'function' tools are supported)"
     bad_name = {"type": "function", "function": {"name": "1bad name", "parameters": {"type": "object"}}}
     assert "name" in _error(http.post("/v1/chat/completions", json=dict(BASE, tools=[bad_name])), 400)
     builtin = {"type": "builtin_function", "function": {"name": "$web_search"}}

@@ -52,7 +52,8 @@ def test_32_streaming_clients_with_disconnects(server):
 
     results = asyncio.run(run())
     assert sum(r[0] == "disconnected" for r in results) == 8
-    assert all(r[0] == "length" for i, r in enumerate(results) if i % 4), results
+    # the others end normally: the grammar-constrained reply either completes or runs to max tokens
+    assert all(r[0] in ("stop", "length") for i, r in enumerate(results) if i % 4), results
     stats = _wait_idle(server)
     assert stats["mla_blocks.used"] == 0 and stats["mla_blocks.reserved"] == 0, stats
     assert stats["kda_slots.used"] == 0, stats
@@ -129,5 +130,6 @@ def test_sigterm_drains_in_flight_stream(small_server):
             httpx.get(small_server.base + "/health", timeout=5)
         lines.extend(line for line in it if line)
     assert lines[-1] == "data: [DONE]"
-    assert '"finish_reason": "length"' in lines[-2]
+    # the in-flight reply ran to its normal end (grammar complete or max tokens)
+    assert '"finish_reason": "length"' in lines[-2] or '"finish_reason": "stop"' in lines[-2]
     assert small_server.proc.wait(30) == 0  # drained, then a clean exit (not -15)
