@@ -15,7 +15,8 @@ Contract with the output parser (``parser.py``): :func:`render_assistant_output`
 ids the model generates after the generation prompt for an assistant message (think text, think
 close, response channel, tools channel, ``<|close|>message<|sep|><|end_of_msg|>``), and these ids
 are the masked span of that message in :func:`render_training` and the tail of its history
-rendering, so render -> parse -> render round-trips. ``Prompt.channel`` says which channel generation
+rendering (except that the prompt leaves out the empty response channel of a message with tool calls
+and no content, §12), so render -> parse -> render round-trips. ``Prompt.channel`` says which channel generation
 starts inside (``"think"`` or ``"response"``) and ``Prompt.history_tool_calls`` how many calls the
 history holds (the running index of ``functions.NAME:IDX`` ids).
 """
@@ -206,8 +207,7 @@ class _Rendered:
     output_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _render(request: dict, tok: Tokenizer, add_generation_prompt: bool, omit_empty_history_think: bool,
-            training: bool) -> _Rendered:
+def _render(request: dict, tok: Tokenizer, add_generation_prompt: bool, training: bool) -> _Rendered:
     messages = parse_messages(request)
     opts = parse_options(request, messages)
     partial: AssistantMessage | None = None
@@ -228,7 +228,7 @@ def _render(request: dict, tok: Tokenizer, add_generation_prompt: bool, omit_emp
     names += [tool_name(t) for m in messages if isinstance(m, DynamicTools) for t in m.tools]
     out = _Rendered(b, opts, pending=0, channel=None, partial=partial is not None, history_tool_calls=0,
                     tool_names=tuple(n for n in names if n is not None))
-    _conversation(b, messages, opts.thinking, omit_empty_history_think, out)
+    _conversation(b, messages, opts.thinking, not training, out)
 
     if opts.render_tool_choice:
         b.internal("tool-choice", TOOL_CHOICE_BODY[opts.tool_choice])
@@ -246,8 +246,12 @@ def _render(request: dict, tok: Tokenizer, add_generation_prompt: bool, omit_emp
     return out
 
 
-def _conversation(b: _Builder, messages: list[Message], thinking: bool, omit_empty_think: bool,
+def _conversation(b: _Builder, messages: list[Message], thinking: bool, prompt_history: bool,
                   out: _Rendered) -> None:
+    """Render the conversation messages. `prompt_history`: an assistant message with tool calls and
+    no content renders no response channel (§12: the rule that reproduces both Moonshot counts, the
+    99-token README anchor and the 539-token groundtruth); training keeps the channel, as the model
+    generates it (the output grammar always opens the response channel)."""
     calls: list[ToolCall] | None = None
     counter = 0
     i = 0
@@ -263,13 +267,13 @@ def _conversation(b: _Builder, messages: list[Message], thinking: bool, omit_emp
             calls, counter = m.calls, 0
             out.history_tool_calls += len(m.calls)
             b.message_open("assistant", m.name)
-            if thinking and omit_empty_think and not _has_text(m.reasoning):
-                # §12 switch: Moonshot's golden encoder (539 anchor) renders no empty history think.
-                b.open("response")
-                b.parts(m.parts)
-                b.close("response")
-                if m.calls:
-                    _tools_channel(b, m.calls)
+            if prompt_history and m.calls and not m.parts:
+                if thinking:
+                    b.open("think")
+                    if _has_text(m.reasoning):
+                        b.text(m.reasoning)
+                    b.close("think")
+                _tools_channel(b, m.calls)
                 b.end_message()
             else:
                 b.open("think" if thinking else "response")
@@ -411,8 +415,7 @@ class Prompt:
         return self.prompt_tokens_excluding_images + sum(int(n) for n in image_tokens)
 
 
-def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt: bool = True,
-                   omit_empty_history_think: bool = False) -> Prompt:
+def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt: bool = True) -> Prompt:
     """Render a chat-completions request body into K3 prompt ids.
 
     Args:
@@ -422,8 +425,10 @@ def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt
         tokenizer: a :class:`~openk3.tokenizer.Tokenizer` (Kimi BPE or trained BPE).
         add_generation_prompt: append ``<|open|>message role="assistant"<|sep|>`` plus the think
             (or response) stub; ignored when a partial message is continued.
-        omit_empty_history_think: §12 switch: leave out the empty think channel of history assistant
-            messages without reasoning (reproduces Moonshot's 539 count); off by default.
+
+    A history assistant message with tool calls and no content has no response channel (§12: the
+    rule that gives both of Moonshot's counts, 99 for the verifier README's example and 539 for its
+    groundtruth payload); every other message is rendered as the template renders it.
 
     Returns:
         :class:`Prompt`.
@@ -432,7 +437,7 @@ def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt
         ValueError: a malformed request; the message names the field, e.g.
             ``messages[2].tool_calls[0].function.arguments: ...`` or ``reasoning_effort: ...``.
     """
-    r = _render(request, tokenizer, add_generation_prompt, omit_empty_history_think, training=False)
+    r = _render(request, tokenizer, add_generation_prompt, training=False)
     b, o = r.builder, r.options
     return Prompt(token_ids=b.ids, text=b.text_value, pending_tokens=r.pending, image_slots=b.image_slots,
                   images=b.images, thinking=o.thinking, thinking_effort=o.thinking_effort,
@@ -446,7 +451,9 @@ class TrainingExample:
     """A rendered conversation for training.
 
     Attributes:
-        token_ids: ids [T], identical to :func:`encode_request` without the generation prompt.
+        token_ids: ids [T], identical to :func:`encode_request` without the generation prompt, except
+            that an assistant message with tool calls and no content keeps its empty response channel
+            here (what the model generates; the prompt leaves it out, §12).
         loss_mask: [T] ints, 1 exactly on assistant output ids (everything the model generates after
             ``<|open|>think<|sep|>``, through ``<|end_of_msg|>``), 0 elsewhere.
         text: the rendered text.
@@ -474,7 +481,7 @@ def render_training(conversation: dict | list, tokenizer: Tokenizer, *, train_on
     if train_on not in ("all", "last"):
         raise ValueError(f"train_on: must be 'all' or 'last', got {train_on!r}")
     request = {"messages": conversation} if isinstance(conversation, list) else conversation
-    r = _render(request, tokenizer, add_generation_prompt=False, omit_empty_history_think=False, training=True)
+    r = _render(request, tokenizer, add_generation_prompt=False, training=True)
     mask = [0] * len(r.builder.ids)
     spans = r.output_spans[-1:] if train_on == "last" else r.output_spans
     for start, end in spans:

@@ -15,6 +15,7 @@ from openk3.chat_format import (
     OutputParser, encode_request, render_assistant_output, render_template, render_training,
     template_variables,
 )
+from tests.chat.prompt_form import prompt_form
 from tests.conftest import kimi_tokenizer, shared_path
 
 tok = kimi_tokenizer
@@ -44,11 +45,14 @@ def _case(case_id):
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_fixture_case(kimi, case):
+    """The fixture exactly, under the §12 prompt rule (``prompt_form``: 14 of the 56 cases lose an
+    empty response channel before a tool call)."""
     p = encode_request(copy.deepcopy(case["request"]), kimi)
-    assert p.text == case["rendered_text"]
-    assert p.token_ids == case["token_ids"] and p.num_tokens == case["num_tokens"]
+    want = prompt_form(case, kimi)
+    assert p.text == want["text"]
+    assert p.token_ids == want["token_ids"] and p.num_tokens == case["num_tokens"] - 6 * want["removed"]
     assert p.pending_tokens == case["pending_tokens"]
-    assert p.prompt_tokens == case["prompt_tokens"]
+    assert p.prompt_tokens == want["prompt_tokens"]
     assert p.image_slots == case["image_slots"]
     assert all(p.token_ids[i] == kimi.media_pad_id for i in p.image_slots)
     stub = case["generation_stub"]
@@ -58,20 +62,28 @@ def test_fixture_case(kimi, case):
     else:
         # Every markup id in the prompt corresponds to a markup spelling; user text contributes none.
         assert kimi.decode(p.token_ids) == p.text
-        q = encode_request(copy.deepcopy(case["request"]), kimi, omit_empty_history_think=True)
-        assert q.prompt_tokens == case["prompt_tokens_without_empty_history_think"]
 
 
 def test_fixture_file_present():
     assert len(_cases()) == 56
+    assert sum(prompt_form(c, tok())["removed"] > 0 for c in CASES) == 14
 
 
 def test_kvv_anchors(kimi):
-    """Spec §12: the KVV README example counts 99; the groundtruth payload 545 / 539 (switch)."""
+    """Spec §12: the prompt rule (no empty response channel beside a tool call in history) gives
+    both Moonshot counts: the verifier README's example 99 (its history message has content, so its
+    empty think channel counts) and the verifier's groundtruth payload 539 (the template rendering
+    counts 545), also with ``reasoning_content: ""`` on its tool-call turn, as preserved thinking
+    requires. Both requests come from the shared fixtures."""
     assert encode_request(_case("assistant_only_hello")["request"], kimi).prompt_tokens == 99
-    req = _case("kvv_groundtruth_539")["request"]
-    assert encode_request(req, kimi).prompt_tokens == 545
-    assert encode_request(req, kimi, omit_empty_history_think=True).prompt_tokens == 539
+    req = copy.deepcopy(_case("kvv_groundtruth_539")["request"])
+    assert encode_request(req, kimi).prompt_tokens == 539
+    call_turn = next(m for m in req["messages"] if m.get("tool_calls"))
+    call_turn["reasoning_content"] = ""
+    assert encode_request(req, kimi).prompt_tokens == 539
+    # training keeps the channel the model generates: six ids more than the prompt
+    assert len(render_training(req, kimi).token_ids) == len(encode_request(req, kimi,
+                                                                          add_generation_prompt=False).token_ids) + 6
 
 
 # ----------------------------------------------------------------------------- options
@@ -95,6 +107,14 @@ def test_thinking_and_effort_precedence(kimi, extra, thinking, effort):
     assert p.thinking is thinking and p.thinking_effort == effort and _effort_line(p) == effort
     assert p.channel == ("think" if thinking else "response")
     assert p.token_ids[-3:] == [kimi.open_id, kimi.encode_text("think" if thinking else "response")[0], kimi.sep_id]
+
+
+def test_named_tool_choice_renders_as_absent(kimi):
+    """The platform ignores the named form (§9): the prompt is the one without tool_choice."""
+    named = {"messages": [_U], "tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    plain = {"messages": [_U], "tools": _TOOLS}
+    assert encode_request(named, kimi).token_ids == encode_request(plain, kimi).token_ids
+    assert render_template(template_variables(named)) == encode_request(plain, kimi).text
 
 
 def test_tool_choice_needs_a_tool(kimi):
@@ -177,7 +197,8 @@ def test_property_user_text_never_adds_markup(text):
             {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": t}]}]}
     k = tok()
     marks = [i for i in encode_request(req(text), k).token_ids if i in k.special_ids]
-    assert marks == [i for i in encode_request(req("x"), k).token_ids if i in k.special_ids]
+    neutral = "x" if text else ""  # empty content beside a tool call has no response channel (§12)
+    assert marks == [i for i in encode_request(req(neutral), k).token_ids if i in k.special_ids]
 
 
 # ----------------------------------------------------------------------------- malformed requests
@@ -222,8 +243,6 @@ MALFORMED = [
     ({"messages": [_U], "thinking": {"effort": "huge"}}, r"thinking\.effort.*huge"),
     ({"messages": [_U], "thinking": True}, r"^thinking"),
     ({"messages": [_U], "thinking": {"type": "sometimes"}}, r"thinking\.type"),
-    ({"messages": [_U], "tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-     r"tool_choice"),
     ({"messages": [_U], "tool_choice": "always"}, r"tool_choice.*always"),
     ({"messages": [_U], "response_format": {"type": "yaml"}}, r"response_format\.type"),
     ({"messages": [_U], "tools": _TOOLS + _TOOLS}, r"tools.*duplicate"),
@@ -382,8 +401,10 @@ TRAIN_CASES = [c for c in CASES if c["server_convention"] is None]
 def test_training_mask(kimi, case):
     req = copy.deepcopy(case["request"])
     ex = render_training(req, kimi)
-    assert ex.token_ids == encode_request(req, kimi, add_generation_prompt=False).token_ids
     assert ex.token_ids == case["token_ids"][:-10]  # minus the assistant opening (7) and the stub (3)
+    # the prompt differs only by the §12 rule (the empty response channel beside a tool call)
+    want = prompt_form(dict(case, token_ids=ex.token_ids, rendered_text=ex.text), kimi)
+    assert encode_request(req, kimi, add_generation_prompt=False).token_ids == want["token_ids"]
     assert ex.loss_mask == _reference_mask(kimi, ex.token_ids)
     # Each masked span is exactly what the model generates for that assistant message.
     thinking = encode_request(req, kimi).thinking

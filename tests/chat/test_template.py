@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openk3.chat_format import chat_template, encode_request, render_template, template_variables
+from tests.chat.prompt_form import prompt_form
 from tests.conftest import kimi_tokenizer, shared_path
 
 tok = kimi_tokenizer
@@ -31,8 +32,9 @@ def kimi():
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_template_equals_renderer(kimi, case):
-    """Our request -> variables mapping, then the template, gives the renderer's text (= fixture text)."""
-    assert render_template(template_variables(copy.deepcopy(case["request"]))) == case["rendered_text"]
+    """Our request -> variables mapping, then the template, gives the renderer's text (= the fixture
+    text under the §12 prompt rule)."""
+    assert render_template(template_variables(copy.deepcopy(case["request"]))) == prompt_form(case, tok())["text"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -41,7 +43,7 @@ def test_template_with_fixture_variables(case):
     text = render_template(copy.deepcopy(case["template_vars"]))
     if case["server_convention"]:
         text += case["server_convention"]["text_appended_after_template_output"]
-    assert text == case["rendered_text"]
+    assert text == prompt_form(case, tok())["text"]
 
 
 def test_template_in_plain_jinja_environment():
@@ -54,7 +56,7 @@ def test_template_in_plain_jinja_environment():
     template = env.from_string(chat_template())
     for case in CASES:
         text = template.render(**template_variables(copy.deepcopy(case["request"])))
-        assert text == case["rendered_text"], case["id"]
+        assert text == prompt_form(case, tok())["text"], case["id"]
 
 
 def test_template_with_transformers():
@@ -66,7 +68,7 @@ def test_template_with_transformers():
         messages, tools, agp = v.pop("messages"), v.pop("tools", None), v.pop("add_generation_prompt")
         out, _ = utils.render_jinja_template([messages], tools=tools, chat_template=source,
                                              add_generation_prompt=agp, **v)
-        assert out[0] == case["rendered_text"], case["id"]
+        assert out[0] == prompt_form(case, tok())["text"], case["id"]
 
 
 def test_save_pretrained_writes_template(kimi, tmp_path):
@@ -74,7 +76,7 @@ def test_save_pretrained_writes_template(kimi, tmp_path):
     written = (tmp_path / "chat_template.jinja").read_text(encoding="utf-8")
     assert written == chat_template()
     case = next(c for c in CASES if c["id"] == "kvv_groundtruth_539")
-    assert render_template(template_variables(case["request"]), source=written) == case["rendered_text"]
+    assert render_template(template_variables(case["request"]), source=written) == prompt_form(case, kimi)["text"]
 
 
 def test_template_raises_like_renderer(kimi):

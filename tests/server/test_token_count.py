@@ -11,6 +11,7 @@ import httpx
 
 from openk3.server import ChatServing, ModelInfo, create_app
 from openk3.server.metrics import Metrics
+from tests.chat.prompt_form import prompt_form
 from tests.conftest import kimi_tokenizer, shared_path
 
 
@@ -28,7 +29,8 @@ def test_estimate_token_count_matches_fixture_cases():
 
     for case, r in zip(cases, asyncio.run(run())):
         assert r.status_code == 200, (case["id"], r.text)
-        assert r.json() == {"data": {"total_tokens": case["prompt_tokens"]}}, case["id"]
+        want = prompt_form(case, kimi_tokenizer())["prompt_tokens"]  # the fixture under the §12 prompt rule
+        assert r.json() == {"data": {"total_tokens": want}}, case["id"]
 
 
 def test_oversized_text_is_refused_before_tokenizing(monkeypatch):
