@@ -241,7 +241,7 @@ class ChatServing:
                 # to shrink max_tokens or compact the conversation, and retry
                 err.anthropic_message = (
                     f"prompt is too long: {n_ids} tokens > {ctx - 1} maximum" if n_ids >= ctx else
-                    f"input length and `max_tokens` exceed context limit: {n_ids} + {asked} > {ctx}, "
+                    f"input length and `max_tokens` exceed context limit: {n_ids} + {show_int(asked)} > {ctx}, "
                     "decrease input length or `max_tokens` and try again")
                 raise err
             self.check_memory(grids)
