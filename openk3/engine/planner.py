@@ -13,8 +13,9 @@ planner's numbers and the engine's accounting cannot drift apart:
   ``block_size - 1`` tail tokens, and one fp32 logits row (see :mod:`openk3.engine.prefix_cache`).
 * :func:`weight_bytes` — weights by storage format as released: routed experts MXFP4 (4 bits +
   one E8M0 byte per 32 values = 4.25 bits/value, k3-release-notes.md §1.9), everything else BF16
-  (the few small fp32 vectors are counted as BF16; for Kimi K3 this gives 1,559.9 GB for the text
-  backbone against the checkpoint's 1,560.9 GB including the 0.4B-parameter vision tower).
+  (the few small fp32 vectors are counted as BF16), plus the vision tower and projector in BF16
+  when the config has a ``vision_config``. For Kimi K3: 1,559.9 GB of text backbone + 0.89 GB of
+  vision (401.2M tower + 46.1M projector parameters) = 1,560.8 GB, against the checkpoint's 1,560.9 GB.
 
 GPU memory sizes are the vendors' nominal decimal capacities; ``--gpu-util`` (default 0.9, as
 vLLM's ``gpu_memory_utilization``) leaves room for activations and the runtime.
@@ -81,24 +82,31 @@ def sequence_bytes(config: K3Config, tokens: int, dtype: torch.dtype = torch.bfl
 
 
 def weight_bytes(config: K3Config) -> dict:
-    """Checkpoint weight bytes by storage format (text backbone, built on the meta device).
+    """Checkpoint weight bytes by storage format (text backbone built on the meta device; the vision
+    tower and projector counted from ``vision_config`` when the config has one).
 
     Returns:
-        ``{"mxfp4": bytes, "bf16": bytes, "total": bytes, "params": {fmt: count}}``; routed
-        experts count 4.25 bits per value, every other tensor 2 bytes.
+        ``{"mxfp4": bytes, "bf16": bytes, "vision": bytes, "total": bytes, "params": {fmt: count}}``;
+        routed experts count 4.25 bits per value, every other tensor (vision included) 2 bytes.
+        ``params["mxfp4"] + params["bf16"]`` is the text model (what the K3 report counts).
     """
     from openk3.model import K3ForCausalLM
 
-    key = repr(config)
+    key = repr(config) + repr((config.wrapper or {}).get("vision_config"))
     if key not in _WEIGHT_CACHE:  # building the full config on meta takes seconds
         with torch.device("meta"):
             model = K3ForCausalLM(config)
-        params = {"mxfp4": 0, "bf16": 0}
+        params = {"mxfp4": 0, "bf16": 0, "vision": 0}
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             params["mxfp4" if ".block_sparse_moe.experts." in name else "bf16"] += t.numel()
+        vision = (config.wrapper or {}).get("vision_config")
+        if isinstance(vision, dict):
+            from openk3.vision import count_vision_parameters
+
+            params["vision"] = count_vision_parameters(vision)["total"]
         _WEIGHT_CACHE[key] = params
     params = dict(_WEIGHT_CACHE[key])
-    out = {"mxfp4": int(params["mxfp4"] * MXFP4_BITS / 8), "bf16": params["bf16"] * 2}
+    out = {"mxfp4": int(params["mxfp4"] * MXFP4_BITS / 8), "bf16": params["bf16"] * 2, "vision": params["vision"] * 2}
     out["total"] = sum(out.values())
     out["params"] = params
     return out
@@ -192,6 +200,8 @@ def format_plan(p: Plan, source: str = "") -> str:
         "weights:",
         f"  MXFP4 routed experts ({MXFP4_BITS} bits) {w['params']['mxfp4']:>20,} params  {gb(w['mxfp4']):>14}",
         f"  BF16                              {w['params']['bf16']:>20,} params  {gb(w['bf16']):>14}",
+        *([f"  vision tower + projector (BF16)   {w['params']['vision']:>20,} params  {gb(w['vision']):>14}"]
+          if w["params"].get("vision") else []),
         f"  total                                                          {gb(w['total']):>14}"
         f"  ({gb(w['total'] / p.gpus)} per GPU)",
         "decode state:",

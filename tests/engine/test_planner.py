@@ -37,7 +37,12 @@ def test_kimi_k3_weights_and_fit():
     assert w["params"]["mxfp4"] == 92 * 896 * 3 * 3584 * 3072
     assert w["mxfp4"] == 92 * 896 * 17_547_264
     assert w["params"]["mxfp4"] + w["params"]["bf16"] == 2_779_484_476_000  # architecture.md §12
-    assert w["bf16"] == 2 * w["params"]["bf16"] and w["total"] == w["mxfp4"] + w["bf16"]
+    assert w["bf16"] == 2 * w["params"]["bf16"]
+    # the preset carries the released vision_config: MoonViT-V2 tower 401,214,464 + projector
+    # 46,144,512 parameters (architecture.md §11), in BF16 as `openk3 info` lists them
+    assert w["params"]["vision"] == 401_214_464 + 46_144_512 and w["vision"] == 2 * w["params"]["vision"]
+    assert w["total"] == w["mxfp4"] + w["bf16"] + w["vision"]
+    assert w["total"] == weight_bytes(cfg.replace(wrapper=None))["total"] + w["vision"]
     p = plan(cfg, "8xH200", 1_048_576)
     assert p.max_sequences == 0 and "do not fit" in p.notes[0]  # 1.56 TB of weights > 8 x 141 GB
     p = plan(cfg, "16xB300", 1_048_576)
