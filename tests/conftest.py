@@ -28,6 +28,25 @@ def shared_path(*parts: str) -> Path:
     return p
 
 
+def shared_cases(load) -> tuple[list, str | None]:
+    """``(load(), None)``, or ``([], reason)`` when `load` skipped because ../shared is absent (it
+    calls :func:`shared_path`). For module-level parametrization: see :func:`shared_params`. In CI
+    the missing data stays an error (collection fails)."""
+    try:
+        return load(), None
+    except pytest.skip.Exception as e:
+        return [], str(e.msg)
+
+
+def shared_params(values: list, reason: str | None, id) -> list:
+    """``parametrize`` values built from ../shared data: one ``pytest.param`` per value (``id(value)``
+    names it), or, without ../shared, a single parameter skipped with `reason` (instead of pytest's
+    bare "got empty parameter set")."""
+    if reason is not None:
+        return [pytest.param(None, id="no-shared", marks=pytest.mark.skip(reason=reason))]
+    return [pytest.param(v, id=id(v)) for v in values]
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0, what: str = "") -> None:
     """fp32 correctness gate: reports max abs error and relative RMS error, rejects NaN/inf."""
     a, e = actual.detach().double(), expected.detach().double()

@@ -16,7 +16,7 @@ from openk3.chat_format import (
     template_variables,
 )
 from tests.chat.prompt_form import prompt_form
-from tests.conftest import kimi_tokenizer, shared_path
+from tests.conftest import kimi_tokenizer, shared_cases, shared_params, shared_path
 
 tok = kimi_tokenizer
 
@@ -26,10 +26,7 @@ def _cases():
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-try:
-    CASES = _cases()
-except BaseException:  # noqa: BLE001 - shared/ absent: the parametrized tests skip via the fixture below
-    CASES = []
+CASES, NO_SHARED = shared_cases(_cases)  # without ../shared the parametrized tests skip with its reason
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +40,7 @@ def _case(case_id):
 
 # ----------------------------------------------------------------------------- fixture parity
 
-@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+@pytest.mark.parametrize("case", shared_params(CASES, NO_SHARED, id=lambda c: c["id"]))
 def test_fixture_case(kimi, case):
     """The fixture exactly, under the §12 prompt rule (``prompt_form``: 14 of the 56 cases lose an
     empty response channel before a tool call)."""
@@ -397,7 +394,7 @@ def _reference_mask(tk, ids):
 TRAIN_CASES = [c for c in CASES if c["server_convention"] is None]
 
 
-@pytest.mark.parametrize("case", TRAIN_CASES, ids=[c["id"] for c in TRAIN_CASES])
+@pytest.mark.parametrize("case", shared_params(TRAIN_CASES, NO_SHARED, id=lambda c: c["id"]))
 def test_training_mask(kimi, case):
     req = copy.deepcopy(case["request"])
     ex = render_training(req, kimi)

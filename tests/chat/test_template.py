@@ -13,16 +13,14 @@ from hypothesis import strategies as st
 
 from openk3.chat_format import chat_template, encode_request, render_template, template_variables
 from tests.chat.prompt_form import prompt_form
-from tests.conftest import kimi_tokenizer, shared_path
+from tests.conftest import kimi_tokenizer, shared_cases, shared_params, shared_path
 
 tok = kimi_tokenizer
 
 
-try:
-    CASES = [json.loads(s) for s in shared_path("fixtures", "k3-chat-format", "cases.jsonl").read_text().splitlines()]
-except BaseException:  # noqa: BLE001 - shared/ absent: nothing to parametrize; test_render checks presence
-    CASES = []
-IDS = [c["id"] for c in CASES]
+CASES, NO_SHARED = shared_cases(lambda: [json.loads(s) for s in shared_path(
+    "fixtures", "k3-chat-format", "cases.jsonl").read_text().splitlines()])
+PARAMS = shared_params(CASES, NO_SHARED, id=lambda c: c["id"])  # without ../shared: skipped with its reason
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +28,14 @@ def kimi():
     return tok()
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", PARAMS)
 def test_template_equals_renderer(kimi, case):
     """Our request -> variables mapping, then the template, gives the renderer's text (= the fixture
     text under the §12 prompt rule)."""
     assert render_template(template_variables(copy.deepcopy(case["request"]))) == prompt_form(case, tok())["text"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", PARAMS)
 def test_template_with_fixture_variables(case):
     """The fixture's own template variables (partial message removed, server text appended)."""
     text = render_template(copy.deepcopy(case["template_vars"]))
