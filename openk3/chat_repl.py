@@ -13,14 +13,25 @@ Terminal protocol: ``> `` prompts for a line; the reasoning is printed between `
 ``</think>`` lines, then the answer; a status line per turn goes to stderr
 (``[REASON: P prompt + G generated tokens]``). ``/exit`` or end of input leaves; ``--save FILE``
 writes the conversation (OpenAI message list, JSON) on exit.
+
+On a terminal the prompt is GNU readline's (line editing, arrow keys, history kept in
+``~/.openk3_history`` or ``$OPENK3_HISTORY``); a multi-line paste is one turn (readline's
+bracketed paste), and so are lines joined by a trailing backslash. Ctrl-C while a reply streams
+stops it (the engine request is aborted between two steps; the turn is dropped from the history and
+the session goes on); Ctrl-C at the prompt clears the line; Ctrl-D leaves. Piped input is read one
+line per turn.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
-from typing import Any, TextIO
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TextIO
 
 EFFORTS = ("low", "medium", "high", "max")
 
@@ -53,9 +64,11 @@ class ChatSession:
         self.messages: list[dict] = []
         self.turns = 0
 
-    def turn(self, text: str, out: TextIO, err: TextIO) -> dict | None:
-        """Answer one user line, streaming to `out`; returns the assistant message (None when the
-        conversation no longer fits the context, in which case the line is dropped)."""
+    def turn(self, text: str, out: TextIO, err: TextIO, cancelled: Callable[[], bool] = lambda: False) -> dict | None:
+        """Answer one user turn, streaming to `out`; returns the assistant message. None when the
+        conversation no longer fits the context or `cancelled()` became true while the reply was
+        generated (checked between engine steps; the request is aborted): the turn is then
+        dropped from the history."""
         from openk3.chat_format import OutputParser, encode_request
         from openk3.chat_format.parser import ContentDelta, ReasoningDelta
         from openk3.engine import SamplingParams
@@ -72,7 +85,7 @@ class ChatSession:
                                 seed=seed, stop_token_ids=list(self.tok.stop_token_ids))
         parser = OutputParser(self.tok, start_channel=prompt.channel or "think",
                               tool_index_start=prompt.history_tool_calls, tools_enabled=False)
-        self.engine.add_request(prompt.token_ids, params)
+        rid = self.engine.add_request(prompt.token_ids, params)
         state = {"where": None}
 
         def show(events: list) -> None:
@@ -91,10 +104,20 @@ class ChatSession:
 
         reason, generated = "stop", 0
         while self.engine.has_unfinished():
+            if cancelled() and reason != "abort":
+                self.engine.abort(rid)  # frees its cache now; the next step reports the abort
+                reason = "abort"
             for o in self.engine.step():
+                if reason == "abort":
+                    continue
                 show(parser.feed(o.new_token_ids))
                 if o.finished:
                     reason, generated = o.finish_reason, o.usage.completion_tokens
+        if reason == "abort":
+            out.write("\n")
+            out.flush()
+            print("[interrupted: reply dropped, the conversation goes on]", file=err, flush=True)
+            return None
         show(parser.finish())
         if state["where"] == "think":
             out.write("\n</think>")
@@ -109,45 +132,116 @@ class ChatSession:
         return reply
 
 
+HISTORY_FILE = os.path.join(os.path.expanduser("~"), ".openk3_history")
+
+
+class TerminalInput:
+    """Reads user turns on a terminal with GNU readline: editing, history (persisted to
+    `history_file` when writable), bracketed paste (a pasted block is one turn) and a trailing
+    backslash to continue a turn on the next line. :meth:`read` returns None at end of input."""
+
+    def __init__(self, history_file: str | None = None):
+        import readline
+
+        self.readline = readline
+        self.history_file = history_file or os.environ.get("OPENK3_HISTORY") or HISTORY_FILE
+        readline.parse_and_bind("set enable-bracketed-paste on")
+        try:
+            readline.read_history_file(self.history_file)
+        except OSError:
+            pass
+        readline.set_history_length(1000)
+
+    def read(self) -> str | None:
+        lines = []
+        while True:
+            try:
+                line = input("> " if not lines else ". ")
+            except EOFError:
+                return None if not lines else "\n".join(lines)
+            if line.endswith("\\"):
+                lines.append(line[:-1])
+                continue
+            lines.append(line)
+            return "\n".join(lines)
+
+    def save(self) -> None:
+        try:
+            self.readline.write_history_file(self.history_file)
+        except OSError:
+            pass
+
+
+@contextmanager
+def _sigint_flag() -> Iterator[Callable[[], bool]]:
+    """While inside: SIGINT sets a flag (returned as a callable) instead of raising, so generation
+    stops between two engine steps, never inside one. Outside the main thread: a flag never set."""
+    hit = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hit.is_set
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hit.set())
+    try:
+        yield hit.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
         stderr: TextIO = sys.stderr) -> int:
-    """``openk3 chat``: load, then read lines until ``/exit`` or end of input. Returns the exit status
-    (2 when the checkpoint or tokenizer cannot be loaded or an argument is invalid)."""
+    """``openk3 chat``: load, then read turns until ``/exit`` or end of input. Returns the exit
+    status (2 when the checkpoint or tokenizer cannot be loaded or an argument is invalid)."""
     import torch
 
     from openk3.pretrained import load_pretrained
+    from openk3.runtime import setup
     from openk3.tokenizer import load_tokenizer
 
     try:
+        device, dtype = setup(args)
         tok = load_tokenizer(args.tokenizer or args.path)
-        model = load_pretrained(args.path, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+        model = load_pretrained(args.path, device=device, dtype=dtype)
         model.eval()
         session = ChatSession(model, tok, effort=args.effort, max_tokens=args.max_tokens, seed=args.seed)
     except (FileNotFoundError, ValueError) as e:
         print(f"openk3 chat: {e}", file=stderr)
         return 2
-    interactive = stdin.isatty()
+    interactive = stdin.isatty() and stdout.isatty() and stdin is sys.stdin
+    terminal = TerminalInput() if interactive else None
     if interactive:
-        print(f"openk3 chat: {args.path} (effort {args.effort}); /exit to leave", file=stderr)
+        print(f"openk3 chat: {args.path} (effort {args.effort}; {device}, {str(dtype).removeprefix('torch.')}); "
+              "/exit or Ctrl-D to leave, Ctrl-C stops a reply, end a line with \\ to continue it", file=stderr)
+
+    def read() -> str | None:
+        if terminal is not None:
+            return terminal.read()
+        stdout.write("> ")
+        stdout.flush()
+        line = stdin.readline()
+        return line.rstrip("\n") if line else None
+
     try:
         while True:
-            stdout.write("> ")
-            stdout.flush()
-            line = stdin.readline()
-            if not line:  # end of input
+            try:
+                text = read()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, as in a shell
+                stdout.write("\n")
+                continue
+            if text is None:  # end of input
                 if interactive:
                     stdout.write("\n")
                 break
-            text = line.rstrip("\n")
             if text.strip() == "/exit":
                 break
             if not text.strip():
                 continue
-            with torch.inference_mode():
-                session.turn(text, stdout, stderr)
+            with torch.inference_mode(), _sigint_flag() as cancelled:
+                session.turn(text, stdout, stderr, cancelled)
     except KeyboardInterrupt:
         stdout.write("\n")
     finally:
+        if terminal is not None:
+            terminal.save()
         if args.save:
             with open(args.save, "w", encoding="utf-8") as f:
                 json.dump(session.messages, f, ensure_ascii=False, indent=1)
@@ -156,13 +250,16 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sy
 
 def add_parser(sub: Any) -> None:
     """Register ``openk3 chat`` on the CLI's subparsers."""
+    from openk3.runtime import add_runtime_args
+    from openk3.shipped import DEFAULT_MODEL
+
     chat = sub.add_parser("chat", help="interactive chat with a checkpoint through the K3 chat format, streamed")
-    chat.add_argument("path", help="checkpoint directory")
+    chat.add_argument("path", nargs="?", default=DEFAULT_MODEL,
+                      help=f"checkpoint directory or shipped model name (default: the shipped {DEFAULT_MODEL})")
     chat.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
     chat.add_argument("--effort", choices=EFFORTS, default="max", help="thinking effort (default max)")
     chat.add_argument("--max-tokens", type=int, default=1024, help="output budget per turn, reasoning included")
     chat.add_argument("--seed", type=int, help="sampling seed (turn k uses seed + k)")
     chat.add_argument("--save", help="write the conversation (JSON message list) here on exit")
-    chat.add_argument("--device", default="cpu")
-    chat.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: as stored)")
+    add_runtime_args(chat)
     chat.set_defaults(func=lambda a: run(a))

@@ -55,6 +55,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_cost(args: argparse.Namespace) -> int:
     from openk3.cost import main as cost_main
 
+    if not (args.files or args.url or args.prompt_tokens or args.cached_tokens or args.completion_tokens):
+        args.parser.error("nothing to price: give response/usage FILES ('-' reads stdin), --url of a running "
+                          "server, or --prompt-tokens / --completion-tokens")
+
     return cost_main(args)
 
 
@@ -119,15 +123,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
     from openk3.engine import Engine, EngineConfig, SamplingParams
     from openk3.pretrained import load_pretrained
+    from openk3.runtime import setup
     from openk3.tokenizer import IncrementalDecoder, load_tokenizer
 
     try:
+        device, dtype = setup(args)
         tok = load_tokenizer(args.tokenizer or args.path)
-        model = load_pretrained(args.path, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+        model = load_pretrained(args.path, device=device, dtype=dtype)
         engine = Engine(model, EngineConfig(max_num_seqs=1, enable_prefix_cache=False), detokenize=tok.decode)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop_token_ids=list(tok.stop_token_ids))
@@ -167,15 +171,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    if args.threads:
-        import torch
+    from openk3.runtime import setup
 
-        torch.set_num_threads(args.threads)
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
     results = []
     try:
+        device, dtype = setup(args)
+        # auto keeps the fp32 CPU benchmarks runnable on a GPU machine; an explicit choice is checked
+        place = args.device != "auto" or args.dtype != "auto"
         for name in names:
-            results.append(run_benchmark(name, quick=args.quick, reps=args.reps, **overrides))
+            where = {"device": device, "dtype": dtype} if place or _placeable(name) else {}
+            results.append(run_benchmark(name, quick=args.quick, reps=args.reps, **where, **overrides))
             print(format_targets(results[-1]), file=sys.stderr, flush=True)
     except ValueError as e:
         print(f"openk3 bench: {e}", file=sys.stderr)
@@ -186,6 +192,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(json.dumps(out, indent=2, default=str))
     return 0
+
+
+def _placeable(name: str) -> bool:
+    import importlib
+
+    from openk3.bench import BENCHMARKS
+
+    return bool(getattr(importlib.import_module(BENCHMARKS[name][0]), "PLACEABLE", False))
 
 
 def _port(text: str) -> int:
@@ -200,7 +214,12 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from openk3 import __version__
+    from openk3.runtime import add_runtime_args
+    from openk3.shipped import DEFAULT_MODEL
+
     p = argparse.ArgumentParser(prog="openk3", description="Kimi K3 reference implementation")
+    p.add_argument("--version", action="version", version=f"openk3 {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="parameter counts (total / active) by component")
@@ -219,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
 
     gen = sub.add_parser("generate", help="raw text completion from a checkpoint, streamed")
-    gen.add_argument("path", help="checkpoint directory")
+    gen.add_argument("path", nargs="?", default=DEFAULT_MODEL,
+                     help=f"checkpoint directory or shipped model name (default: the shipped {DEFAULT_MODEL})")
     gen.add_argument("--prompt", required=True, help="raw prompt text (no chat format)")
     gen.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -227,8 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: as stored)")
+    add_runtime_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
     from openk3.chat_repl import add_parser as add_chat_parser
@@ -249,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-memory", type=_bytes,
                        help="activation memory one request may need (vision tower); larger ones get a 400 "
                             "(default: half of the memory available at start-up)")
+    serve.add_argument("--quiet", action="store_true", help="no access log line per request")
+    add_runtime_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     cost = sub.add_parser("cost", help="price a workload or a running server's recorded usage")
@@ -262,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--price-output", type=float, help="USD per 1M output tokens (default 15.00)")
     cost.add_argument("--prices", help="JSON file with any of cache_hit / input / output (USD per 1M)")
     cost.add_argument("--json", action="store_true", help="machine-readable output")
-    cost.set_defaults(func=_cmd_cost)
+    cost.set_defaults(func=_cmd_cost, parser=cost)
 
     corpus = sub.add_parser("build-corpus", help="assemble the permissively licensed offline text corpus (DATA.md)")
     corpus.add_argument("--out", default="data/corpus", help="output directory (default data/corpus)")
@@ -289,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="write the JSON result here (default: print it)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes, one repetition: checks it runs and agrees")
     bench.add_argument("--reps", type=int, help="timed repetitions (default 5)")
-    bench.add_argument("--threads", type=int, help="torch CPU threads (default: torch's / OMP_NUM_THREADS)")
+    add_runtime_args(bench)
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a benchmark setting, e.g. --set hidden=512 (JSON values)")
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
@@ -308,15 +329,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     ev = sub.add_parser("eval", help="held-out eval suites (problems, tools, JSON, effort, images) of a checkpoint or server")
-    ev.add_argument("model", help="checkpoint directory, or a server URL (http://HOST:PORT)")
+    ev.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                    help=f"checkpoint directory, shipped model name or a server URL (http://HOST:PORT); "
+                         f"default: the shipped {DEFAULT_MODEL}")
     ev.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
     ev.add_argument("--corpus", help="corpus directory: also report its val-split loss/perplexity")
     ev.add_argument("--n", type=int, default=24, help="items per suite (default 24)")
     ev.add_argument("--seed", type=int, default=0, help="eval-set seed (default 0)")
     ev.add_argument("--suites", nargs="*", help="subset of: problems tools json effort images")
     ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per request (default 256)")
-    ev.add_argument("--device", default="cpu")
-    ev.add_argument("--served-model", help="model id sent to a server (default: its first /v1/models entry)")
+    add_runtime_args(ev)
+    ev.add_argument("--served-model-name", help="model id sent to a server (default: its first /v1/models entry)")
+    ev.add_argument("--served-model", dest="served_model_name", help=argparse.SUPPRESS)  # the old spelling
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"), help="server key (default $OPENK3_API_KEY)")
     ev.add_argument("--out", help="write the eval table as JSON here")
     ev.set_defaults(func=_cmd_eval)
@@ -334,8 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``openk3`` command; returns its exit status (130 after Ctrl-C, with one line instead
+    of a traceback)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"\nopenk3 {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ class ChatModel(Protocol):
     """Anything that answers a chat-completions request body with an OpenAI assistant message."""
 
     def chat(self, requests: list[dict]) -> list[dict]:
+        """May also take ``progress``: a callable called with 1 per answered request."""
         ...
 
 
@@ -174,15 +175,15 @@ class InProcessModel:
         FileNotFoundError / ValueError: from loading the checkpoint or tokenizer.
     """
 
-    def __init__(self, path: str, tokenizer: str | None = None, *, device: str = "cpu", max_tokens: int = 256,
-                 max_num_seqs: int = 8):
+    def __init__(self, path: str, tokenizer: str | None = None, *, device: Any = "cpu", dtype: Any = None,
+                 max_tokens: int = 256, max_num_seqs: int = 8):
         from openk3.pretrained import load_pretrained
         from openk3.tokenizer import load_tokenizer
 
         from openk3.server.images import image_config_for
 
         self.tokenizer = load_tokenizer(tokenizer or path)
-        self.model = load_pretrained(path, device=device)
+        self.model = load_pretrained(path, device=device, dtype=dtype)
         self.model.eval()
         self.image_config = image_config_for(self.model, path)  # None: text-only model
         self.supports_images = self.image_config is not None
@@ -203,7 +204,7 @@ class InProcessModel:
                                tool_choice=prompt.tool_choice, thinking=prompt.channel == "think",
                                vocab_size=self.model.config.vocab_size)
 
-    def chat(self, requests: list[dict]) -> list[dict]:
+    def chat(self, requests: list[dict], progress: Any = None) -> list[dict]:
         from openk3.chat_format import OutputParser, encode_request
         from openk3.engine import Engine, EngineConfig, SamplingParams
 
@@ -228,6 +229,8 @@ class InProcessModel:
         while engine.has_unfinished():
             for out in engine.step():
                 parsers[out.request_id].feed(out.new_token_ids)
+                if out.finished and progress is not None:
+                    progress(1)
         messages = []
         for i in range(len(requests)):
             p = parsers[str(i)]
@@ -286,20 +289,36 @@ class ServerModel:
         with urllib.request.urlopen(req, timeout=self.timeout) as r:
             return json.loads(r.read())
 
-    def chat(self, requests: list[dict]) -> list[dict]:
+    def chat(self, requests: list[dict], progress: Any = None) -> list[dict]:
         out = []
         for i, body in enumerate(requests):
             data = json.dumps(dict(body, model=self.model, temperature=0, seed=i, max_tokens=self.max_tokens)).encode()
             req = urllib.request.Request(self.url + "/v1/chat/completions", data=data, headers=self._headers())
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 out.append(json.loads(r.read())["choices"][0]["message"])
+            if progress is not None:
+                progress(1)
         return out
 
 
 # ------------------------------------------------------------------------------------ the run
+def _answers(model: ChatModel, suite: str, requests: list[dict], progress: bool) -> list[dict]:
+    """``model.chat(requests)``, with a progress bar (tqdm, on stderr: done / total, rate, ETA)
+    when `progress` and the model reports progress."""
+    import inspect
+
+    if not progress or "progress" not in inspect.signature(model.chat).parameters:
+        return model.chat(requests)
+    from tqdm import tqdm
+
+    with tqdm(total=len(requests), desc=f"eval {suite}", unit="item", file=sys.stderr, leave=True) as bar:
+        return model.chat(requests, progress=bar.update)
+
+
 def run_eval(model: ChatModel, *, n: int = 24, seed: int = 0, suites: tuple[str, ...] = EVAL_SUITES,
-             validation: dict | None = None) -> dict:
-    """The eval table: each suite's ``n`` held-out items (seed ``seed``) through ``model``.
+             validation: dict | None = None, progress: bool = False) -> dict:
+    """The eval table: each suite's ``n`` held-out items (seed ``seed``) through ``model``
+    (`progress`: a progress bar per suite on stderr).
 
     Raises:
         ValueError: an unknown suite or ``n`` < 1 (from :func:`~openk3.train.sft_data.eval_items`).
@@ -307,16 +326,16 @@ def run_eval(model: ChatModel, *, n: int = 24, seed: int = 0, suites: tuple[str,
     table: dict[str, Any] = {"seed": seed, "n_per_suite": n, "validation": validation}
     for suite in suites:
         if suite == IMAGE_SUITE:
-            table[suite] = run_image_eval(model, n=n, seed=seed)
+            table[suite] = run_image_eval(model, n=n, seed=seed, progress=progress)
             continue
         items = eval_items(suite, seed, n)
-        messages = model.chat([it.request for it in items])
+        messages = _answers(model, suite, [it.request for it in items], progress)
         scores = [SCORERS[suite](it, m) for it, m in zip(items, messages)]
         table[suite] = summarize(suite, items, scores)
     return table
 
 
-def run_image_eval(model: ChatModel, *, n: int = 24, seed: int = 0) -> dict:
+def run_image_eval(model: ChatModel, *, n: int = 24, seed: int = 0, progress: bool = False) -> dict:
     """The ``images`` suite: ``n`` held-out image questions (types balanced) through ``model``,
     greedy; ``{"n", "accuracy", "accuracy_by_type"}``, or ``{"skipped": reason}`` when the model
     takes no image input (``supports_images`` false)."""
@@ -325,7 +344,7 @@ def run_image_eval(model: ChatModel, *, n: int = 24, seed: int = 0) -> dict:
     if not getattr(model, "supports_images", True):
         return {"skipped": "text-only model (no vision tower): image suite not run"}
     items = eval_image_items(seed, n)
-    messages = model.chat([it.request for it in items])
+    messages = _answers(model, IMAGE_SUITE, [it.request for it in items], progress)
     return summarize_images(items, [score_image(it, m) for it, m in zip(items, messages)])
 
 
@@ -364,14 +383,17 @@ def cli_eval(args: Any) -> int:
     Prints the table, writes JSON to ``--out``. Returns 0, or 2 with a message for bad input."""
     try:
         if args.model.startswith(("http://", "https://")):
-            model: Any = ServerModel(args.model, model=args.served_model, api_key=args.api_key,
+            model: Any = ServerModel(args.model, model=args.served_model_name, api_key=args.api_key,
                                      max_tokens=args.max_tokens)
             validation = None
         else:
-            model = InProcessModel(args.model, args.tokenizer, device=args.device, max_tokens=args.max_tokens)
+            from openk3.runtime import setup
+
+            device, dtype = setup(args)
+            model = InProcessModel(args.model, args.tokenizer, device=device, dtype=dtype, max_tokens=args.max_tokens)
             validation = model.validation(args.corpus, args.n, args.seed)
         table = run_eval(model, n=args.n, seed=args.seed, suites=tuple(args.suites or ALL_SUITES),
-                         validation=validation)
+                         validation=validation, progress=not getattr(args, "no_progress", False))
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"openk3 eval: {e}", file=sys.stderr)
         return 2

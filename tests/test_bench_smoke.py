@@ -110,3 +110,13 @@ def test_registry_and_bad_input():
         run_benchmark("memory", quick=True, T="x")
     with pytest.raises(ValueError, match="reps"):
         run_benchmark("memory", reps=0)
+
+
+def test_batching_quick_in_bfloat16_and_fp32_only_benchmarks_refuse_other_dtypes():
+    r = run_benchmark("batching", quick=True, dtype=torch.bfloat16)
+    assert (r["device"], r["dtype"], r["config"]["dtype"]) == ("cpu", "bfloat16", "bfloat16")
+    assert r["throughput"]["tokens_identical"] is True  # concurrent == serial tokens held in bf16 too
+    _targets_are_numbers(r)
+    assert run_benchmark("memory", quick=True)["dtype"] == "float32"  # the default placement is recorded
+    with pytest.raises(ValueError, match="'kda' runs on cpu in float32 only.*batching, server take --device"):
+        run_benchmark("kda", quick=True, dtype=torch.bfloat16)

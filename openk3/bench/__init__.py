@@ -23,18 +23,38 @@ BENCHMARKS = {
 }
 
 
-def run_benchmark(name: str, quick: bool = False, reps: int | None = None, **overrides) -> dict:
+def run_benchmark(name: str, quick: bool = False, reps: int | None = None, *, device=None, dtype=None,
+                  **overrides) -> dict:
     """Run benchmark ``name`` (a key of :data:`BENCHMARKS`) and return its result dict.
 
+    Args:
+        device, dtype: where openk3's side computes (None: CPU, float32). Benchmarks whose module
+            sets ``PLACEABLE = True`` take them; the others compare fp32 CPU kernels and refuse
+            anything else. The result records both (``"device"``, ``"dtype"``).
     Raises:
-        ValueError: unknown name or setting. BenchmarkError: a correctness assertion failed.
+        ValueError: unknown name or setting, or a device/dtype the benchmark does not support.
+        BenchmarkError: a correctness assertion failed.
     """
+    import torch
+
     if name not in BENCHMARKS:
         raise ValueError(f"benchmark {name!r}: unknown; known: {', '.join(BENCHMARKS)}")
     if reps is not None and reps < 1:
         raise ValueError(f"reps={reps}: must be >= 1")
     module = importlib.import_module(BENCHMARKS[name][0])
-    return module.run(quick=quick, reps=reps, **overrides)
+    device = torch.device(device or "cpu")
+    dtype = dtype or torch.float32
+    if getattr(module, "PLACEABLE", False):
+        result = module.run(quick=quick, reps=reps, device=device, dtype=dtype, **overrides)
+    elif device.type != "cpu" or dtype != torch.float32:
+        placeable = [n for n, (m, _) in BENCHMARKS.items() if getattr(importlib.import_module(m), "PLACEABLE", False)]
+        raise ValueError(f"benchmark {name!r} runs on cpu in float32 only (got {device}, {dtype}); "
+                         f"{', '.join(placeable)} take --device / --dtype")
+    else:
+        result = module.run(quick=quick, reps=reps, **overrides)
+    result.setdefault("device", str(device))
+    result.setdefault("dtype", str(dtype).removeprefix("torch."))
+    return result
 
 
 def format_targets(result: dict) -> str:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from openk3.bench.common import (
     ForwardTimer, check, drive, environment, interleaved, k3_config, medians, random_prompts, settings, summary,
     target,
@@ -32,8 +34,12 @@ FULL = {"hidden": 256, "layers": 8, "n_requests": 8, "prompt_lens": (32, 64, 96,
 QUICK = {"hidden": 64, "layers": 4, "n_requests": 3, "prompt_lens": (8, 12), "new_tokens": 4, "reps": 1}
 
 
-def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
-    """Run B3; returns the result dict (see the module docstring).
+PLACEABLE = True  # takes device / dtype (openk3 bench --device / --dtype)
+
+
+def run(quick: bool = False, reps: int | None = None, *, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32, **overrides) -> dict:
+    """Run B3 with the model on `device` in `dtype`; returns the result dict (see the module docstring).
 
     Raises:
         BenchmarkError: a request generated different tokens concurrently and alone.
@@ -45,7 +51,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     p = settings(QUICK if quick else FULL, overrides)
     reps = reps or p["reps"]
     cfg = k3_config(p["hidden"], p["layers"])
-    model = build_model(cfg, seed=0).eval()
+    model = build_model(cfg, seed=0).eval().to(device=device, dtype=dtype)
     n, N = p["n_requests"], p["new_tokens"]
     lens = [p["prompt_lens"][i % len(p["prompt_lens"])] for i in range(n)]
     prompts = [random_prompts(1, L, cfg.vocab_size, seed=40 + i)[0] for i, L in enumerate(lens)]
@@ -118,7 +124,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     return {
         "benchmark": "batching", "quick": quick,
         "config": {"model": "k3-test-tiny scaled", "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                   "params": sum(t.numel() for t in model.parameters()), "dtype": "float32", "n_requests": n,
+                   "params": sum(t.numel() for t in model.parameters()), "dtype": str(dtype).removeprefix("torch."), "n_requests": n,
                    "prompt_lens": lens, "new_tokens": N, "reps": reps, "prefix_cache": False, "prefill_chunk": 512},
         "throughput": {"concurrent": m["concurrent"], "serial": m["serial"], "concurrent_over_serial": ratio,
                        "decode_concurrent_over_serial": ratio_dec, "tokens_identical": True},

@@ -266,6 +266,8 @@ class ForwardTimer:
         self._t[id(mod)] = time.perf_counter()
 
     def _post(self, mod, args, out) -> None:
+        if isinstance(out, torch.Tensor) and out.is_cuda:  # GPU kernels run asynchronously: wait for them
+            torch.cuda.synchronize(out.device)
         self.total += time.perf_counter() - self._t.pop(id(mod))
 
     def remove(self) -> None:

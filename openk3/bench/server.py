@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from openk3.bench.common import check, environment, k3_config, percentile, settings, summary, target
 
@@ -84,13 +85,15 @@ def write_checkpoint(directory: Path, hidden: int, layers: int) -> Path:
 class _Server:
     """``openk3 serve`` on a free loopback port, its output in a log file."""
 
-    def __init__(self, ckpt: Path, log: Path, timeout: float = 180.0) -> None:
+    def __init__(self, ckpt: Path, log: Path, timeout: float = 180.0, device: str = "cpu",
+                 dtype: str = "float32") -> None:
         self._log = open(log, "w+")
         self.log = log
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("OPENK3_API_KEY", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "openk3.cli", "serve", str(ckpt), "--port", "0",
-                                      "--no-prefix-cache", "--max-num-seqs", "4", "--served-model-name", MODEL_ID],
+                                      "--no-prefix-cache", "--max-num-seqs", "4", "--served-model-name", MODEL_ID,
+                                      "--device", device, "--dtype", dtype, "--quiet"],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while True:
@@ -177,8 +180,13 @@ def _parsed_text(tokenizer, prep, tokens: list[int]) -> tuple[str, int | None]:
     return "".join(text), first
 
 
-def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
-    """Run B7; returns the result dict (see the module docstring). ``reps`` = requests per side.
+PLACEABLE = True  # takes device / dtype (openk3 bench --device / --dtype): both sides use them
+
+
+def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dtype: Any = None,
+        **overrides) -> dict:
+    """Run B7 with both sides' model on `device` in `dtype` (None: float32); returns the result
+    dict (see the module docstring). ``reps`` = requests per side.
 
     Raises:
         BenchmarkError: the server and the in-process engine generated different outputs.
@@ -194,8 +202,10 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     n_req = reps or p["requests"]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", p["hidden"], p["layers"])
-        server = _Server(ckpt, Path(tmp) / "server.log")
-        serving, aeng = build_serving(str(ckpt), served_model_name=MODEL_ID, max_num_seqs=4, enable_prefix_cache=False)
+        dtype_name = str(dtype or "float32").removeprefix("torch.")
+        server = _Server(ckpt, Path(tmp) / "server.log", device=str(device), dtype=dtype_name)
+        serving, aeng = build_serving(str(ckpt), served_model_name=MODEL_ID, max_num_seqs=4, enable_prefix_cache=False,
+                                      device=device, dtype=dtype)
         loop = asyncio.new_event_loop()
         rows = {"server": [], "in_process": []}
         try:

@@ -17,8 +17,12 @@ reads or buffers a body.
 Every error answers with the Kimi envelope ``{"error": {"message", "type"}}`` (the Anthropic one
 under ``/anthropic``); unexpected exceptions are logged and answered 500 without internals.
 A client that disconnects aborts its engine request (streaming: the response task is cancelled;
-non-streaming: a watcher on the connection). SIGTERM: uvicorn stops accepting connections and waits
-for in-flight responses; the lifespan then drains and stops the engine, and the process exits 0.
+non-streaming: a watcher on the connection). SIGTERM and SIGINT (Ctrl-C) are handled in one place
+(``main``'s server class): one line says the signal arrived and how many requests are in flight;
+uvicorn stops accepting connections and waits for in-flight responses; the lifespan then drains
+and stops the engine, and the process exits 0. A second SIGINT aborts what is still running. Each
+request gets one access log line (:func:`access_line`: method, path, status, prompt / cached /
+completion tokens, latency; never request or response text) unless ``--quiet``.
 """
 
 from __future__ import annotations
@@ -110,11 +114,33 @@ def _error_response(path: str, err: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
-class Guard:
-    """ASGI middleware: request metrics, API key (401), body size (413); see the module docstring."""
+ACCESS = "openk3.access"  # scope key: a dict the route fills with its Generation, for the access log
+access_log = logging.getLogger("openk3.access")
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Metrics):
+
+def access_line(method: str, path: str, status: int, seconds: float, usage: dict | None) -> str:
+    """One access-log line: method, path, status, the request's token counts (when it generated),
+    latency. Never any request or response text.
+
+    >>> access_line("POST", "/v1/chat/completions", 200, 1.5, {"prompt_tokens": 9, "cached_tokens": 0,
+    ...             "completion_tokens": 4})
+    'POST /v1/chat/completions 200 prompt=9 cached=0 completion=4 1.500s'
+    """
+    tokens = ""
+    if usage is not None:
+        tokens = (f" prompt={usage.get('prompt_tokens', 0)} cached={usage.get('cached_tokens', 0)} "
+                  f"completion={usage.get('completion_tokens', 0)}")
+    return f"{method} {path} {status}{tokens} {seconds:.3f}s"
+
+
+class Guard:
+    """ASGI middleware: request metrics, API key (401), body size (413), the access log line; see
+    the module docstring."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Metrics,
+                 log_requests: bool = False):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+        self.log_requests = log_requests
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         given = headers.get(b"x-api-key", b"")
@@ -132,6 +158,8 @@ class Guard:
             endpoint = next((p + "/{id}" for p in ("/v1/models", "/anthropic/v1/models") if path.startswith(p + "/")),
                             "other")
         status_box = [500]
+        t0 = time.monotonic()
+        scope[ACCESS] = access = {}
 
         async def send_tracked(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -144,6 +172,10 @@ class Guard:
                 status_box[0] = unanswered
         finally:
             self.metrics.request(endpoint, status_box[0])
+            if self.log_requests:
+                gen = access.get("generation")
+                usage = gen.usage_so_far() if gen is not None else None
+                access_log.info(access_line(scope["method"], path, status_box[0], time.monotonic() - t0, usage))
 
     async def _guarded(self, scope: dict, receive: Any, send: Any, path: str) -> int | None:
         """Run the guards and the app; returns the status to count for a request that got no
@@ -228,14 +260,17 @@ async def _or_disconnect(request: Request, coro: Any) -> tuple[bool, Any]:
     return True, task.result()
 
 
-def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutdown: Any = None) -> FastAPI:
+def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutdown: Any = None,
+               log_requests: bool = False) -> FastAPI:
     """The FastAPI app over a :class:`ChatServing`.
 
     Args:
         serving: the serving core (engine, tokenizer, model info, limits, metrics).
         api_key: when set, ``/v1`` and ``/anthropic`` require it.
         engine_shutdown: ``async (drain: bool) -> None`` run at shutdown (``AsyncEngine.shutdown``).
+        log_requests: one :func:`access_line` per request on the ``openk3.access`` logger.
     """
+    from openk3 import __version__
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -243,7 +278,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         if engine_shutdown is not None:
             await engine_shutdown(drain=True)
 
-    app = FastAPI(title="openk3 Kimi-compatible API", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="openk3 Kimi-compatible API", version=__version__, lifespan=lifespan)
     app.state.serving = serving
 
     @app.exception_handler(APIError)
@@ -287,6 +322,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 
     async def _run(request: Request, prep: Any, complete: Any, stream: Any) -> Response:
         gen = Generation(serving, prep)
+        request.scope.get(ACCESS, {})["generation"] = gen  # its usage goes into the access log line
         started, _ = await _or_disconnect(request, gen.start())
         if not started:
             await gen.aclose()
@@ -374,15 +410,18 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=serving.limits.max_body_bytes, metrics=serving.metrics)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=serving.limits.max_body_bytes, metrics=serving.metrics,
+                       log_requests=log_requests)
     return app
 
 
 def build_serving(model_path: str, *, served_model_name: str | None = None, max_num_seqs: int = 16,
                   cache_memory: int | None = None, enable_prefix_cache: bool = True,
                   max_waiting: int | None = None, max_model_len: int | None = None,
-                  limits: Limits = Limits(), max_request_memory: int | None = None) -> tuple[ChatServing, Any]:
-    """Load a checkpoint directory (config + safetensors + tokenizer files) and start its engine.
+                  limits: Limits = Limits(), max_request_memory: int | None = None, device: Any = "cpu",
+                  dtype: Any = None) -> tuple[ChatServing, Any]:
+    """Load a checkpoint directory (config + safetensors + tokenizer files) onto `device` in `dtype`
+    (None: float32; :mod:`openk3.runtime` resolves ``--device`` / ``--dtype``) and start its engine.
     A checkpoint with a vision tower (``K3ForConditionalGeneration``) serves image input
     (``supports_image_in``; preprocessing from its ``preprocessor_config.json`` when present).
 
@@ -407,7 +446,7 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
 
     model_path = resolve_model_path(model_path)
     tokenizer = load_tokenizer(model_path)
-    model = load_pretrained(model_path, dtype=torch.float32)
+    model = load_pretrained(model_path, device=device, dtype=dtype or torch.float32)
     kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, "cache_memory": cache_memory,
                               "enable_prefix_cache": enable_prefix_cache}
     if max_waiting is not None:
@@ -453,9 +492,13 @@ def _available_memory() -> int | None:
 
 def main(args: Any) -> int:
     """``openk3 serve``: load MODEL (or the shipped default), start the engine and serve HTTP until
-    SIGINT / SIGTERM. Prints one startup line with the URL and model id. Returns the exit status."""
+    SIGINT / SIGTERM. Prints one startup line with the URL and model id, one access line per
+    request (unless ``--quiet``) and one line when a signal arrives; it then stops accepting
+    connections, lets in-flight requests finish (a second Ctrl-C aborts them) and drains the engine.
+    Returns the exit status (0 after a drained SIGINT or SIGTERM)."""
     import uvicorn
 
+    from openk3.runtime import setup
     from openk3.shipped import resolve_model_path
 
     path = resolve_model_path(args.model) if args.model else default_model_path()
@@ -469,21 +512,30 @@ def main(args: Any) -> int:
         return 2
     api_key = args.api_key or os.environ.get("OPENK3_API_KEY") or None
     try:
+        device, dtype = setup(args)
         serving, async_engine = build_serving(
             path, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
             cache_memory=args.cache_memory, enable_prefix_cache=not args.no_prefix_cache,
             max_waiting=getattr(args, "max_waiting", None), max_model_len=getattr(args, "max_model_len", None),
-            max_request_memory=getattr(args, "max_request_memory", None))
+            max_request_memory=getattr(args, "max_request_memory", None), device=device, dtype=dtype)
     except (FileNotFoundError, ValueError) as e:
         print(f"openk3 serve: cannot load {path!r}: {e}", file=sys.stderr)
         return 2
-    app = create_app(serving, api_key=api_key, engine_shutdown=async_engine.shutdown)
+    quiet = getattr(args, "quiet", False)
+    if not quiet and not access_log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        access_log.addHandler(handler)
+        access_log.setLevel(logging.INFO)
+        access_log.propagate = False
+    app = create_app(serving, api_key=api_key, engine_shutdown=async_engine.shutdown, log_requests=not quiet)
     model_id = serving.model.id
     # Request preparation (validation, rendering, tokenizing, image decoding) runs in worker
     # threads; a thread running Python code holds the GIL for a whole switch interval each time
     # the event loop asks for it. 1 ms instead of 5 keeps /health and the other streams answered
     # while a large request is prepared.
     sys.setswitchinterval(0.001)
+    where = f"{device}, {str(dtype).removeprefix('torch.')}"
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -492,16 +544,31 @@ def main(args: Any) -> int:
                 try:
                     yield
                 finally:
-                    # SIGTERM is a supervisor's "stop": once drained, exit 0 rather than re-raising it
-                    # (which would end the process with -15 / 143, read as a crash)
-                    self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+                    # SIGTERM is a supervisor's "stop", SIGINT a user's: once drained, exit 0 rather than
+                    # re-raising them (-15 / 143 reads as a crash; SIGINT would be a KeyboardInterrupt
+                    # traceback)
+                    self._captured_signals = [s for s in self._captured_signals
+                                              if s not in (signal.SIGTERM, signal.SIGINT)]
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started and self.servers:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 print(f"openk3 serve: model {model_id} at http://{host}:{port}/v1 "
-                      f"(anthropic: http://{host}:{port}/anthropic)", flush=True)
+                      f"(anthropic: http://{host}:{port}/anthropic; {where})", flush=True)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # SIGINT and SIGTERM: one line, then uvicorn's graceful shutdown (stop accepting, wait
+            # for in-flight responses, then the lifespan drains the engine). A second SIGINT aborts.
+            if not self.should_exit:
+                n = len(self.server_state.tasks)
+                name = signal.Signals(sig).name
+                drain = f"finishing {n} in-flight request{'s' if n != 1 else ''}" if n else "no request in flight"
+                more = "; Ctrl-C again to abort them" if n and sig == signal.SIGINT else ""
+                print(f"openk3 serve: {name}, stopping ({drain}{more})", file=sys.stderr, flush=True)
+            elif sig == signal.SIGINT and not self.force_exit:
+                print("openk3 serve: SIGINT again, aborting in-flight requests", file=sys.stderr, flush=True)
+            super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=getattr(args, "drain_timeout", None) or 600)

@@ -68,6 +68,10 @@ def cli_train(args) -> int:
     except (ValueError, TypeError) as e:
         print(f"openk3 train: {e}", file=sys.stderr)
         return 2
+    from openk3.runtime import configure_threads
+
+    # the recipe's or --threads' count, else the cores not already busy (OMP_NUM_THREADS honoured)
+    configure_threads(run.threads, stream=sys.stderr if _rank0() else None)
     out = args.out or os.path.join("runs", run.name)
     if args.resume and _rank0() and run.prepare is None:
         from openk3.train.checkpointing import CheckpointManager

@@ -63,3 +63,40 @@ def test_chat_ends_at_end_of_input_and_rejects_bad_args(checkpoint, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "openk3.cli", "chat", str(tmp_path / "nope")],
                              input="", cwd=REPO, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "openk3 chat:" in missing.stderr
+
+
+def test_cancelled_turn_is_dropped_and_frees_the_engine(checkpoint, tokenizer):
+    import io
+
+    import torch
+
+    from openk3.chat_repl import ChatSession
+    from openk3.pretrained import load_pretrained
+
+    session = ChatSession(load_pretrained(checkpoint, dtype=torch.float32), tokenizer, effort="low",
+                          max_tokens=50, seed=0)
+    steps = []
+    out, err = io.StringIO(), io.StringIO()
+    # Ctrl-C arrives after two engine steps: the request is aborted between steps
+    assert session.turn("Hello there!", out, err, cancelled=lambda: steps.append(1) or len(steps) > 2) is None
+    assert session.messages == [] and session.turns == 0 and not session.engine.has_unfinished()
+    assert "[interrupted: reply dropped, the conversation goes on]" in err.getvalue()
+    stats = session.engine.stats()
+    assert (stats["running"], stats["kda_slots"]["used"], stats["mla_blocks"]["reserved"]) == (0, 0, 0), stats
+    reply = session.turn("Hello there!", io.StringIO(), err)  # the session goes on
+    assert reply is not None and [m["role"] for m in session.messages] == ["user", "assistant"]
+
+
+def test_terminal_input_joins_backslash_continuations_and_pastes(monkeypatch, tmp_path):
+    import builtins
+
+    from openk3.chat_repl import TerminalInput
+
+    typed = iter(["first line \\", "second line", "pasted\nblock of\nthree lines"])
+    prompts = []
+    monkeypatch.setattr(builtins, "input", lambda prompt="": prompts.append(prompt) or next(typed))
+    term = TerminalInput(history_file=str(tmp_path / "history"))
+    assert term.read() == "first line \nsecond line" and prompts == ["> ", ". "]
+    assert term.read() == "pasted\nblock of\nthree lines"  # readline hands a bracketed paste over whole
+    monkeypatch.setattr(builtins, "input", lambda prompt="": (_ for _ in ()).throw(EOFError))
+    assert term.read() is None

@@ -1,0 +1,64 @@
+"""``openk3 serve`` as a command: --device / --dtype (a bfloat16 CPU server answers), the access log
+line per request (no prompt text; --quiet silences it), and Ctrl-C (SIGINT) draining the in-flight
+request and exiting with one line instead of a traceback."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import httpx
+
+from tests.server.conftest import MODEL, ServerProcess, user
+
+ACCESS = re.compile(r"^\d\d:\d\d:\d\d (GET|POST) (\S+) (\d{3})(?: prompt=(\d+) cached=(\d+) completion=(\d+))? "
+                    r"(\d+\.\d{3})s$", re.M)
+SECRET = "the purple walrus recites prime numbers"
+
+
+def test_bf16_cpu_server_answers_logs_each_request_and_drains_on_sigint(checkpoint, tmp_path):
+    srv = ServerProcess(checkpoint, "--served-model-name", MODEL, "--device", "cpu", "--dtype", "bfloat16",
+                        "--max-num-seqs", "2", log_dir=tmp_path)
+    try:
+        assert "; cpu, bfloat16)" in srv.output().splitlines()[-1]  # the startup line names where it computes
+        r = httpx.post(srv.url + "/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": user(SECRET), "max_completion_tokens": 12})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] >= 1 and body["choices"][0]["finish_reason"] in ("stop", "length")
+        assert httpx.get(srv.url + "/models", timeout=10).status_code == 200
+        lines: list[str] = []
+        with httpx.stream("POST", srv.url + "/chat/completions", timeout=120, json={
+                "model": MODEL, "messages": user(), "max_completion_tokens": 60, "stream": True}) as s:
+            it = s.iter_lines()
+            lines.append(next(it))
+            srv.proc.send_signal(signal.SIGINT)
+            lines.extend(line for line in it if line)
+        assert lines[-1] == "data: [DONE]"  # the in-flight stream finished
+        code = srv.proc.wait(60)
+    finally:
+        srv.stop()
+    out = srv.output()
+    assert code == 0, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert SECRET not in out  # the access log never carries request text
+    assert re.findall(r"^openk3 serve: SIGINT.*$", out, re.M) == [
+        "openk3 serve: SIGINT, stopping (finishing 1 in-flight request; Ctrl-C again to abort them)"]
+    logged = ACCESS.findall(out)
+    chat = [m for m in logged if m[1] == "/v1/chat/completions"]
+    assert len(chat) == 2 and all(m[2] == "200" for m in chat), out
+    usage = body["usage"]
+    assert chat[0][3:6] == (str(usage["prompt_tokens"]), str(usage["cached_tokens"]), str(usage["completion_tokens"]))
+    assert chat[1][5] == "60"  # the drained stream ran to its budget
+    assert ("GET", "/v1/models", "200", "", "", "") == logged[1][:6]
+
+
+def test_quiet_server_logs_no_requests(checkpoint, tmp_path):
+    srv = ServerProcess(checkpoint, "--served-model-name", MODEL, "--quiet", log_dir=tmp_path)
+    try:
+        assert httpx.get(srv.url + "/models", timeout=10).status_code == 200
+        assert httpx.get(srv.base + "/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+    assert not ACCESS.search(srv.output()), srv.output()
+    assert "openk3 serve: SIGTERM, stopping (no request in flight)" in srv.output()
