@@ -29,5 +29,36 @@ def test_capabilities_example(server):
     r = subprocess.run([sys.executable, "examples/capabilities.py", "--base-url", server.url, "--api-key", API_KEY,
                         "--max-tokens", "250"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = [line for line in r.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert len(lines) == 9 and all(line.startswith("PASS") for line in lines), r.stdout
+    out = r.stdout.splitlines()
+    lines = [i for i, line in enumerate(out) if line.startswith(("PASS", "WEAK", "FAIL"))]
+    assert len(lines) == 9 and not any(out[i].startswith("FAIL") for i in lines), r.stdout
+    # every capability that produces model output prints it; a WEAK one says why
+    answered = [out[i].split()[1] for i in lines if i + 1 < len(out) and out[i + 1].lstrip().startswith("answer: ")]
+    assert len(answered) == 8, r.stdout  # all but the cached-prefix probe (one token)
+    for i in lines:
+        if out[i].startswith("WEAK"):
+            assert any(line.lstrip().startswith("weak:   ") for line in out[i + 1:i + 3]), r.stdout
+    n_weak = sum(out[i].startswith("WEAK") for i in lines)
+    assert out[-1].endswith(f"; {n_weak} with an empty or malformed answer (WEAK)"), r.stdout
+
+
+def _capabilities_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("capabilities", REPO / "examples" / "capabilities.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_capabilities_flags_empty_and_malformed_answers_apart_from_protocol():
+    cap = _capabilities_module()
+    assert cap.suspect_value("Paris", expect="Paris") is None
+    assert cap.suspect_value("") == "empty value ''"
+    assert "reads like reasoning text" in cap.suspect_value("The user wants the weather in a city, so I call it")
+    assert "reads like reasoning text" in cap.suspect_value("Paris\nThe arguments fit the schema")
+    assert cap.suspect_value("London", expect="Paris") == "'London' where the request implies 'Paris'"
+    assert cap._json_object_problem("{}") == "an empty JSON object (no keys)"
+    assert cap._json_object_problem("[1]") == "a JSON list, not an object"
+    assert cap._json_object_problem('{"city": "Paris"}') is None
+    assert cap._json_object_problem("{").startswith("not JSON")
