@@ -353,6 +353,7 @@ def smoke() -> RunConfig:
 # Recipes kept in their own modules register on import (after RunConfig exists: they import it).
 import openk3.train.default_model  # noqa: E402,F401  ("default-model")
 import openk3.train.vision_stage  # noqa: E402,F401  ("default-model-vision")
+import openk3.train.tiny_chat  # noqa: E402,F401  ("tiny-chat")
 
 __all__ = ["RunConfig", "RECIPES", "register_recipe", "get_recipe", "smoke", "synthetic_store", "synthetic_data",
            "synthetic_document", "synthetic_entropy_per_sentence"]
