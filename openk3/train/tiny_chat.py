@@ -19,7 +19,6 @@ the shipped ``openk3-tiny`` is the same pipeline at about 12x the steps.
 
 from __future__ import annotations
 
-from openk3.train.default_model import default_model
 from openk3.train.recipes import RunConfig, register_recipe
 
 STEPS = 250
@@ -36,6 +35,8 @@ EXTRA = {
 @register_recipe("tiny-chat")
 def tiny_chat() -> RunConfig:
     """A K3 to talk to in ~10 minutes: corpus -> 4096-id BPE -> 200 pretraining + 250 SFT steps."""
+    from openk3.train.default_model import default_model  # at call time: recipes imports this module
+
     return default_model().replace(name="tiny-chat", total_steps=STEPS, qat=None, eval_every=50, ckpt_every=50,
                                    extra=dict(EXTRA))
 
