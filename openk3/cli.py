@@ -53,11 +53,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_cost(args: argparse.Namespace) -> int:
-    from openk3.cost import main as cost_main
+    from openk3.cost import load_prices, main as cost_main
 
     if not (args.files or args.url or args.prompt_tokens or args.cached_tokens or args.completion_tokens):
-        args.parser.error("nothing to price: give response/usage FILES ('-' reads stdin), --url of a running "
-                          "server, or --prompt-tokens / --completion-tokens")
+        try:  # bad prices are named first, as with input
+            load_prices(args.prices, args.price_cache_hit, args.price_input, args.price_output)
+        except (OSError, ValueError) as e:
+            print(f"openk3 cost: {e}", file=sys.stderr)
+            return 2
+        args.parser.print_usage(sys.stderr)
+        print("openk3 cost: error: nothing to price: give response/usage FILES ('-' reads stdin), --url of a "
+              "running server, or --prompt-tokens / --completion-tokens", file=sys.stderr)
+        return 2
 
     return cost_main(args)
 

@@ -68,3 +68,11 @@ def test_cost_of_a_running_server(server, client, capsys):
         (out["tokens"]["cache_hit"] * 0.30 + out["tokens"]["cache_miss"] * 3.0 + out["tokens"]["output"] * 15.0) / 1e6)
     with pytest.raises(ValueError, match="openk3"):
         parse_metrics("# nothing here\nother_metric 1\n")
+
+
+def test_cost_without_input_prints_usage_and_exits_2(tmp_path, capsys):
+    assert cli(["cost"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: openk3 cost") and "nothing to price" in err
+    assert cli(["cost", "--json"]) == 2 and "nothing to price" in capsys.readouterr().err
+    assert cli(["cost", "--price-output", "-1"]) == 2 and "must be >= 0" in capsys.readouterr().err
