@@ -165,6 +165,16 @@ class K3Config:
         return (self.linear_num_heads or 0) * (self.linear_head_dim or 0)
 
     @property
+    def kda_state_dims(self) -> tuple[int, int, int]:
+        """(H, K, W) of the KDA decode state; (0, 0, 1) for a model without KDA settings."""
+        return self.linear_num_heads or 0, self.linear_head_dim or 0, self.linear_conv_kernel_dim or 1
+
+    @property
+    def mla_cache_dims(self) -> tuple[int, int]:
+        """(C, R) = (``kv_lora_rank``, ``qk_rope_head_dim``) of the MLA cache; 0 without MLA settings."""
+        return self.kv_lora_rank or 0, self.qk_rope_head_dim or 0
+
+    @property
     def moe_latent_size(self) -> int:
         """Width the routed experts run at (the latent width, or ``hidden_size`` if not latent)."""
         return self.routed_expert_hidden_size or self.hidden_size

@@ -211,9 +211,11 @@ WRAPPER_FIELDS: tuple[Field, ...] = (
     _f(None, "text_config", "object", None, REFUSED, "The kimi_linear text config (table above). Required.",
        IGNORED),
     _f(None, "vision_config", "object | null", None, None,
-       "MoonViT-V2 tower + projector (openk3.vision.config.VisionConfig). Null or absent: text-only; the official "
-       "KimiK3ForConditionalGeneration cannot be built without it, so openk3 writes a text-only model as the bare "
-       "kimi_linear text config.", IGNORED),
+       "MoonViT-V2 tower + projector (openk3.vision.config.VisionConfig, official field names; absent fields mean "
+       "the KimiK3VisionConfig defaults, which are the released values; `mm_hidden_size` null or absent means "
+       "`vt_hidden_size`; other nulls and unimplemented types are refused). Null or absent: text-only; the "
+       "official KimiK3ForConditionalGeneration cannot be built without it, so openk3 writes a text-only model "
+       "as the bare kimi_linear text config.", IGNORED),
     _f("media_placeholder_token_id", "media_placeholder_token_id", "int | null", 163605, None,
        "The <|media_pad|> id image features replace (KimiK3Config default 163605)."),
     _f(None, ("ignore_index", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",

@@ -453,3 +453,53 @@ def test_kda_fields_at_the_top_level_are_read():
 
 def test_readme_config_table_is_the_declarative_table():
     assert fields_markdown() in (REPO / "README.md").read_text()
+
+
+def _tiny_class_style(**extra) -> dict:
+    """A small config as KimiLinearConfig writes it, without linear_attn_config or num_experts."""
+    d = {"model_type": "kimi_linear", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "mla_use_nope": True, "linear_attn_config": None,
+         "num_experts": None, "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
+    d.update(extra)
+    return d
+
+
+@torch.no_grad()
+def test_models_without_kda_or_without_moe_run_prefill_and_decode():
+    """Configs the official class writes with no linear_attn_config (every layer MLA) or no
+    num_experts (every FFN dense) build, decode like a full forward, and plan their cache (no KDA
+    state); an all-KDA config has no MLA cache."""
+    from openk3.engine.planner import kda_state_bytes, kv_bytes_per_token
+
+    for d in (_tiny_class_style(),
+              _tiny_class_style(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [], "num_heads": 4,
+                                                    "head_dim": 16, "short_conv_kernel_size": 4},
+                                kv_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
+                                num_experts=8, num_experts_per_token=2, moe_intermediate_size=24,
+                                num_shared_experts=None)):
+        cfg = K3Config.from_dict(d)
+        model = sharp(build_model(cfg, seed=2), seed=3).eval()
+        ids = torch.randint(0, 512, (2, 20))
+        full = model(ids).logits
+        cache = model.new_cache(2, 24)
+        steps = [model(ids[:, :12], cache).logits] + [model(ids[:, t:t + 1], cache).logits for t in range(12, 20)]
+        assert_close(torch.cat(steps, 1), full, atol=1e-4, what="prefill + decode vs full forward")
+        has_kda = KDA in cfg.layer_types
+        assert (kda_state_bytes(cfg)["total"] > 0) == has_kda and (kv_bytes_per_token(cfg) > 0) != has_kda
+
+
+def test_vision_config_absent_mm_hidden_size_means_vt_hidden_size():
+    """KimiK3VisionConfig: ``mm_hidden_size = mm_hidden_size if not None else vt_hidden_size``."""
+    from openk3.vision.config import VisionConfig
+
+    d = vision_preset("tiny").to_dict()
+    for value in ("absent", None):
+        e = dict(d)
+        if value == "absent":
+            del e["mm_hidden_size"]
+        else:
+            e["mm_hidden_size"] = None
+        assert VisionConfig.from_dict(e).mm_hidden_size == d["vt_hidden_size"] == 32
+    with pytest.raises(ValueError, match="attn_bias"):
+        VisionConfig.from_dict(dict(d, attn_bias=None))

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openk3.chat_format.request import (
-    AssistantMessage, DynamicTools, ImageSlot, Message, Parts, RequestOptions, TextMessage, ToolCall, ToolResult,
-    parse_message, parse_messages, parse_options, tool_name,
+    AssistantMessage, DynamicTools, ImageSlot, Message, Parts, RequestOptions, SkippedMessage, TextMessage, ToolCall,
+    ToolResult, parse_message, parse_messages, parse_options, tool_name,
 )
 from openk3.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP, Tokenizer
 
@@ -257,7 +257,9 @@ def _conversation(b: _Builder, messages: list[Message], thinking: bool, prompt_h
     i = 0
     while i < len(messages):
         m = messages[i]
-        if isinstance(m, TextMessage):
+        if isinstance(m, SkippedMessage):
+            pass  # a role the template has no branch for renders nothing (§4.5)
+        elif isinstance(m, TextMessage):
             b.message_open(m.role, m.name)
             b.parts(m.parts)
             b.end_message()
@@ -291,19 +293,17 @@ def _conversation(b: _Builder, messages: list[Message], thinking: bool, prompt_h
 
 
 def _tool_run(b: _Builder, run: list[ToolResult], calls: list[ToolCall], counter: int) -> int:
-    """Render a maximal run of tool results against the latest assistant's calls (§4.4)."""
+    """Render a maximal run of tool results against the latest assistant's calls (§4.4): resolved
+    (every result's id names a call) in call order, otherwise in the given order (the template's
+    fallback; the server refuses such a history before it gets here)."""
     call_ids = {str(c.id) for c in calls if c.id is not None}
-    for r in run:
-        if r.id is not None and str(r.id) not in call_ids:
-            raise ValueError(f"messages[{r.index}].tool_call_id: {r.id!r} matches no tool call of the "
-                             "preceding assistant message")
 
     def emit(r: ToolResult, name: str, index: int) -> None:
         b.open("message", [("role", "tool"), ("tool", name), ("index", index)])
         b.parts(r.parts)
         b.end_message()
 
-    if all(r.id is not None for r in run):
+    if all(r.id is not None and str(r.id) in call_ids for r in run):
         done: set[str] = set()
         for c in calls:
             if c.id is None or str(c.id) in done:

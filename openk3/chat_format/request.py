@@ -5,6 +5,15 @@ tool_choice, response_format; ``../shared/spec/k3-chat-format.md`` §8-§9 and t
 ``../shared/fixtures/k3-chat-format/README.md``) and one normalised object per message (§4).
 Malformed input raises ``ValueError`` whose message starts with the field path, for example
 ``messages[3].tool_calls[0].function.name: ...``.
+
+Leniency is the template's, strictness the platform's. By default (``strict=False``, what
+:func:`~openk3.chat_format.encode_request`, the training renderer and the chat template use)
+everything the official K3 template renders is accepted and rendered as it renders it (§4-§6): a
+message of another role is skipped, any non-image content part renders its ``text`` (``input_text``
+and friends; a part without string text renders nothing), tool-call arguments that are valid JSON
+but not an object render verbatim as a json block, a ``json_schema`` response format without
+``schema`` renders its ``json_schema`` object (without that, ``null``). The server passes
+``strict=True``: each of those is then a ``ValueError`` (an HTTP 400 there), see :data:`PLATFORM_RULES`.
 """
 
 from __future__ import annotations
@@ -13,6 +22,18 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+#: What ``strict=True`` refuses although the template renders it, and why (the server's decision).
+PLATFORM_RULES = {
+    "role": "only system / user / assistant / tool / developer: the legacy `function` role is not part of the "
+            "Kimi API (the template skips such a message)",
+    "content part": "only text, image_url and image parts, a text part with a string `text` (OpenAI-only types "
+                    "such as input_text are not part of the Kimi chat API; the template renders their text)",
+    "arguments": "a JSON-object string (k3-chat-format.md §6: valid JSON that is not an object is rejected, as "
+                 "the vLLM port does; the template renders it as a json block)",
+    "response_format.json_schema": "json_schema with a `schema` object (api.md §1.6; OpenAI allows a schema-less "
+                                   "json_schema and the template then renders the wrapper)",
+}
 
 EFFORTS = ("low", "medium", "high", "max")  # the template's set (§8); the hosted API omits medium
 TOOL_CHOICES = ("auto", "none", "required")
@@ -83,7 +104,16 @@ class ToolResult:
     parts: Parts
 
 
-Message = TextMessage | DynamicTools | AssistantMessage | ToolResult
+@dataclass
+class SkippedMessage:
+    """A message of a role the template has no branch for (e.g. the legacy ``function`` role): it
+    renders nothing, but it still ends a run of tool results (§4.4-§4.5)."""
+
+    index: int
+    role: Any
+
+
+Message = TextMessage | DynamicTools | AssistantMessage | ToolResult | SkippedMessage
 
 
 @dataclass
@@ -157,12 +187,15 @@ def _finite_float(text: str) -> float:
     return x
 
 
-def parse_content(content: Any, where: str) -> Parts:
+def parse_content(content: Any, where: str, strict: bool = False) -> Parts:
     """Content (str / None / list of parts) -> parts list; empty strings are kept out.
 
+    An image part is an image slot; any other part renders its ``text`` when that is a string and
+    nothing otherwise (the template's rule, §4.1).
+
     Raises:
-        ValueError: content of another type, a part that is not an object, a text part without a
-            string ``text``, or an unsupported part type (e.g. ``video_url``).
+        ValueError: content of another type or a part that is not an object; with ``strict``, also a
+            text part without a string ``text`` or a part type other than text / image_url / image.
     """
     if content is None:
         return []
@@ -177,14 +210,14 @@ def parse_content(content: Any, where: str) -> Parts:
         kind = part.get("type", "text")
         if kind in IMAGE_PART_TYPES:
             parts.append(ImageSlot(part))
-        elif kind == "text":
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _fail(f"{where}[{j}].text", "text part needs a string 'text'")
-            if text:
-                parts.append(text)
-        else:
+            continue
+        text = part.get("text")
+        if strict and kind == "text" and not isinstance(text, str):
+            raise _fail(f"{where}[{j}].text", "text part needs a string 'text'")
+        if strict and kind != "text":
             raise _fail(f"{where}[{j}].type", f"unsupported content part type {kind!r} (text, image_url, image)")
+        if isinstance(text, str) and text:
+            parts.append(text)
     return parts
 
 
@@ -210,7 +243,7 @@ def _name(msg: dict, where: str) -> str | None:
     return name
 
 
-def parse_arguments(args: Any, where: str) -> tuple[dict | None, str | None]:
+def parse_arguments(args: Any, where: str, strict: bool = False) -> tuple[dict | None, str | None]:
     """OpenAI ``function.arguments`` -> (object for typed tags, raw text for a json block) per §6.
 
     A JSON-object string or an object gives typed tags; text that is not JSON gives a json block;
@@ -218,9 +251,12 @@ def parse_arguments(args: Any, where: str) -> tuple[dict | None, str | None]:
     not JSON: a string holding them is "text that is not JSON" and renders verbatim as a json block,
     like the parser's reading of such a block (so the model's own output replays unchanged).
 
+    A string holding valid JSON that is not an object (an array, a number) is, like any string the
+    server does not turn into an object, rendered verbatim as a json block.
+
     Raises:
-        ValueError: valid JSON that is not an object, a value that is neither string nor object, or
-            an object holding non-JSON data (a set, NaN, a non-string key, a cycle).
+        ValueError: a value that is neither string nor object, an object holding non-JSON data (a
+            set, NaN, a non-string key, a cycle); with ``strict``, valid JSON that is not an object.
     """
     if args is None:
         return None, None
@@ -236,11 +272,13 @@ def parse_arguments(args: Any, where: str) -> tuple[dict | None, str | None]:
     except (ValueError, _NotStandardJSON, RecursionError):  # ValueError: also ints over Python's digit limit
         return None, args
     if not isinstance(value, dict):
-        raise _fail(where, f"must encode a JSON object, got JSON {type(value).__name__}")
+        if strict:
+            raise _fail(where, f"must encode a JSON object, got JSON {type(value).__name__}")
+        return None, args
     return value, None
 
 
-def _parse_calls(calls: Any, where: str) -> list[ToolCall]:
+def _parse_calls(calls: Any, where: str, strict: bool = False) -> list[ToolCall]:
     if calls is None:
         return []
     if not isinstance(calls, list):
@@ -255,7 +293,7 @@ def _parse_calls(calls: Any, where: str) -> list[ToolCall]:
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise _fail(f"{fw}.name", f"tool call needs a non-empty string name, got {name!r}")
-        arguments, raw = parse_arguments(fn.get("arguments"), f"{fw}.arguments")
+        arguments, raw = parse_arguments(fn.get("arguments"), f"{fw}.arguments", strict)
         out.append(ToolCall(name=name, id=_call_id(call.get("id"), f"{cw}.id"),
                             arguments=arguments, raw_json=raw))
     return out
@@ -293,11 +331,13 @@ def tool_name(tool: dict) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def parse_message(msg: Any, i: int, where: str | None = None) -> Message:
+def parse_message(msg: Any, i: int, where: str | None = None, strict: bool = False) -> Message:
     """Validate and normalise ``messages[i]``; errors are prefixed with `where` (default ``messages[i]``).
+    A role the template has no branch for gives a :class:`SkippedMessage` (``strict``: an error).
 
     Raises:
-        ValueError: not an object, missing / unknown role, or a malformed field (named in the message).
+        ValueError: not an object, missing role, or a malformed field (named in the message); see
+            :data:`PLATFORM_RULES` for what ``strict`` adds.
     """
     where = where or f"messages[{i}]"
     if not isinstance(msg, dict):
@@ -308,32 +348,34 @@ def parse_message(msg: Any, i: int, where: str | None = None) -> Message:
     if role == "developer":
         role = "system"
     if role not in ("user", "system", "assistant", "tool"):
-        raise _fail(f"{where}.role", f"unknown role {role!r} (system, user, assistant, tool, developer)")
+        if strict:
+            raise _fail(f"{where}.role", f"unknown role {role!r} (system, user, assistant, tool, developer)")
+        return SkippedMessage(i, role)
     partial = _partial(msg, role, where)
     if role in ("user", "system"):
         if role == "system" and msg.get("tools") is not None:
             tools = _parse_tools(msg["tools"], f"{where}.tools")
             if tools:  # an empty list declares nothing: a plain system message, as in the template
                 return DynamicTools(i, tools)
-        return TextMessage(i, role, _name(msg, where), parse_content(msg.get("content"), f"{where}.content"))
+        return TextMessage(i, role, _name(msg, where), parse_content(msg.get("content"), f"{where}.content", strict))
     if role == "assistant":
         for key in ("reasoning_content", "reasoning"):
             if msg.get(key) is not None and not isinstance(msg[key], str):
                 raise _fail(f"{where}.{key}", f"must be a string, got {type(msg[key]).__name__}")
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         return AssistantMessage(i, _name(msg, where), reasoning or None,
-                                parse_content(msg.get("content"), f"{where}.content"),
-                                _parse_calls(msg.get("tool_calls"), f"{where}.tool_calls"),
+                                parse_content(msg.get("content"), f"{where}.content", strict),
+                                _parse_calls(msg.get("tool_calls"), f"{where}.tool_calls", strict),
                                 partial=partial)
     key = "tool_call_id" if "tool_call_id" in msg else "id"
     call_id = _call_id(msg.get(key), f"{where}.{key}")
     fallback = msg["tool"] if "tool" in msg else msg.get("name")
     if fallback is not None and not isinstance(fallback, str):
         raise _fail(f"{where}.{'tool' if 'tool' in msg else 'name'}", f"must be a string, got {fallback!r}")
-    return ToolResult(i, call_id, fallback, parse_content(msg.get("content"), f"{where}.content"))
+    return ToolResult(i, call_id, fallback, parse_content(msg.get("content"), f"{where}.content", strict))
 
 
-def parse_messages(request: dict) -> list[Message]:
+def parse_messages(request: dict, strict: bool = False) -> list[Message]:
     """All messages of `request`, normalised, in order.
 
     Raises:
@@ -345,7 +387,7 @@ def parse_messages(request: dict) -> list[Message]:
     msgs = request.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _fail("messages", f"must be a non-empty list, got {msgs!r:.60}")
-    parsed = [parse_message(m, i) for i, m in enumerate(msgs)]
+    parsed = [parse_message(m, i, strict=strict) for i, m in enumerate(msgs)]
     for m in parsed[:-1]:
         if isinstance(m, AssistantMessage) and m.partial:
             raise _fail(f"messages[{m.index}].partial", "only the final message can be partial "
@@ -365,12 +407,25 @@ def _effort_source(request: dict, ctk: dict, thinking_obj: dict) -> tuple[str | 
 _SCHEMA_WRAPPER_KEYS = {"name", "strict", "description"}  # wrapper fields that are not rendered (§5.4)
 
 
-def _response_schema(rf: dict) -> dict:
-    """The schema of a ``json_schema`` response format, looked up in the spec's order (§5.4:
-    ``json_schema.schema``, ``json_schema.json_schema``, the wrapper itself). The template would
-    render ``null`` for a missing one; the API requires ``json_schema.schema`` (api.md §1.6), so a
-    missing or non-object schema is rejected instead of telling the model to match ``null``."""
+def _response_schema(rf: dict, strict: bool = False) -> Any:
+    """The schema of a ``json_schema`` response format, looked up in the template's order (§5.4:
+    ``json_schema.schema``, ``json_schema.json_schema``, the wrapper itself; no wrapper: null).
+    With ``strict`` (the server: the API requires ``json_schema.schema``, api.md §1.6) a missing or
+    non-object schema is rejected instead of telling the model to match ``null``.
+
+    Raises:
+        ValueError: the schema is not JSON data; with ``strict``, see above.
+    """
     wrapper = rf.get("json_schema")
+    if not strict:
+        if isinstance(wrapper, dict):
+            key = next((k for k in ("schema", "json_schema") if k in wrapper), None)
+            where = f"response_format.json_schema.{key}" if key else "response_format.json_schema"
+            schema = wrapper[key] if key else wrapper
+        else:
+            where, schema = "response_format.json_schema", wrapper
+        check_json(schema, where)
+        return schema
     if wrapper is None:
         raise _fail("response_format.json_schema", "required for type 'json_schema' "
                     "(shape: {'name': ..., 'schema': {...}})")
@@ -386,7 +441,7 @@ def _response_schema(rf: dict) -> dict:
     return schema
 
 
-def parse_options(request: dict, messages: list[Message]) -> RequestOptions:
+def parse_options(request: dict, messages: list[Message], strict: bool = False) -> RequestOptions:
     """Request-level options per §8-§9 and the fixtures' server mapping.
 
     * thinking is off when ``thinking.type == "disabled"``, ``chat_template_kwargs.thinking`` is
@@ -452,7 +507,7 @@ def parse_options(request: dict, messages: list[Message]) -> RequestOptions:
         if kind != "text":
             rf_type = kind
         if kind == "json_schema":
-            schema = _response_schema(rf)
+            schema = _response_schema(rf, strict)
     return RequestOptions(thinking=thinking, thinking_effort=effort, tools=tools, tool_choice=choice,
                           render_tool_choice=choice in ("none", "required") and bool(declared),
                           response_format=rf_type, response_schema=schema, keep=keep)

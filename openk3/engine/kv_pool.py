@@ -93,8 +93,9 @@ class MLABlockPool:
         n_mla = config.layer_types.count(MLA)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.latent = torch.zeros(n_mla, num_blocks, block_size, config.kv_lora_rank, device=device, dtype=dtype)
-        self.k_rope = torch.zeros(n_mla, num_blocks, block_size, config.qk_rope_head_dim, device=device, dtype=dtype)
+        C, R = config.mla_cache_dims
+        self.latent = torch.zeros(n_mla, num_blocks, block_size, C, device=device, dtype=dtype)
+        self.k_rope = torch.zeros(n_mla, num_blocks, block_size, R, device=device, dtype=dtype)
         self.refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
@@ -193,8 +194,8 @@ class KDAStatePool:
 
     def __init__(self, config: K3Config, n: int, device, dtype: torch.dtype) -> None:
         n_kda = config.layer_types.count(KDA)
-        P, W = config.linear_proj_dim, config.linear_conv_kernel_dim
-        H, K = config.linear_num_heads, config.linear_head_dim
+        P = config.linear_proj_dim
+        H, K, W = config.kda_state_dims
         self.n = n
         self.conv = torch.zeros(n_kda, n, 3, P, W - 1, device=device, dtype=dtype)
         self.recurrent = torch.zeros(n_kda, n, H, K, K, device=device, dtype=torch.float32)
@@ -270,8 +271,9 @@ class SnapshotPool(KDAStatePool):
         super().__init__(config, n, device, dtype)
         n_mla = config.layer_types.count(MLA)
         t = max(block_size - 1, 0)
-        self.tail_latent = torch.zeros(n_mla, n, t, config.kv_lora_rank, device=device, dtype=dtype)
-        self.tail_k_rope = torch.zeros(n_mla, n, t, config.qk_rope_head_dim, device=device, dtype=dtype)
+        C, R = config.mla_cache_dims
+        self.tail_latent = torch.zeros(n_mla, n, t, C, device=device, dtype=dtype)
+        self.tail_k_rope = torch.zeros(n_mla, n, t, R, device=device, dtype=dtype)
         self.logits = torch.zeros(n, config.vocab_size, device=device, dtype=torch.float32)
         self._free: deque[int] = deque(range(n))
         self._index: OrderedDict[bytes, Snapshot] = OrderedDict()  # least recently used first

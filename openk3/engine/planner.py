@@ -51,7 +51,7 @@ def kv_bytes_per_token(config: K3Config, dtype: torch.dtype = torch.bfloat16) ->
     Source: architecture.md §4 (cache ĉ_kv and k^R), §14 (27,648 B/token for Kimi K3 in BF16).
     """
     n_mla = config.layer_types.count(MLA)
-    return n_mla * (config.kv_lora_rank + config.qk_rope_head_dim) * _itemsize(dtype)
+    return n_mla * sum(config.mla_cache_dims) * _itemsize(dtype)
 
 
 def kda_state_bytes(config: K3Config, conv_dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -63,9 +63,9 @@ def kda_state_bytes(config: K3Config, conv_dtype: torch.dtype = torch.bfloat16) 
     Source: architecture.md §3.5, §14 (414 MiB fp32 + 14.6 MiB BF16 conv for Kimi K3).
     """
     n_kda = config.layer_types.count(KDA)
-    H, K = config.linear_num_heads, config.linear_head_dim
+    H, K, W = config.kda_state_dims
     recurrent = n_kda * H * K * K * 4
-    conv = n_kda * 3 * config.linear_proj_dim * (config.linear_conv_kernel_dim - 1) * _itemsize(conv_dtype)
+    conv = n_kda * 3 * config.linear_proj_dim * (W - 1) * _itemsize(conv_dtype)
     return {"recurrent": recurrent, "conv": conv, "total": recurrent + conv}
 
 

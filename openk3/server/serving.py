@@ -181,7 +181,7 @@ class ChatServing:
         if len(body.get("messages") or ()) > self.limits.max_messages:
             raise bad_request(f"messages: at most {self.limits.max_messages} messages are allowed")
         try:
-            opts = parse_options(body, parse_messages(body))
+            opts = parse_options(body, parse_messages(body, strict=True), strict=True)
         except (ValueError, TypeError, RecursionError) as e:
             raise bad_request(f"Invalid request: {e}") from None
         if opts.thinking:
@@ -215,7 +215,7 @@ class ChatServing:
         check_schema_depths(body)
         check_effort(body)
         try:
-            opts = parse_options(body, parse_messages(body))
+            opts = parse_options(body, parse_messages(body, strict=True), strict=True)
         except (ValueError, TypeError) as e:
             raise bad_request(f"Invalid request: {e}") from None
         check_keep(opts.keep)

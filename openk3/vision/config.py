@@ -142,6 +142,10 @@ class VisionConfig:
     def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
         """Build from an official ``vision_config`` dict; unknown keys go to :attr:`extra`.
 
+        An absent key means the ``KimiK3VisionConfig`` default (this class's defaults are those, the
+        released values); ``mm_hidden_size`` null or absent means ``vt_hidden_size``, as there; any
+        other null is refused.
+
         Raises:
             ValueError: ``d`` is not a dict, or a field value is unsupported (see :meth:`validate`).
         """
@@ -149,6 +153,8 @@ class VisionConfig:
             raise ValueError(f"vision_config must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: copy.deepcopy(v) for k, v in d.items() if k in known}
+        if kwargs.get("mm_hidden_size") is None:  # KimiK3VisionConfig: null or absent means vt_hidden_size
+            kwargs["mm_hidden_size"] = kwargs.get("vt_hidden_size", cls.vt_hidden_size)
         kwargs["extra"] = {k: copy.deepcopy(v) for k, v in d.items() if k not in known}
         return cls(**kwargs)
 

@@ -15,6 +15,7 @@ from openk3.chat_format import (
     OutputParser, encode_request, render_assistant_output, render_template, render_training,
     template_variables,
 )
+from openk3.chat_format.request import parse_messages, parse_options
 from tests.chat.prompt_form import prompt_form
 from tests.conftest import kimi_tokenizer, shared_cases, shared_params, shared_path
 
@@ -222,17 +223,32 @@ def _tool(function):
 _A = r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"
 _PARTIAL = {"role": "assistant", "content": "x", "partial": True}
 
-MALFORMED = [
-    ({"messages": [_U, _CALL, {"role": "tool", "tool_call_id": "zzz", "content": "r"}]},
-     r"messages\[2\]\.tool_call_id"),
-    ({"messages": [_U, {"role": "tool", "content": "r"}]}, r"messages\[1\]\.tool_call_id"),
+# Requests the template renders and the platform refuses: the renderer follows the template
+# (tests/chat/test_template_leniency.py), the server parses with strict=True and answers 400.
+PLATFORM_ONLY = [
     ({"messages": [_U, {"role": "wizard", "content": "x"}]}, r"messages\[1\]\.role.*wizard"),
-    ({"messages": [{"content": "x"}]}, r"messages\[0\]\.role"),
-    ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"arguments": "{}"}}]}]},
-     r"messages\[1\]\.tool_calls\[0\]\.function\.name"),
     ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f",
                                                                                     "arguments": "[1]"}}]}]},
      r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "v"}]}]},
+     r"messages\[0\]\.content\[0\]\.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, r"messages\[0\]\.content\[0\]\.text"),
+    ({"messages": [_U], "response_format": {"type": "json_schema"}}, r"^response_format\.json_schema: required"),
+    (_rf(None), r"^response_format\.json_schema: required"),
+    (_rf("{}"), r"^response_format\.json_schema: must be an object"),
+    (_rf({"name": "w", "strict": True}), r"^response_format\.json_schema\.schema: missing"),
+    (_rf({}), r"^response_format\.json_schema\.schema: missing"),
+    (_rf({"name": "w", "schema": None}), r"^response_format\.json_schema\.schema: the schema must be a JSON object"),
+    (_rf({"name": "w", "schema": True}), r"^response_format\.json_schema\.schema: .*JSON object"),
+    (_rf({"name": "w", "schema": "{}"}), r"^response_format\.json_schema\.schema: .*JSON object"),
+    (_rf({"json_schema": [1]}), r"^response_format\.json_schema\.json_schema: .*JSON object"),
+]
+
+MALFORMED = [
+    ({"messages": [_U, {"role": "tool", "content": "r"}]}, r"messages\[1\]\.tool_call_id"),
+    ({"messages": [{"content": "x"}]}, r"messages\[0\]\.role"),
+    ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"arguments": "{}"}}]}]},
+     r"messages\[1\]\.tool_calls\[0\]\.function\.name"),
     ({"messages": [_U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": 5}}]}]},
      r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
     ({"messages": [_U, {"role": "assistant", "tool_calls": {"id": "a"}}]}, r"messages\[1\]\.tool_calls"),
@@ -244,9 +260,6 @@ MALFORMED = [
     ({"messages": [_U], "response_format": {"type": "yaml"}}, r"response_format\.type"),
     ({"messages": [_U], "tools": _TOOLS + _TOOLS}, r"tools.*duplicate"),
     ({"messages": [_U], "tools": {"f": 1}}, r"^tools"),
-    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "v"}]}]},
-     r"messages\[0\]\.content\[0\]\.type"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, r"messages\[0\]\.content\[0\]\.text"),
     ({"messages": [{"role": "user", "content": 7}]}, r"messages\[0\]\.content"),
     ({"messages": [{"role": "user", "name": 3, "content": "x"}]}, r"messages\[0\]\.name"),
     ({"messages": [_U, {"role": "assistant", "content": "", "reasoning_content": ["x"]}]},
@@ -290,16 +303,7 @@ MALFORMED = [
     ({"messages": [{"role": "system", "content": "s", "partial": True}, _U]}, r"messages\[0\]\.partial"),
     ({"messages": [_U, _CALL, {"role": "tool", "tool_call_id": "a", "content": "r", "partial": True}]},
      r"messages\[2\]\.partial"),
-    # response_format json_schema needs an object schema (api.md §1.6)
-    ({"messages": [_U], "response_format": {"type": "json_schema"}}, r"^response_format\.json_schema: required"),
-    (_rf(None), r"^response_format\.json_schema: required"),
-    (_rf("{}"), r"^response_format\.json_schema: must be an object"),
-    (_rf({"name": "w", "strict": True}), r"^response_format\.json_schema\.schema: missing"),
-    (_rf({}), r"^response_format\.json_schema\.schema: missing"),
-    (_rf({"name": "w", "schema": None}), r"^response_format\.json_schema\.schema: the schema must be a JSON object"),
-    (_rf({"name": "w", "schema": True}), r"^response_format\.json_schema\.schema: .*JSON object"),
-    (_rf({"name": "w", "schema": "{}"}), r"^response_format\.json_schema\.schema: .*JSON object"),
-    (_rf({"json_schema": [1]}), r"^response_format\.json_schema\.json_schema: .*JSON object"),
+    # a schema must be JSON data (it is rendered as canonical JSON)
     (_rf({"schema": {"maximum": float("nan")}}), r'^response_format\.json_schema\.schema\["maximum"\]: nan'),
     # tools need a non-empty string name; request-level and dynamic declarations alike
     ({"messages": [_U], "tools": [_tool({"parameters": {}})]}, r"^tools\[0\]\.function\.name"),
@@ -335,6 +339,15 @@ def test_malformed_requests_template_path(request_, field):
     assert field.endswith(r"\.tool_call_id")
     with pytest.raises(ValueError, match="chat template: tool result"):
         render_template(variables)
+
+
+@pytest.mark.parametrize("request_, field", PLATFORM_ONLY)
+def test_platform_only_refusals(kimi, request_, field):
+    """Rendered as the template renders them (the shipped template agrees), refused under strict=True."""
+    prompt = encode_request(copy.deepcopy(request_), kimi)
+    assert render_template(template_variables(copy.deepcopy(request_))) == prompt.text
+    with pytest.raises(ValueError, match=field):
+        parse_options(request_, parse_messages(request_, strict=True), strict=True)
 
 
 def test_partial_false_and_null_are_plain_messages(kimi):

@@ -78,12 +78,15 @@ def test_save_pretrained_writes_template(kimi, tmp_path):
 
 
 def test_template_raises_like_renderer(kimi):
+    # An unresolved run (the id matches no call) falls back to order; its second result has neither
+    # an id-matched call nor a name, and there is no second call: both renderers fail.
     req = {"messages": [{"role": "user", "content": "q"},
                         {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": {}}}]},
-                        {"role": "tool", "tool_call_id": "nope", "content": "r"}]}
-    with pytest.raises(ValueError, match=r"messages\[2\]\.tool_call_id"):
+                        {"role": "tool", "tool_call_id": "nope", "content": "r"},
+                        {"role": "tool", "content": "s"}]}
+    with pytest.raises(ValueError, match=r"messages\[3\]\.tool_call_id"):
         encode_request(req, kimi)
-    with pytest.raises(ValueError, match="matches no tool call"):
+    with pytest.raises(ValueError, match="no resolvable tool name"):
         render_template(template_variables(req))
     with pytest.raises(ValueError, match="thinking_effort"):
         render_template({"messages": req["messages"][:1], "thinking_effort": "extreme"})
