@@ -18,7 +18,7 @@ $(VENV)/.torch:
 	set -x; $(PYTHON) -m venv $(VENV) && \
 	$(PIP) install --quiet --upgrade pip && \
 	$(PIP) install --quiet torch==$(TORCH_VERSION) $$extra
-	@$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build')"
+	@$(PY) -W ignore -c "import torch; print('torch', torch.__version__, 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build')"
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.torch pyproject.toml
