@@ -220,7 +220,7 @@ class InProcessModel:
 
                 if not self.supports_images:
                     raise ValueError("model: a text-only model cannot take image input")
-                expanded = expand_images(prompt, req, self.tokenizer, self.image_config, pixels=True)
+                expanded = expand_images(prompt, self.tokenizer, self.image_config, pixels=True)
                 ids, mm = expanded.token_ids, expanded.mm_inputs
             engine.add_request(ids, params, self._constraint(req, prompt), request_id=str(i), mm_inputs=mm)
             parsers[str(i)] = OutputParser(self.tokenizer, start_channel=prompt.channel or "think",

@@ -196,7 +196,6 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
     import httpx
 
     from openk3.server.app import build_serving
-    from openk3.server.protocol import ChatCompletionRequest
 
     p = settings(QUICK if quick else FULL, overrides)
     n_req = reps or p["requests"]
@@ -213,7 +212,7 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
                 for i in range(n_req + 1):  # request 0 warms both paths up
                     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": f"{PROMPT} (#{i})"}],
                             "stream": True, "max_completion_tokens": p["new_tokens"], "seed": 1234 + i}
-                    prep = serving.prepare(body, ChatCompletionRequest.model_validate(body))
+                    prep = serving.prepare(serving.parse(body))
                     order = ("server", "in_process") if i % 2 == 0 else ("in_process", "server")
                     res = {}
                     for side in order:

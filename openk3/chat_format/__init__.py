@@ -3,7 +3,8 @@
 Public entry points (``../shared/spec/k3-chat-format.md``):
 
 * :func:`encode_request` (request dict, tokenizer) -> :class:`Prompt` (``token_ids``, ``text``,
-  ``prompt_tokens``, ``image_slots``, ``channel``, ...);
+  ``prompt_tokens``, ``image_slots``, ``channel``, ...); :func:`render` the same from a parsed
+  :class:`Conversation` (:func:`parse_conversation`; the server's ``ChatRequest`` is one);
 * :func:`render_training` -> :class:`TrainingExample` (ids + assistant-only loss mask);
 * :func:`render_assistant_output`: the ids a model generates for an assistant message (the output
   parser's round-trip partner);
@@ -19,14 +20,17 @@ from openk3.chat_format.render import (
     TrainingExample,
     canonical_json,
     encode_request,
+    render,
     render_assistant_output,
     render_training,
 )
+from openk3.chat_format.request import Conversation, parse_conversation
 from openk3.chat_format.parser import OutputParser, ParsedMessage
 from openk3.chat_format.template import chat_template, render_template, template_variables
 from openk3.chat_format.tool_ids import make_tool_call_id, next_tool_call_index
 
 __all__ = [
+    "Conversation",
     "IMAGE_PLACEHOLDER",
     "OutputParser",
     "ParsedMessage",
@@ -37,6 +41,8 @@ __all__ = [
     "canonical_json",
     "chat_template",
     "encode_request",
+    "parse_conversation",
+    "render",
     "render_assistant_output",
     "render_template",
     "render_training",

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openk3.chat_format.request import (
-    AssistantMessage, DynamicTools, ImageSlot, Message, Parts, RequestOptions, SkippedMessage, TextMessage, ToolCall,
-    ToolResult, parse_message, parse_messages, parse_options, tool_name,
+    AssistantMessage, Conversation, DynamicTools, ImageSlot, Message, Parts, RequestOptions, SkippedMessage,
+    TextMessage, ToolCall, ToolResult, parse_conversation, parse_message, tool_name,
 )
 from openk3.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP, Tokenizer
 
@@ -105,6 +105,7 @@ class _Builder:
         self.chunks: list[str] = []
         self.image_slots: list[int] = []
         self.images: list[dict] = []
+        self.image_locations: list[str] = []
         self._markup = {OPEN: tok.open_id, CLOSE: tok.close_id, SEP: tok.sep_id, END_OF_MSG: tok.end_of_msg_id}
 
     def markup(self, token: str) -> None:
@@ -121,6 +122,7 @@ class _Builder:
             if isinstance(p, ImageSlot):
                 self.image_slots.append(len(self.ids))
                 self.images.append(p.part)
+                self.image_locations.append(p.where)
                 self.ids.append(self.tok.media_pad_id)
                 self.chunks.append(IMAGE_PLACEHOLDER)
             else:
@@ -207,9 +209,8 @@ class _Rendered:
     output_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _render(request: dict, tok: Tokenizer, add_generation_prompt: bool, training: bool) -> _Rendered:
-    messages = parse_messages(request)
-    opts = parse_options(request, messages)
+def _render(conv: Conversation, tok: Tokenizer, add_generation_prompt: bool, training: bool) -> _Rendered:
+    messages, opts = list(conv.messages), conv.options  # a copy: the final partial message is popped
     partial: AssistantMessage | None = None
     if isinstance(messages[-1], AssistantMessage) and messages[-1].partial:
         if training:
@@ -365,6 +366,7 @@ class Prompt:
         pending_tokens: trailing stub ids not counted in usage (3 or 0, §12).
         image_slots: indices in ``token_ids`` of image slots (each one ``<|media_pad|>`` id, §10).
         images: the original image content parts, one per slot, in order.
+        image_locations: where the client wrote each of them (``messages[i].content[j]``), one per slot.
         thinking: thinking on/off; thinking_effort: effective effort (None when thinking is off).
         tool_choice: the request's tool_choice (``auto``/``none``/``required``).
         response_format: ``json_object``, ``json_schema`` or None.
@@ -387,6 +389,7 @@ class Prompt:
     partial: bool
     tool_names: tuple[str, ...]
     history_tool_calls: int
+    image_locations: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -415,13 +418,13 @@ class Prompt:
         return self.prompt_tokens_excluding_images + sum(int(n) for n in image_tokens)
 
 
-def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt: bool = True) -> Prompt:
-    """Render a chat-completions request body into K3 prompt ids.
+def render(conversation: Conversation, tokenizer: Tokenizer, *, add_generation_prompt: bool = True) -> Prompt:
+    """Render a parsed request (:class:`~openk3.chat_format.request.Conversation`, e.g. the server's
+    ``ChatRequest``) into K3 prompt ids; `conversation` is not modified.
 
     Args:
-        request: the JSON body (``messages``, ``tools``, ``tool_choice``, ``response_format``,
-            ``thinking``, ``reasoning_effort``, ``chat_template_kwargs``; other keys are ignored).
-            A final assistant message with ``"partial": true`` is continued (§9).
+        conversation: normalised messages and options (:func:`~openk3.chat_format.request.
+            parse_conversation`). A final assistant message with ``partial`` is continued (§9).
         tokenizer: a :class:`~openk3.tokenizer.Tokenizer` (Kimi BPE or trained BPE).
         add_generation_prompt: append ``<|open|>message role="assistant"<|sep|>`` plus the think
             (or response) stub; ignored when a partial message is continued.
@@ -434,16 +437,37 @@ def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt
         :class:`Prompt`.
 
     Raises:
-        ValueError: a malformed request; the message names the field, e.g.
-            ``messages[2].tool_calls[0].function.arguments: ...`` or ``reasoning_effort: ...``.
+        ValueError: what only rendering can find (a partial message with tool calls, a tool result
+            whose tool cannot be resolved, values that are not JSON-serialisable), naming the field.
     """
-    r = _render(request, tokenizer, add_generation_prompt, training=False)
+    r = _render(conversation, tokenizer, add_generation_prompt, training=False)
     b, o = r.builder, r.options
     return Prompt(token_ids=b.ids, text=b.text_value, pending_tokens=r.pending, image_slots=b.image_slots,
                   images=b.images, thinking=o.thinking, thinking_effort=o.thinking_effort,
                   tool_choice=o.tool_choice, response_format=o.response_format, channel=r.channel,
                   partial=r.partial, tool_names=r.tool_names,
-                  history_tool_calls=r.history_tool_calls)
+                  history_tool_calls=r.history_tool_calls, image_locations=tuple(b.image_locations))
+
+
+def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt: bool = True) -> Prompt:
+    """Render a chat-completions request body into K3 prompt ids: :func:`render` of its
+    :func:`~openk3.chat_format.request.parse_conversation` (the template's leniency).
+
+    Args:
+        request: the JSON body (``messages``, ``tools``, ``tool_choice``, ``response_format``,
+            ``thinking``, ``reasoning_effort``, ``chat_template_kwargs``; other keys are ignored).
+            A final assistant message with ``"partial": true`` is continued (§9).
+        tokenizer: a :class:`~openk3.tokenizer.Tokenizer` (Kimi BPE or trained BPE).
+        add_generation_prompt: as :func:`render`.
+
+    Returns:
+        :class:`Prompt`.
+
+    Raises:
+        ValueError: a malformed request; the message names the field, e.g.
+            ``messages[2].tool_calls[0].function.arguments: ...`` or ``reasoning_effort: ...``.
+    """
+    return render(parse_conversation(request), tokenizer, add_generation_prompt=add_generation_prompt)
 
 
 @dataclass(frozen=True)
@@ -481,7 +505,7 @@ def render_training(conversation: dict | list, tokenizer: Tokenizer, *, train_on
     if train_on not in ("all", "last"):
         raise ValueError(f"train_on: must be 'all' or 'last', got {train_on!r}")
     request = {"messages": conversation} if isinstance(conversation, list) else conversation
-    r = _render(request, tokenizer, add_generation_prompt=False, training=True)
+    r = _render(parse_conversation(request), tokenizer, add_generation_prompt=False, training=True)
     mask = [0] * len(r.builder.ids)
     spans = r.output_spans[-1:] if train_on == "last" else r.output_spans
     for start, end in spans:

@@ -44,9 +44,11 @@ IMAGE_PART_TYPES = ("image", "image_url")
 class ImageSlot:
     """An image content part; renders as one ``<|media_pad|>`` id that the server expands (§10).
 
-    ``part`` is the original content part (the server reads the URL / data from it)."""
+    ``part`` is the original content part (the server reads the URL / data from it); ``where`` is
+    where the client wrote it (``messages[i].content[j]``), for error messages."""
 
     part: dict
+    where: str = ""
 
 
 Parts = list  # list[str | ImageSlot], in content order
@@ -54,20 +56,27 @@ Parts = list  # list[str | ImageSlot], in content order
 
 @dataclass
 class TextMessage:
-    """A ``user`` or ``system`` message (``developer`` is mapped to ``system``, §4.5)."""
+    """A ``user`` or ``system`` message (``developer`` is mapped to ``system``, §4.5; ``developer``
+    says it was sent so). ``stray_tools``: the message carried a non-empty ``tools`` list, which
+    only a system message can declare (not rendered; the server refuses it)."""
 
     index: int
     role: str
     name: str | None
     parts: Parts
+    developer: bool = False
+    stray_tools: bool = False
 
 
 @dataclass
 class DynamicTools:
-    """A ``system`` message with a non-empty ``tools`` list: a dynamic tool declaration (§4.2)."""
+    """A ``system`` message with a non-empty ``tools`` list: a dynamic tool declaration (§4.2).
+    ``parts`` is the message's content, which the template does not render (the server requires
+    it empty)."""
 
     index: int
     tools: list
+    parts: Parts = field(default_factory=list)
 
 
 @dataclass
@@ -79,11 +88,14 @@ class ToolCall:
     id: Any
     arguments: dict | None = None
     raw_json: str | None = None
+    type: Any = "function"  # the call's ``type`` as sent (the server accepts only "function")
 
 
 @dataclass
 class AssistantMessage:
-    """An assistant message: reasoning (think channel), content (response channel), tool calls."""
+    """An assistant message: reasoning (think channel), content (response channel), tool calls.
+    ``reasoning`` is None when the message has no ``reasoning_content`` / ``reasoning`` (``""``
+    when one is sent empty: the platform tells the two apart, §3)."""
 
     index: int
     name: str | None
@@ -91,6 +103,7 @@ class AssistantMessage:
     parts: Parts
     calls: list[ToolCall] = field(default_factory=list)
     partial: bool = False
+    stray_tools: bool = False
 
 
 @dataclass
@@ -102,6 +115,8 @@ class ToolResult:
     id: Any
     fallback_name: str | None
     parts: Parts
+    id_key: str = "tool_call_id"  # the key ``id`` came from (``tool_call_id`` or ``id``)
+    stray_tools: bool = False
 
 
 @dataclass
@@ -137,29 +152,40 @@ def _fail(where: str, problem: str) -> ValueError:
     return ValueError(f"{where}: {problem}")
 
 
+MAX_JSON_DEPTH = 500  # deeper values cannot be rendered: json.dumps, which renders them, recurses
+
+
 def check_json(value: Any, where: str) -> None:
     """Check that `value` is plain JSON data: objects with string keys, arrays (list / tuple), strings,
-    finite numbers, booleans and null. Objects the client sends always are; Python callers (training
-    data, tests) can pass sets, NaN or cycles, which would otherwise crash or render non-JSON (§6, §7).
+    finite numbers, booleans and null, acyclic and nested at most :data:`MAX_JSON_DEPTH` levels.
+    Objects the client sends always are (up to the depth); Python callers (training data, tests)
+    can pass sets, NaN or cycles, which would otherwise crash or render non-JSON (§6, §7). The walk
+    is iterative: it never recurses, whatever the value.
 
     Raises:
         ValueError: naming `where` (plus the path inside the value) and the offending value.
     """
-    try:
-        # Only cycles and excessive depth are caught here; the walk below names any other problem.
-        json.dumps(value, default=lambda _: None, skipkeys=True)
-    except (ValueError, RecursionError) as e:
-        raise _fail(where, f"not JSON data ({e})") from None
-    stack = [(value, where)]  # acyclic now, so an explicit walk terminates
+    on_path: set[int] = set()  # containers being walked: one met again inside itself is a cycle
+    stack: list[tuple[Any, str, int]] = [(value, where, 1)]  # depth < 0: leaving that container
     while stack:
-        v, w = stack.pop()
-        if isinstance(v, dict):
-            for k, x in v.items():
-                if not isinstance(k, str):  # json.dumps would silently turn 1 into "1"
-                    raise _fail(w, f"object key {k!r} is not a string")
-                stack.append((x, f"{w}[{json.dumps(k, ensure_ascii=False)}]"))
-        elif isinstance(v, (list, tuple)):
-            stack.extend((x, f"{w}[{j}]") for j, x in enumerate(v))
+        v, w, depth = stack.pop()
+        if depth < 0:
+            on_path.discard(id(v))
+            continue
+        if isinstance(v, (dict, list, tuple)):
+            if id(v) in on_path:
+                raise _fail(w, "not JSON data (Circular reference detected)")
+            if depth > MAX_JSON_DEPTH:
+                raise _fail(where, f"not JSON data (nested more than {MAX_JSON_DEPTH} levels deep)")
+            on_path.add(id(v))
+            stack.append((v, w, -1))
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    if not isinstance(k, str):  # json.dumps would silently turn 1 into "1"
+                        raise _fail(w, f"object key {k!r} is not a string")
+                    stack.append((x, f"{w}[{json.dumps(k, ensure_ascii=False)}]", depth + 1))
+            else:
+                stack.extend((x, f"{w}[{j}]", depth + 1) for j, x in enumerate(v))
         elif isinstance(v, float) and not math.isfinite(v):
             raise _fail(w, f"{v!r} is not a JSON number")
         elif v is not None and not isinstance(v, (str, int, float)):
@@ -209,7 +235,7 @@ def parse_content(content: Any, where: str, strict: bool = False) -> Parts:
             raise _fail(f"{where}[{j}]", f"content part must be an object, got {type(part).__name__}")
         kind = part.get("type", "text")
         if kind in IMAGE_PART_TYPES:
-            parts.append(ImageSlot(part))
+            parts.append(ImageSlot(part, f"{where}[{j}]"))
             continue
         text = part.get("text")
         if strict and kind == "text" and not isinstance(text, str):
@@ -295,7 +321,7 @@ def _parse_calls(calls: Any, where: str, strict: bool = False) -> list[ToolCall]
             raise _fail(f"{fw}.name", f"tool call needs a non-empty string name, got {name!r}")
         arguments, raw = parse_arguments(fn.get("arguments"), f"{fw}.arguments", strict)
         out.append(ToolCall(name=name, id=_call_id(call.get("id"), f"{cw}.id"),
-                            arguments=arguments, raw_json=raw))
+                            arguments=arguments, raw_json=raw, type=call.get("type", "function")))
     return out
 
 
@@ -345,34 +371,41 @@ def parse_message(msg: Any, i: int, where: str | None = None, strict: bool = Fal
     if "role" not in msg:
         raise _fail(f"{where}.role", "missing")
     role = msg["role"]
-    if role == "developer":
+    developer = role == "developer"
+    if developer:
         role = "system"
     if role not in ("user", "system", "assistant", "tool"):
         if strict:
             raise _fail(f"{where}.role", f"unknown role {role!r} (system, user, assistant, tool, developer)")
         return SkippedMessage(i, role)
     partial = _partial(msg, role, where)
+    stray_tools = role != "system" and bool(msg.get("tools"))
     if role in ("user", "system"):
         if role == "system" and msg.get("tools") is not None:
             tools = _parse_tools(msg["tools"], f"{where}.tools")
             if tools:  # an empty list declares nothing: a plain system message, as in the template
-                return DynamicTools(i, tools)
-        return TextMessage(i, role, _name(msg, where), parse_content(msg.get("content"), f"{where}.content", strict))
+                # the content is not rendered; parsed leniently, only for the server's "must be empty"
+                return DynamicTools(i, tools, parse_content(msg.get("content"), f"{where}.content"))
+        return TextMessage(i, role, _name(msg, where), parse_content(msg.get("content"), f"{where}.content", strict),
+                           developer=developer, stray_tools=stray_tools)
     if role == "assistant":
         for key in ("reasoning_content", "reasoning"):
             if msg.get(key) is not None and not isinstance(msg[key], str):
                 raise _fail(f"{where}.{key}", f"must be a string, got {type(msg[key]).__name__}")
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        return AssistantMessage(i, _name(msg, where), reasoning or None,
+        if not reasoning:
+            reasoning = "" if msg.get("reasoning_content") is not None or msg.get("reasoning") is not None else None
+        return AssistantMessage(i, _name(msg, where), reasoning,
                                 parse_content(msg.get("content"), f"{where}.content", strict),
                                 _parse_calls(msg.get("tool_calls"), f"{where}.tool_calls", strict),
-                                partial=partial)
+                                partial=partial, stray_tools=stray_tools)
     key = "tool_call_id" if "tool_call_id" in msg else "id"
     call_id = _call_id(msg.get(key), f"{where}.{key}")
     fallback = msg["tool"] if "tool" in msg else msg.get("name")
     if fallback is not None and not isinstance(fallback, str):
         raise _fail(f"{where}.{'tool' if 'tool' in msg else 'name'}", f"must be a string, got {fallback!r}")
-    return ToolResult(i, call_id, fallback, parse_content(msg.get("content"), f"{where}.content", strict))
+    return ToolResult(i, call_id, fallback, parse_content(msg.get("content"), f"{where}.content", strict),
+                      id_key=key, stray_tools=stray_tools)
 
 
 def parse_messages(request: dict, strict: bool = False) -> list[Message]:
@@ -480,13 +513,7 @@ def parse_options(request: dict, messages: list[Message], strict: bool = False) 
     effort = (effort or "max") if thinking else None
 
     tools = _parse_tools(request["tools"], "tools") if request.get("tools") is not None else []
-    declared = [tool_name(t) for t in tools] + [tool_name(t) for m in messages if isinstance(m, DynamicTools)
-                                                for t in m.tools]
-    seen: set[str] = set()
-    for name in declared:
-        if name is not None and name in seen:
-            raise _fail("tools", f"duplicate tool name {name!r} across the declarations")
-        seen.add(name)
+    declared = _declared_names(tools, messages)
 
     choice = request.get("tool_choice")
     if choice is None:
@@ -511,3 +538,69 @@ def parse_options(request: dict, messages: list[Message], strict: bool = False) 
     return RequestOptions(thinking=thinking, thinking_effort=effort, tools=tools, tool_choice=choice,
                           render_tool_choice=choice in ("none", "required") and bool(declared),
                           response_format=rf_type, response_schema=schema, keep=keep)
+
+
+def _declared_names(tools: list, messages: list[Message]) -> list[str | None]:
+    """Names of the request-level `tools`, then of the dynamic declarations in `messages`.
+
+    Raises:
+        ValueError: a name declared twice (``tools: duplicate tool name ...``).
+    """
+    declared = [tool_name(t) for t in tools] + [tool_name(t) for m in messages if isinstance(m, DynamicTools)
+                                                for t in m.tools]
+    seen: set[str | None] = set()
+    for name in declared:
+        if name is not None and name in seen:
+            raise _fail("tools", f"duplicate tool name {name!r} across the declarations")
+        seen.add(name)
+    return declared
+
+
+def make_options(messages: list[Message], *, thinking: bool, thinking_effort: str | None = None,
+                 tools: list | None = None, tool_choice: str = "auto", response_format: str | None = None,
+                 response_schema: Any = None) -> RequestOptions:
+    """Request options given as values rather than a chat-completions body (the server's Anthropic
+    and Responses adapters): the tools are validated as :func:`parse_options` validates them
+    (objects with a non-empty name, JSON data, no name declared twice across `tools` and the
+    dynamic declarations in `messages`), the effort defaults to ``max`` with thinking on, and the
+    tool_choice message is rendered under the same rule (§9).
+
+    Args:
+        response_format: None, ``json_object`` or ``json_schema`` (then `response_schema`, a JSON
+            Schema object).
+    Raises:
+        ValueError: naming the field (``tools[j].function.name``, ``tool_choice``, ...).
+    """
+    tools = _parse_tools(tools, "tools") if tools is not None else []
+    declared = _declared_names(tools, messages)
+    if tool_choice not in TOOL_CHOICES:
+        raise _fail("tool_choice", f"unsupported value {tool_choice!r} (auto, none, required)")
+    if thinking_effort is not None and thinking_effort not in EFFORTS:
+        raise _fail("thinking_effort", f"unsupported effort {thinking_effort!r} (low, medium, high, max)")
+    if response_format not in (None, "json_object", "json_schema"):
+        raise _fail("response_format", f"unsupported value {response_format!r} (json_object, json_schema)")
+    if response_format == "json_schema":
+        check_json(_object(response_schema, "response_format.schema"), "response_format.schema")
+    return RequestOptions(thinking=thinking, thinking_effort=(thinking_effort or "max") if thinking else None,
+                          tools=tools, tool_choice=tool_choice,
+                          render_tool_choice=tool_choice in ("none", "required") and bool(declared),
+                          response_format=response_format, response_schema=response_schema)
+
+
+@dataclass
+class Conversation:
+    """A request as the renderer sees it: the normalised messages and the request-level options
+    (:func:`openk3.chat_format.render.render` takes it; the server's ``ChatRequest`` is one)."""
+
+    messages: list[Message]
+    options: RequestOptions
+
+
+def parse_conversation(request: Any, strict: bool = False) -> Conversation:
+    """:func:`parse_messages` and :func:`parse_options` of a chat-completions request.
+
+    Raises:
+        ValueError: as those (the field named in the message).
+    """
+    messages = parse_messages(request, strict=strict)
+    return Conversation(messages, parse_options(request, messages, strict=strict))

@@ -45,17 +45,25 @@ def parse_tool_call_id(call_id: str) -> tuple[str, int] | None:
 
 
 def next_tool_call_index(messages: Iterable[Mapping[str, Any]]) -> int:
-    """Starting index for the calls of the next assistant response.
+    """Starting index for the calls of the next assistant response, over chat-completions message
+    dicts: :func:`next_index_after` of the ids of every tool call in `messages`."""
+    ids = [call.get("id") if isinstance(call, Mapping) else None
+           for msg in messages if isinstance(msg, Mapping) for call in (msg.get("tool_calls") or [])]
+    return next_index_after(ids)
+
+
+def next_index_after(call_ids: Iterable[Any]) -> int:
+    """Starting index for the calls of the next assistant response, given the ids of the calls
+    already in the history (one entry per call; None for a call without an id).
 
     The larger of (number of tool calls in the history) and (highest Kimi-form
     index seen + 1), so that a new id can never equal an id already issued,
     even when the history ids were not consecutive.
     """
     count, top = 0, -1
-    for msg in messages:
-        for call in (msg.get("tool_calls") or []) if isinstance(msg, Mapping) else []:
-            count += 1
-            parsed = parse_tool_call_id(call.get("id")) if isinstance(call, Mapping) else None
-            if parsed is not None:
-                top = max(top, parsed[1])
+    for call_id in call_ids:
+        count += 1
+        parsed = parse_tool_call_id(call_id)
+        if parsed is not None:
+            top = max(top, parsed[1])
     return max(count, top + 1)

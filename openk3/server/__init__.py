@@ -1,8 +1,12 @@
 """The Kimi-compatible API server (``openk3 serve``).
 
-* :mod:`openk3.server.protocol` — wire models (pydantic) and :class:`~openk3.server.protocol.APIError`;
-* :mod:`openk3.server.validation` — the platform's request contract (400s before rendering);
-* :mod:`openk3.server.serving` — validation order, rendering, OpenAI responses / SSE;
+* :mod:`openk3.server.protocol` — :class:`~openk3.server.protocol.APIError`, shared body checks,
+  response and Anthropic wire models (pydantic);
+* :mod:`openk3.server.request` — the chat-completions wire models, :class:`~openk3.server.request.
+  ChatRequest` (one parsed request, whatever the surface) and :func:`~openk3.server.request.parse_request`;
+* :mod:`openk3.server.validation` — the platform's request contract, checked on the ChatRequest (400s
+  before rendering);
+* :mod:`openk3.server.serving` — check order, rendering, OpenAI responses / SSE;
 * :mod:`openk3.server.generation` — one engine request as parser events, stop strings, usage;
 * :mod:`openk3.server.anthropic` — ``/anthropic/v1/messages`` over the same core;
 * :mod:`openk3.server.metrics` — Prometheus metrics;

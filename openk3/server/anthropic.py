@@ -3,22 +3,23 @@
 Source: ``../shared/spec/api.md`` §7 (Kimi's Anthropic-compatible surface; beyond the fields listed
 there, standard Anthropic Messages behaviour) and §3 (thinking blocks are preserved into the prompt).
 
-A Messages request is translated into a chat-completions body and goes through
-:meth:`ChatServing.prepare` (same rendering, validation, constraints and engine); the parser events
-are then written as Anthropic content blocks / SSE events. Mapping:
+A Messages body is parsed straight into the server's :class:`~openk3.server.request.ChatRequest`
+(:func:`parse_request`: the K3 messages and options, no chat-completions body in between) and goes
+through :meth:`ChatServing.prepare` (same checks, rendering, constraints and engine); the parser
+events are then written as Anthropic content blocks / SSE events. Mapping:
 
 * ``system`` (string or text blocks) -> a leading system message; a ``role: "system"`` turn inside
   ``messages`` (Claude Code sends one) -> a system message at its position (K3 allows one anywhere);
 * user ``text`` / ``image`` (base64 source -> data URL) blocks -> content parts; ``tool_result``
-  blocks -> ``tool`` messages (in block order, before the rest of that user turn);
-* assistant ``thinking`` blocks -> ``reasoning_content`` (concatenated), ``text`` -> content,
-  ``tool_use`` -> ``tool_calls`` (``input`` serialised); a final assistant message is a prefill and
+  blocks -> tool results (in block order, before the rest of that user turn);
+* assistant ``thinking`` blocks -> the reasoning (concatenated), ``text`` -> content, ``tool_use``
+  -> tool calls (``input`` as the arguments object); a final assistant message is a prefill and
   is continued (partial mode, api.md §1.8);
 * ``tools`` (``input_schema``, ``strict``) -> function tools, non-strict unless ``strict: true``
   (Anthropic's default: a keyword the grammar cannot enforce is then left out of the grammar);
   ``tool_choice`` auto / any / none -> auto / required / none, the named ``tool`` form -> auto
   (accepted and ignored, as the platform treats OpenAI's named form);
-  ``disable_parallel_tool_use: true`` -> ``parallel_tool_calls: false`` (one call per reply);
+  ``disable_parallel_tool_use: true`` -> one call per reply (``parallel_tool_calls: false``);
 * ``thinking: {"type": "disabled"}`` -> instant mode; ``{"type": "enabled"}`` needs
   ``budget_tokens``, an integer >= 1024 and below ``max_tokens`` (Anthropic's rule; otherwise a 400
   naming ``thinking.budget_tokens``), which is then ignored (api.md §7: Kimi is not known to enforce
@@ -27,8 +28,10 @@ are then written as Anthropic content blocks / SSE events. Mapping:
   at fixed values);
 * image blocks are accepted where Anthropic accepts them, in user turns and inside ``tool_result``
   content; in assistant turns and in ``system`` they are a 400 naming the block;
-* errors: the context-limit 400s use Anthropic's wording (``prompt is too long: ...``, ``input length
-  and `max_tokens` exceed context limit: I + O > N, ...``), which Anthropic clients parse to retry;
+* errors: the shared checks name messages by their position in the K3 conversation and use the
+  chat-completions field names translated to Anthropic's (:func:`anthropic_names`); the
+  context-limit 400s use Anthropic's wording (``prompt is too long: ...``, ``input length and
+  `max_tokens` exceed context limit: I + O > N, ...``), which Anthropic clients parse to retry;
 * usage: ``input_tokens`` = prompt tokens not served from cache, ``cache_read_input_tokens`` = cached,
   ``cache_creation_input_tokens`` = 0 (Anthropic semantics: the three add up to the prompt).
 """
@@ -40,13 +43,19 @@ import json
 import uuid
 from typing import Any, AsyncIterator
 
+from pydantic import ValidationError
+
 from openk3.chat_format.parser import (
     ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
 )
-from openk3.server.images import LOCATION_KEY
-from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request, show_int
+from openk3.chat_format.request import (
+    AssistantMessage, ImageSlot, Message, TextMessage, ToolCall, ToolResult, check_json, make_options,
+)
+from openk3.server.protocol import (
+    AnthropicCountRequest, AnthropicMessagesRequest, APIError, bad_request, check_unicode, invalid_body, show_int,
+)
+from openk3.server.request import ChatRequest
 from openk3.server.serving import ENGINE_FAILED, ChatServing, Finished, Generation, Prepared
-from openk3.server.validation import check_unicode
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -56,8 +65,8 @@ def _signature(thinking: str) -> str:
     return "openk3-" + hashlib.sha256(thinking.encode("utf-8")).hexdigest()[:32]
 
 
-def _image_part(block: dict, where: str) -> dict:
-    # LOCATION_KEY: image errors name the block as the client sent it, not the translated message
+def _image_part(block: dict, where: str) -> ImageSlot:
+    # the slot keeps the client's block path: image errors name the block as the client sent it
     src = block.get("source")
     if not isinstance(src, dict):
         raise bad_request(f"{where}.source: must be an object (type base64 with media_type and data), "
@@ -65,10 +74,10 @@ def _image_part(block: dict, where: str) -> dict:
     if src.get("type") == "base64" and not isinstance(src.get("data"), str):
         raise bad_request(f"{where}.source.data: must be a base64 string, got {type(src.get('data')).__name__}")
     if src.get("type") == "base64":
-        return {"type": "image_url", LOCATION_KEY: where,
-                "image_url": {"url": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"}}
+        url = f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"
+        return ImageSlot({"type": "image_url", "image_url": {"url": url}}, where)
     if src.get("type") == "url":
-        return {"type": "image_url", LOCATION_KEY: where + ".source", "image_url": {"url": str(src.get("url", ""))}}
+        return ImageSlot({"type": "image_url", "image_url": {"url": str(src.get("url", ""))}}, where + ".source")
     raise bad_request(f"{where}.source.type: unsupported image source {src.get('type')!r} (base64)")
 
 
@@ -88,58 +97,81 @@ def _text_of(blocks: Any, where: str) -> str:
     return "".join(out)
 
 
-def _tool_result_content(block: dict, where: str) -> Any:
+def _text(s: str) -> list:
+    return [s] if s else []
+
+
+def _tool_result_parts(block: dict, where: str) -> list:
     content = block.get("content")
     if content is None or isinstance(content, str):
-        return content if content else ("(error)" if block.get("is_error") else "(empty)")
-    parts = []
+        return [content or ("(error)" if block.get("is_error") else "(empty)")]
+    if not content:
+        return ["(empty)"]
+    parts: list = []
     for j, b in enumerate(content):
         if b.get("type") == "text":
-            parts.append({"type": "text", "text": b.get("text") or ""})
+            parts += _text(b.get("text") or "")
         elif b.get("type") == "image":
             parts.append(_image_part(b, f"{where}.content[{j}]"))
         else:
             raise bad_request(f"{where}.content[{j}].type: unsupported block type {b.get('type')!r}")
-    return parts or "(empty)"
+    return parts
 
 
-def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
-    """Translate an Anthropic Messages body into a chat-completions body (see the module docstring).
+def _tool_call(b: dict, where: str) -> ToolCall:
+    name = b.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"Invalid request: {where}.name: tool_use needs a non-empty string name, got {name!r}")
+    args = b.get("input") or {}
+    if not isinstance(args, dict):
+        raise bad_request(f"Invalid request: {where}.input: must be an object, got {type(args).__name__}")
+    try:
+        check_json(args, f"{where}.input")
+    except ValueError as e:
+        raise bad_request(f"Invalid request: {e}") from None
+    return ToolCall(name=name, id=b.get("id"), arguments=args)
 
-    Raises:
-        APIError: 400 for an unsupported block or tool_choice, an image block outside user turns
-            and tool_result content, or an assistant ``tool_use`` turn
-            without its thinking block while thinking is on (api.md §3, Anthropic surface).
-    """
-    messages: list[dict] = []
+
+def _messages(req: dict, thinking_on: bool) -> list[Message]:
+    """The K3 messages of a Messages body; each message's ``index`` is its position in the K3
+    conversation (what the shared checks name)."""
+    messages: list[Message] = []
+
+    def add(m: Message) -> None:
+        m.index = len(messages)
+        messages.append(m)
+
     system = req.get("system")
     if system:
-        messages.append({"role": "system", "content": _text_of(system, "system")})
+        add(TextMessage(0, "system", None, _text(_text_of(system, "system"))))
     turns = req.get("messages") or []
     for i, m in enumerate(turns):
         where = f"messages[{i}]"
         role, content = m.get("role"), m.get("content")
         if role == "system":  # a system turn inside messages (Claude Code sends one): K3 allows it anywhere
-            messages.append({"role": "system", "content": _text_of(content, f"{where}.content")})
+            add(TextMessage(0, "system", None, _text(_text_of(content, f"{where}.content"))))
             continue
         if isinstance(content, str):
-            messages.append({"role": role, "content": content})
+            add(TextMessage(0, "user", None, _text(content)) if role == "user"
+                else AssistantMessage(0, None, None, _text(content)))
             continue
         if role == "user":
-            parts: list[dict] = []
+            parts: list = []
+            blocks = 0  # text and image blocks: a turn of only tool results adds no user message
             for j, b in enumerate(content):
                 kind = b.get("type")
                 if kind == "text":
-                    parts.append({"type": "text", "text": b.get("text") or ""})
+                    blocks += 1
+                    parts += _text(b.get("text") or "")
                 elif kind == "image":
+                    blocks += 1
                     parts.append(_image_part(b, f"{where}.content[{j}]"))
                 elif kind == "tool_result":
-                    messages.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                                     "content": _tool_result_content(b, f"{where}.content[{j}]")})
+                    add(ToolResult(0, b.get("tool_use_id"), None, _tool_result_parts(b, f"{where}.content[{j}]")))
                 else:
                     raise bad_request(f"{where}.content[{j}].type: unsupported block type {kind!r}")
-            if parts:
-                messages.append({"role": "user", "content": parts})
+            if blocks:
+                add(TextMessage(0, "user", None, parts))
             continue
         text, reasoning, calls, saw_thinking = [], [], [], False
         for j, b in enumerate(content):
@@ -154,31 +186,33 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
             elif kind == "image":
                 raise bad_request(f"{where}.content[{j}]: {IMAGE_PLACES}, not in assistant messages")
             elif kind == "tool_use":
-                calls.append({"id": b.get("id"), "type": "function",
-                              "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {},
-                                                                                           ensure_ascii=False)}})
+                calls.append(_tool_call(b, f"{where}.content[{j}]"))
             else:
                 raise bad_request(f"{where}.content[{j}].type: unsupported block type {kind!r}")
         if thinking_on and calls and not saw_thinking:
             raise bad_request(f"thinking is enabled but the thinking block is missing in assistant tool_use message "
                               f"at index {i}")
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-        if saw_thinking:
-            msg["reasoning_content"] = "".join(reasoning)
-        if calls:
-            msg["tool_calls"] = calls
-        messages.append(msg)
+        add(AssistantMessage(0, None, "".join(reasoning) if saw_thinking else None, _text("".join(text)), calls))
     if turns and turns[-1].get("role") == "assistant":
-        messages[-1]["partial"] = True  # Anthropic prefill: the final assistant turn is continued
+        messages[-1].partial = True  # Anthropic prefill: the final assistant turn is continued
+    return messages
 
-    body: dict[str, Any] = {"model": req.get("model"), "messages": messages,
-                            "max_completion_tokens": req.get("max_tokens")}
+
+def to_chat_request(req: dict, thinking_on: bool = True) -> ChatRequest:
+    """An Anthropic Messages body (validated by its wire model) as a :class:`ChatRequest` (see the
+    module docstring).
+
+    Raises:
+        APIError: 400 for an unsupported block, tool or tool_choice, an image block outside user
+            turns and tool_result content, an assistant ``tool_use`` turn without its thinking
+            block while thinking is on (api.md §3, Anthropic surface), a malformed tool.
+    """
+    messages = _messages(req, thinking_on)
     for j, t in enumerate(req.get("tools") or ()):
         if t.get("type") not in (None, "custom"):  # server tools (web_search_..., bash_..., ...) run nowhere here
             raise bad_request(f"tools[{j}].type: unsupported tool type {t.get('type')!r}; only client tools "
                               "(name, description, input_schema) are supported")
-    if req.get("tools"):
-        body["tools"] = [_function_tool(t) for t in req["tools"]]
+    choice, parallel = "auto", None
     tc = req.get("tool_choice")
     if tc:
         kind = tc.get("type")
@@ -187,23 +221,24 @@ def to_chat_body(req: dict, thinking_on: bool = True) -> dict:
         if kind == "tool" and not isinstance(tc.get("name"), str):
             raise bad_request("tool_choice.name: required for tool_choice.type 'tool'")
         # the named form is accepted and ignored, as the platform treats OpenAI's named tool_choice
-        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none", "tool": "auto"}[kind]
+        choice = {"auto": "auto", "any": "required", "none": "none", "tool": "auto"}[kind]
         dp = tc.get("disable_parallel_tool_use")
         if dp is not None and not isinstance(dp, bool):
             raise bad_request(f"tool_choice.disable_parallel_tool_use: must be a boolean, got {dp!r}")
         if dp:  # Anthropic's name for parallel_tool_calls: false
-            body["parallel_tool_calls"] = False
-    if req.get("stop_sequences"):
-        body["stop"] = req["stop_sequences"]
-    if not thinking_on:
-        body["thinking"] = {"type": "disabled"}
-    if req.get("stream"):
-        body["stream"] = True
-    return body
+            parallel = False
+    tools = [_function_tool(t) for t in req["tools"]] if req.get("tools") else None
+    try:
+        options = make_options(messages, thinking=thinking_on, tools=tools, tool_choice=choice)
+    except ValueError as e:
+        raise bad_request(anthropic_names(f"Invalid request: {e}")) from None
+    return ChatRequest(messages, options, model=req.get("model"), max_tokens=req.get("max_tokens"),
+                       stop=list(req.get("stop_sequences") or ()), stream=bool(req.get("stream")),
+                       parallel_tool_calls=parallel, tool_images=True, strict_tools=False)
 
 
 def _function_tool(t: dict) -> dict:
-    """An Anthropic client tool as a chat-completions function tool (``strict`` kept when sent)."""
+    """An Anthropic client tool as a function tool (``strict`` kept when sent)."""
     fn: dict[str, Any] = {"name": t.get("name"), "description": t.get("description"),
                           "parameters": t.get("input_schema") or {"type": "object"}}
     if isinstance(t.get("strict"), bool):
@@ -281,38 +316,57 @@ def check_thinking(req: dict) -> bool:
     return kind != "disabled"
 
 
-def prepare(serving: ChatServing, req: dict) -> tuple[Prepared, dict]:
-    """Validate an Anthropic body and prepare its generation; returns ``(prepared, chat_body)``.
+def parse_request(body: Any, *, counting: bool = False) -> ChatRequest:
+    """Parse a Messages body (``counting``: a count_tokens body) into a :class:`ChatRequest`:
+    unpaired surrogates anywhere (the client's field named), the wire model's types, Anthropic's
+    sampling ranges and thinking rules, then the translation (:func:`to_chat_request`). The model
+    id is the caller's to check first.
 
     Raises:
-        APIError: 404 unknown model, 400 invalid request.
+        APIError: 400 naming the field.
     """
-    serving.check_model(req.get("model"))
-    check_sampling_ranges(req)
-    thinking_on = check_thinking(req)
-    body = to_chat_body(req, thinking_on)
-    serving.check_text_size(body)  # before the checks whose work grows with the body
-    check_unicode(req)  # on the client's body, so that the path names the client's field
+    check_unicode(body)
     try:
-        validated = ChatCompletionRequest.model_validate(body)
-    except ValueError as e:
-        raise bad_request(f"Invalid request: {e}") from None
+        (AnthropicCountRequest if counting else AnthropicMessagesRequest).model_validate(body, from_attributes=True)
+    except ValidationError as e:
+        raise invalid_body(e.errors()) from None
+    if not counting:
+        check_sampling_ranges(body)
+    # count_tokens has no max_tokens: the budget's upper bound is not checked there
+    return to_chat_request(body, check_thinking(body))
+
+
+def _check_model(serving: ChatServing, body: Any) -> None:
+    if isinstance(body, dict) and isinstance(body.get("model"), str):
+        serving.check_model(body["model"])  # an unknown model is a 404 before any 400
+
+
+def prepare(serving: ChatServing, body: Any) -> Prepared:
+    """Parse and check an Anthropic body and prepare its generation.
+
+    Raises:
+        APIError: 404 unknown model, 400 invalid request (in Anthropic's field names and wording).
+    """
+    _check_model(serving, body)
+    req = parse_request(body)
+    serving.check_text_size(req, thinking=False)  # before the checks whose work grows with the request
     try:
-        prep = serving.prepare(body, validated, tool_images=True, strict_tools=False)
+        prep = serving.prepare(req)
     except APIError as e:
         e.message = e.anthropic_message or anthropic_names(e.message)
         raise
     prep.id = "msg_" + uuid.uuid4().hex
-    return prep, body
+    return prep
 
 
-def count_tokens(serving: ChatServing, req: dict) -> dict:
-    """``{"input_tokens": N}`` for ``/anthropic/v1/messages/count_tokens``."""
-    serving.check_model(req.get("model"))
-    check_unicode(req)
-    thinking_on = check_thinking(req)  # count_tokens has no max_tokens: the budget's upper bound is not checked
-    body = to_chat_body(dict(req, max_tokens=1), thinking_on)
-    return {"input_tokens": serving.count_tokens(body)}
+def count_tokens(serving: ChatServing, body: Any) -> dict:
+    """``{"input_tokens": N}`` for ``/anthropic/v1/messages/count_tokens``.
+
+    Raises:
+        APIError: 404 unknown model, 400 invalid request.
+    """
+    _check_model(serving, body)
+    return {"input_tokens": serving.count_tokens(parse_request(body, counting=True))}
 
 
 def _usage(usage: dict) -> dict:

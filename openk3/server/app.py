@@ -37,19 +37,21 @@ import signal
 import sys
 import time
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.server import anthropic
 from openk3.server.metrics import CONTENT_TYPE, Metrics
 from openk3.server.protocol import (
-    AnthropicCountRequest, AnthropicMessagesRequest, APIError, ChatCompletion, ChatCompletionRequest, ErrorResponse,
-    ModelCard, ModelList, TokenCountRequest, TokenCountResponse,
+    AnthropicCountRequest, AnthropicMessagesRequest, APIError, ChatCompletion, ErrorResponse, ModelCard, ModelList,
+    TokenCountResponse, field_path, first_error,
 )
+from openk3.server.request import ChatCompletionRequest, TokenCountRequest
 from openk3.server.serving import ChatServing, Generation, ModelInfo
 from openk3.server.validation import Limits
 
@@ -66,36 +68,12 @@ _BODY_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/tokenizers/e
                 "/anthropic/v1/messages/count_tokens": AnthropicCountRequest}
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
            413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
+# A route takes its body as the JSON sent (``Body``): the surface's parser validates it against its
+# wire model (_BODY_MODELS) and builds the ChatRequest, once; the OpenAPI document still shows
+# the wire model as the body schema (:func:`_openapi`).
+JSONBody = Annotated[Any, Body()]
 
 
-
-# Pydantic names the branch of a union it tried in the error location ("str", "list[ContentPart]",
-# "function-after[...]"); those are not fields the client wrote.
-_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def _is_union_tag(part: object) -> bool:
-    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
-
-
-def _field_path(loc) -> str:
-    """``("body", "messages", 0, "content", "list[ContentPart]", 1, "image_url")`` ->
-    ``messages[0].content[1].image_url`` (the rest of the API's error style)."""
-    out = ""
-    for part in loc:
-        if part == "body" or _is_union_tag(part):
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _error_rank(err: dict) -> tuple:
-    """Which of pydantic's errors to report: for a union (``content``: string or parts), the error
-    of the branch the client evidently meant (not "should be a valid string" when a list was
-    sent), then the deepest location."""
-    loc = err.get("loc", ())
-    plain_scalar_branch = any(p in _UNION_TAGS for p in loc)
-    return (plain_scalar_branch, -len(loc))
 
 def default_model_path() -> str | None:
     """The checkpoint served when ``openk3 serve`` gets no MODEL: the default model shipped in the
@@ -287,12 +265,8 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        body = getattr(exc, "body", None)
-        if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] != serving.model.id:
-            return _error_response(request.url.path, APIError(404, f"Not found the model {body['model']} or "
-                                                                    "Permission denied"))
-        errs = exc.errors()
-        first = min(errs, key=_error_rank) if errs else {}
+        # FastAPI reads the JSON (routes take it as sent): a body that is not JSON, or none at all
+        first = first_error(exc.errors())
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":  # loc is ("body", character position)
             pos = (first.get("loc") or ("body",))[-1]
@@ -300,7 +274,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
             at = f" at character {pos}" if isinstance(pos, int) else ""
             message = f"Invalid request: body: invalid JSON ({detail}{at})"
             return _error_response(request.url.path, APIError(400, message))
-        loc = _field_path(first.get("loc", ()))
+        loc = field_path(first.get("loc", ()))
         if not loc and first.get("type") == "missing":  # FastAPI reports an empty body as a missing one
             model = _BODY_MODELS.get(request.url.path)
             need = [f.alias or n for n, f in model.model_fields.items() if f.is_required()] if model else []
@@ -337,16 +311,15 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         return JSONResponse(result, headers={"x-request-id": prep.id})
 
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}, **_ERRORS})
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        raw = await request.json()
-        # rendering and grammar compilation are CPU work: keep them off the event loop
-        prep = await asyncio.to_thread(serving.prepare, raw, body)
+    async def chat_completions(request: Request, body: JSONBody) -> Response:
+        # parsing, checks, rendering and grammar compilation are CPU work: keep them off the event loop
+        prep = await asyncio.to_thread(lambda: serving.prepare(serving.parse(body)))
         return await _run(request, prep, serving.complete, serving.sse)
 
     @app.post("/v1/tokenizers/estimate-token-count", response_model=TokenCountResponse, responses=_ERRORS)
-    async def estimate_token_count(body: TokenCountRequest, request: Request) -> dict:
-        serving.check_model(body.model)
-        return {"data": {"total_tokens": await asyncio.to_thread(serving.count_tokens, await request.json())}}
+    async def estimate_token_count(body: JSONBody) -> dict:
+        total = await asyncio.to_thread(lambda: serving.count_tokens(serving.parse(body, counting=True)))
+        return {"data": {"total_tokens": total}}
 
     def _card() -> dict:
         m = serving.model
@@ -388,14 +361,14 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         return JSONResponse({"status": "ok"})
 
     @app.post("/anthropic/v1/messages", response_model=None, responses=_ERRORS)
-    async def anthropic_messages(body: AnthropicMessagesRequest, request: Request) -> Response:
-        prep, _ = await asyncio.to_thread(anthropic.prepare, serving, await request.json())
+    async def anthropic_messages(request: Request, body: JSONBody) -> Response:
+        prep = await asyncio.to_thread(anthropic.prepare, serving, body)
         return await _run(request, prep, lambda p, g: anthropic.complete(serving, p, g),
                           lambda p, g: anthropic.sse(serving, p, g))
 
     @app.post("/anthropic/v1/messages/count_tokens", response_model=None, responses=_ERRORS)
-    async def anthropic_count_tokens(body: AnthropicCountRequest, request: Request) -> dict:
-        return await asyncio.to_thread(anthropic.count_tokens, serving, await request.json())
+    async def anthropic_count_tokens(body: JSONBody) -> dict:
+        return await asyncio.to_thread(anthropic.count_tokens, serving, body)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -410,9 +383,26 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
+    app.openapi = lambda: _openapi(app)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=serving.limits.max_body_bytes, metrics=serving.metrics,
                        log_requests=log_requests)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The OpenAPI document, with each JSON endpoint's wire model as its request body schema (the
+    routes take the JSON as sent, so FastAPI alone would document it as any value)."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in _BODY_MODELS.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            body = doc["paths"][path]["post"]["requestBody"]
+            body["content"] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def build_serving(model_path: str, *, served_model_name: str | None = None, max_num_seqs: int = 16,

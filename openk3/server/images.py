@@ -10,8 +10,8 @@ content hash to the engine. ``usage.prompt_tokens`` is the expanded length minus
 stub, so the token-count endpoints, the response usage and the engine's prompt length agree.
 
 Errors are 400s naming where the image is: ``messages[i].content[j]`` of the body as sent (for the
-Anthropic surface the location of the original block, recorded under :data:`LOCATION_KEY` when the
-request is translated).
+Anthropic surface the location of the original block), as the parsed request recorded it
+(``Prompt.image_locations``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from openk3.server.protocol import bad_request
-
-LOCATION_KEY = "x_openk3_location"  # set on translated parts (Anthropic): the client's own location
-IMAGE_TYPES = ("image_url", "image")
 
 
 @dataclass
@@ -40,26 +37,12 @@ class ExpandedImages:
     mm_inputs: list = field(default_factory=list)
 
 
-def image_locations(body: dict) -> dict[int, str]:
-    """``id(part) -> "messages[i].content[j]"`` for every image part of a chat body (the renderer
-    keeps the part objects, so identity finds them)."""
-    out: dict[int, str] = {}
-    for i, m in enumerate(body.get("messages") or ()):
-        content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in IMAGE_TYPES:
-                out[id(part)] = part.get(LOCATION_KEY) or f"messages[{i}].content[{j}]"
-    return out
-
-
 def _url(part: dict) -> str:
     ref = part.get("image_url", part.get("image"))
     return ref.get("url") if isinstance(ref, dict) else ref
 
 
-def expand_images(prompt: Any, body: dict, tokenizer: Any, config: Any, *, pixels: bool,
+def expand_images(prompt: Any, tokenizer: Any, config: Any, *, pixels: bool,
                   check: Callable[[int, list[tuple[int, int, int]]], None] | None = None) -> ExpandedImages:
     """Expand the prompt's image slots, then (``pixels``) decode and preprocess the images.
 
@@ -71,8 +54,8 @@ def expand_images(prompt: Any, body: dict, tokenizer: Any, config: Any, *, pixel
 
     Args:
         prompt: the rendered :class:`~openk3.chat_format.render.Prompt` (image URLs already checked
-            to be base64 data URLs and the model to support images).
-        body: the chat body the prompt was rendered from (for error locations).
+            to be base64 data URLs and the model to support images); errors name each image at
+            its ``Prompt.image_locations`` entry.
         tokenizer: the model's tokenizer. config: :class:`openk3.vision.ImageProcessorConfig`.
         pixels: also decode / resize / normalise / patchify for the engine (False: sizes from the
             headers only, for counting; no pixel is decoded).
@@ -91,10 +74,10 @@ def expand_images(prompt: Any, body: dict, tokenizer: Any, config: Any, *, pixel
 
     if len(prompt.images) > config.max_images:
         raise bad_request(f"messages: at most {config.max_images} images per request, got {len(prompt.images)}")
-    where = image_locations(body)
+    where = prompt.image_locations
     datas, sizes, plans, locs = [], [], [], []
     for k, part in enumerate(prompt.images):
-        loc = where.get(id(part), f"image {k}")
+        loc = where[k] if k < len(where) and where[k] else f"image {k}"
         try:
             data = image_bytes_from_data_url(_url(part))
             w, h = open_image(data, config).size

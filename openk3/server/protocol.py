@@ -1,23 +1,22 @@
-"""Wire models of the Kimi-compatible API (pydantic) and the error type every route raises.
+"""The error type every route raises, the body checks every surface shares (wire-model errors as
+field-named 400s, unpaired surrogates), the response models and the Anthropic wire models.
 
-Sources: ``../shared/spec/api.md`` §1 (chat request fields), §2 (response shapes), §6 (errors,
-token counting, models), §7 (Anthropic messages) and the §11 server decisions;
-``../shared/spec/k3-release-notes.md`` §2 (K3 platform contract).
+Sources: ``../shared/spec/api.md`` §2 (response shapes), §6 (errors, token counting, models), §7
+(Anthropic messages) and the §11 server decisions; ``../shared/spec/k3-release-notes.md`` §2 (K3
+platform contract). The chat-completions request models are in :mod:`openk3.server.request`.
 
-The request models are deliberately *permissive*: every model ignores unknown keys (the platform
-silently ignores them, api.md §1.1), and fields whose invalid values must produce a specific
-platform message (``thinking`` given as a bool, the fixed sampling parameters, ``tool_choice``)
-are typed loosely here and checked in :mod:`openk3.server.serving`, which owns the messages. The
-models exist for three reasons: typed validation with field-named 400s, the OpenAPI document
-(which the schemathesis fuzz run is generated from), and documentation. Handlers keep working on
-the original JSON dict, so nothing the client sent is lost or coerced before rendering.
+Request models are deliberately *permissive* (:class:`OpenModel` ignores unknown keys, as the
+platform does, api.md §1.1); each surface's parser validates its body with them and then builds
+the one :class:`~openk3.server.request.ChatRequest` the server uses.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt
 
 # JSON types are not coerced: "1", true or "yes" for a number / boolean field is a 400 naming the
 # field (a JSON integer is still a valid number).
@@ -102,143 +101,89 @@ def bad_request(message: str) -> APIError:
     return APIError(400, message)
 
 
-# ------------------------------------------------------------------------------- chat request
+# ------------------------------------------------------------------------- request validation
 
 
-class _Open(BaseModel):
+class OpenModel(BaseModel):
     """Base of request models: unknown keys are kept (and ignored), as the platform does."""
 
     model_config = ConfigDict(extra="allow")
 
 
-class ImageURL(_Open):
-    """An image reference: a base64 ``data:`` URL (http(s) URLs are refused, api.md §11)."""
-
-    url: str
-    detail: str | None = None
+# Pydantic names the branch of a union it tried in the error location ("str", "list[ContentPart]",
+# "function-after[...]"); those are not fields the client wrote.
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
-class ContentPart(_Open):
-    """``{"type": "text", "text"}`` or ``{"type": "image_url", "image_url": {"url"} | "<url>"}``."""
-
-    type: str = "text"
-    text: str | None = None
-    image_url: Union[ImageURL, str, None] = None
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
 
 
-class FunctionCall(_Open):
-    """``function`` of an assistant tool call; ``arguments`` a JSON-object string (or object)."""
-
-    name: str
-    arguments: Union[str, dict[str, Any], None] = None
-
-
-class ToolCallIn(_Open):
-    """An assistant tool call sent back in history (OpenAI shape)."""
-
-    id: str | None = None
-    type: str | None = "function"
-    function: FunctionCall
+def field_path(loc: Any) -> str:
+    """``("body", "messages", 0, "content", "list[ContentPart]", 1, "image_url")`` ->
+    ``messages[0].content[1].image_url`` (the rest of the API's error style)."""
+    out = ""
+    for part in loc:
+        if part == "body" or _is_union_tag(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-class FunctionDef(_Open):
-    """A function tool: name (api.md §1.1 pattern), description, JSON-Schema ``parameters``."""
-
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
-
-
-class Tool(_Open):
-    """``{"type": "function", "function": {"name", "description", "parameters", "strict"}}``."""
-
-    type: str = "function"
-    function: FunctionDef
+def _error_rank(err: dict) -> tuple:
+    """Which of pydantic's errors to report: for a union (``content``: string or parts), the error
+    of the branch the client evidently meant (not "should be a valid string" when a list was
+    sent), then the deepest location."""
+    loc = err.get("loc", ())
+    plain_scalar_branch = any(p in _UNION_TAGS for p in loc)
+    return (plain_scalar_branch, -len(loc))
 
 
-class ChatMessage(_Open):
-    """One message (api.md §1.2). ``tools`` makes a system message a dynamic tool declaration (K3);
-    ``partial`` on the last assistant message asks for prefill continuation (§1.8)."""
-
-    role: str
-    content: Union[str, list[ContentPart], None] = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    partial: bool | None = None
-    tools: list[Tool] | None = None
+def first_error(errors: list[dict]) -> dict:
+    """The one of pydantic's `errors` a 400 reports (:func:`_error_rank`); ``{}`` for none."""
+    return min(errors, key=_error_rank) if errors else {}
 
 
-class StreamOptions(_Open):
-    """``stream_options``: ``include_usage`` adds the empty-choices usage chunk (api.md §2.2)."""
-
-    include_usage: StrictBool | None = None
-
-
-class JSONSchemaFormat(_Open):
-    """``response_format.json_schema``: ``name`` (required), ``schema``, ``strict`` (default true,
-    api.md §1.6). ``name`` is required as in the official OpenAPI document (``required: [name,
-    schema]``) and OpenAI; a missing one is a 400 naming ``response_format.json_schema.name``."""
-
-    name: str
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: StrictBool | None = None
+def invalid_body(errors: list[dict]) -> APIError:
+    """The 400 for a body its wire model refuses: ``Invalid request: <field>: <pydantic's message>``,
+    e.g. ``Invalid request: seed: Input should be less than or equal to 9223372036854775807``."""
+    first = first_error(errors)
+    return bad_request(f"Invalid request: {field_path(first.get('loc', ())) or 'body'}: "
+                       f"{first.get('msg', 'invalid request')}")
 
 
-class ResponseFormat(_Open):
-    """``response_format``: text, json_object or json_schema (api.md §1.6)."""
-
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: JSONSchemaFormat | None = None
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class ChatCompletionRequest(_Open):
-    """``POST /v1/chat/completions`` body (api.md §1.1). ``thinking`` is an object
-    ``{type, keep, effort}``; it is typed loosely so that a bool gets the platform's message."""
+def check_unicode(body: Any) -> None:
+    """Every string of the body (object keys included) is valid Unicode: JSON's ``\\uXXXX`` escapes
+    can spell a lone UTF-16 surrogate, which no tokenizer, grammar or UTF-8 response can carry.
+    Iterative, any nesting depth.
 
-    model: str
-    messages: list[ChatMessage]
-    max_completion_tokens: StrictInt | None = None
-    max_tokens: StrictInt | None = None
-    thinking: Union[dict[str, Any], bool, None] = None
-    reasoning_effort: str | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    n: StrictInt | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
-    stream: StrictBool | None = None
-    stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    # OpenAI field, not in Kimi's schema: typed strictly so that "yes" is a 400, not coerced
-    parallel_tool_calls: StrictBool | None = None
-    stop: Union[str, list[str], None] = None
-    seed: Annotated[StrictInt, Field(ge=-2**63, le=2**63 - 1)] | None = None  # int64, as OpenAI documents
-    logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    user: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class TokenCountRequest(_Open):
-    """``POST /v1/tokenizers/estimate-token-count`` body (api.md §6.2); same rendering rules as
-    completions (tools, thinking and response_format included when given)."""
-
-    model: str
-    messages: list[ChatMessage]
-    tools: list[Tool] | None = None
-    thinking: Union[dict[str, Any], bool, None] = None
-    reasoning_effort: str | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    response_format: ResponseFormat | None = None
+    Raises:
+        APIError: 400 naming the field path (``messages[0].content``) and the character index.
+    """
+    stack = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise bad_request(f"{where or 'body'}: unpaired UTF-16 surrogate U+{ord(value[e.start]):04X} at "
+                                      f"character {e.start}; text must be valid Unicode") from None
+        elif isinstance(value, dict):
+            items = []  # pushed reversed: the first bad string in document order is reported
+            for key, child in value.items():
+                items.append((key, f"{where or 'body'} (an object key)"))
+                if isinstance(key, str) and _IDENT.match(key):
+                    items.append((child, f"{where}.{key}" if where else key))
+                else:  # json.dumps escapes to ASCII: the key itself may hold the surrogate
+                    items.append((child, f"{where}[{json.dumps(key)}]"))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend((child, f"{where}[{j}]") for j, child in reversed(list(enumerate(value))))
 
 
 # ------------------------------------------------------------------------------ chat response
@@ -354,7 +299,7 @@ class ErrorResponse(BaseModel):
 # -------------------------------------------------------------------------- anthropic request
 
 
-class AnthropicBlock(_Open):
+class AnthropicBlock(OpenModel):
     """A content block: ``text``, ``image`` (``source``), ``tool_use``, ``tool_result``,
     ``thinking`` / ``redacted_thinking``."""
 
@@ -371,14 +316,14 @@ class AnthropicBlock(_Open):
     signature: str | None = None
 
 
-class AnthropicMessage(_Open):
+class AnthropicMessage(OpenModel):
     """A Messages-API turn: string content or content blocks."""
 
     role: Literal["user", "assistant", "system"]
     content: Union[str, list[AnthropicBlock]]
 
 
-class AnthropicTool(_Open):
+class AnthropicTool(OpenModel):
     """An Anthropic tool: ``name``, ``description``, ``input_schema``, ``strict``."""
 
     name: str
@@ -387,7 +332,7 @@ class AnthropicTool(_Open):
     strict: StrictBool | None = None
 
 
-class AnthropicThinking(_Open):
+class AnthropicThinking(OpenModel):
     """Anthropic ``thinking``: ``{"type": "enabled", "budget_tokens": N}`` (N >= 1024 and below
     ``max_tokens``, checked in :func:`openk3.server.anthropic.check_thinking`), ``{"type":
     "disabled"}``, or the ``adaptive`` / ``between_tools`` forms (thinking on, no budget). The
@@ -397,7 +342,7 @@ class AnthropicThinking(_Open):
     budget_tokens: StrictInt | None = None
 
 
-class AnthropicMessagesRequest(_Open):
+class AnthropicMessagesRequest(OpenModel):
     """``POST /anthropic/v1/messages`` body (api.md §7)."""
 
     model: str
@@ -415,7 +360,7 @@ class AnthropicMessagesRequest(_Open):
     thinking: AnthropicThinking | None = None
 
 
-class AnthropicCountRequest(_Open):
+class AnthropicCountRequest(OpenModel):
     """``POST /anthropic/v1/messages/count_tokens`` body."""
 
     model: str

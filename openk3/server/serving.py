@@ -1,11 +1,14 @@
 """The serving core: a chat request -> prompt ids -> engine -> parsed events -> responses.
 
-One :class:`ChatServing` per server. :meth:`ChatServing.prepare` validates a chat-completions body
-in the platform's order (``../shared/spec/api.md`` §11: model 404 -> thinking object -> fixed
-sampling parameters §1.5 -> tools / tool_choice §1.7 -> reasoning_content in tool-call history §3
--> rendering -> images -> token window §1.4), renders it with
-:func:`openk3.chat_format.encode_request` and builds the engine request (sampling parameters and
-the output constraint). :class:`~openk3.server.generation.Generation` (:mod:`openk3.server.generation`)
+One :class:`ChatServing` per server. A body is parsed once into a
+:class:`~openk3.server.request.ChatRequest` (:meth:`ChatServing.parse` for chat completions and
+token counting; :mod:`openk3.server.anthropic` for Anthropic messages); :meth:`ChatServing.prepare`
+checks it in the platform's order (``../shared/spec/api.md`` §11: model 404 -> size bound ->
+schema depth -> effort / keep -> fixed sampling parameters §1.5 -> tools / tool_choice §1.7 ->
+messages, reasoning_content in tool-call history §3 -> images -> tool-call history -> stops ->
+rendering -> image URLs -> token window §1.4), renders it with :func:`openk3.chat_format.render` and
+builds the engine request (:meth:`~openk3.server.request.ChatRequest.to_sampling_params` and the
+output constraint). :class:`~openk3.server.generation.Generation` (:mod:`openk3.server.generation`)
 drives the engine and the output parser and yields typed events; the OpenAI response / SSE
 formatting is at the bottom of this file, the Anthropic one in :mod:`openk3.server.anthropic`, both
 over the same events. ``Prepared``, ``Finished``, ``Generation`` and ``usage_dict`` are re-exported
@@ -20,10 +23,10 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
   ``thinking.effort`` beats ``reasoning_effort``, as the vendor verifier checks); ``medium`` is
   accepted (the template supports it).
 * Images count in ``usage.prompt_tokens`` with their expanded blocks (:mod:`openk3.server.images`).
-* A prompt whose text certainly exceeds the context is refused first, before any work that grows
-  with the body (:meth:`ChatServing.check_text_size`; the bound covers every rendered field:
-  messages, tool calls, tool and dynamic-tool declarations, the response schema); the token-count
-  endpoints refuse it too, with a ``request:`` 400, instead of counting megabytes
+* A prompt whose text certainly exceeds the context is refused before any work that grows with
+  its size beyond the parse (:meth:`ChatServing.check_text_size`; the bound covers every rendered
+  field: messages, tool calls, tool and dynamic-tool declarations, the response schema); the
+  token-count endpoints refuse it too, with a ``request:`` 400, instead of counting megabytes
   (:meth:`ChatServing.count_tokens`).
 * Every request is grammar-constrained (:meth:`ChatServing._constraint`): with no tool declared (or
   ``tool_choice: "none"``) the tools channel is unreachable, so the reply is content, never calls.
@@ -37,18 +40,21 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from openk3.chat_format import encode_request, next_tool_call_index
+from openk3.chat_format import render
 from openk3.chat_format.parser import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
-from openk3.chat_format.request import parse_messages, parse_options
+from openk3.chat_format.request import AssistantMessage
+from openk3.chat_format.tool_ids import next_index_after
 from openk3.server.generation import (  # noqa: F401 - re-exported: importers use openk3.server.serving
     CACHE_REPORT_BLOCK, ENGINE_FAILED, OVERLOADED, Finished, Generation, Prepared, usage_dict,
 )
-from openk3.server.images import expand_images, image_locations
-from openk3.server.protocol import APIError, ChatCompletionRequest, bad_request, show_int
+from openk3.server.images import expand_images
+from openk3.server.protocol import APIError, bad_request, show_int
+from openk3.server.request import ChatCompletionRequest, ChatRequest, TokenCountRequest, parse_request
 from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
-    THINKING_BOOL, Limits, check_effort, check_image_parts, check_image_roles, check_keep, check_messages,
-    check_sampling, check_schema_depths, check_stops, check_tool_history, check_tools, check_unicode, rendered_chars,
+    Limits, check_effort, check_image_parts, check_image_roles, check_keep, check_logprobs, check_max_tokens,
+    check_message_count, check_messages, check_sampling, check_schema_depths, check_stops, check_tool_history,
+    check_tools, rendered_chars,
 )
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -78,7 +84,6 @@ class ChatServing:
         limits: :class:`Limits`.
         image_config: :class:`openk3.vision.ImageProcessorConfig` of a vision model (default: the
             released preprocessing; only used when ``model.supports_image_in``).
-        sampling_params: the ``SamplingParams`` class (default ``openk3.engine.sampling``).
         make_constraint: constraint factory (default ``openk3.engine.constraints.make_constraint``).
         activation_bytes: ``(grids) -> bytes`` peak activation memory of the vision tower for a
             request's image grids (``(1, gh, gw)`` each); with ``limits.max_request_memory`` a
@@ -86,14 +91,11 @@ class ChatServing:
     """
 
     def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
-                 *, sampling_params: Callable | None = None, make_constraint: Callable | None = None,
-                 image_config: Any = None, activation_bytes: Callable | None = None):
+                 *, make_constraint: Callable | None = None, image_config: Any = None,
+                 activation_bytes: Callable | None = None):
         self.engine, self.tokenizer, self.model, self.metrics, self.limits = engine, tokenizer, model, metrics, limits
         self.image_config = image_config
         self.activation_bytes = activation_bytes
-        if sampling_params is None:
-            from openk3.engine.sampling import SamplingParams as sampling_params
-        self._sampling_params = sampling_params
         self._make_constraint = make_constraint
 
     # ------------------------------------------------------------------ validation
@@ -114,33 +116,38 @@ class ChatServing:
             self._max_token_bytes = cached
         return cached
 
-    def _over_context(self, body: dict, thinking: bool = False) -> tuple[int, int] | None:
+    def _over_context(self, req: Any, thinking: bool = False) -> tuple[int, int] | None:
         """``(chars, at_least_tokens)`` when the text to render certainly exceeds the context, else None.
 
         Soundness: :func:`~openk3.server.validation.rendered_chars` counts only text the prompt
         contains verbatim (messages, tool calls, tool declarations, the response schema; reasoning
         when ``thinking``), a character is at least one UTF-8 byte and a token at most
         :meth:`max_token_bytes` bytes, so ``chars > context_length * max_token_bytes`` implies more
-        than ``context_length`` tokens. One pass over the body, no tokenization.
+        than ``context_length`` tokens. One pass over the request, no tokenization.
         """
         per_token = self.max_token_bytes()
         if per_token <= 0:
             return None
-        chars = rendered_chars(body, thinking)
+        chars = rendered_chars(req, thinking)
         if chars > self.model.context_length * per_token:
             return chars, -(-chars // per_token)
         return None
 
-    def check_text_size(self, body: dict, thinking: bool = False, counting: bool = False) -> None:
+    def check_text_size(self, req: Any, thinking: bool | None = None, counting: bool = False) -> None:
         """Reject a prompt that certainly exceeds the context before any work proportional to its
         size (schema compilation, rendering, tokenizing: megabytes of that hold the GIL for seconds
-        and freeze the server); the bound is :meth:`_over_context`'s, over every rendered field.
+        and freeze the server); the bound is :meth:`_over_context`'s, over every rendered field:
+        first without the history's reasoning, then, with thinking on, with it.
 
+        Args:
+            req: the parsed request (a :class:`~openk3.chat_format.request.Conversation`).
+            thinking: count the reasoning (default: when the request has thinking on).
         Raises:
             APIError: 400 with the platform's context-length message (api.md §6.1); for the
                 token-count endpoints (``counting``) a ``request:`` message saying nothing was counted.
         """
-        over = self._over_context(body, thinking)
+        thinking = req.options.thinking if thinking is None else thinking
+        over = self._over_context(req) or (self._over_context(req, True) if thinking else None)
         if over is None:
             return
         chars, at_least = over
@@ -168,70 +175,56 @@ class ChatServing:
                               f"vision tower, above this server's per-request limit of {limit / 2**20:.0f} MiB "
                               "(--max-request-memory); send fewer or smaller images")
 
-    def render(self, body: dict, counting: bool = False) -> tuple[Any, Any]:
-        """Validate the request-level options and render; returns ``(prompt, options)``.
+    def parse(self, body: Any, *, counting: bool = False) -> ChatRequest:
+        """A chat-completions body (``counting``: a token-count body) as a :class:`ChatRequest`
+        (:func:`~openk3.server.request.parse_request`), after the model id: an unknown model is a
+        404 before any 400, as on the platform.
 
         Raises:
-            APIError: 400 for a bool ``thinking``, a malformed request (the renderer's field-named
-                message), text (reasoning included, with thinking on) certainly over the context
-                (:meth:`check_text_size`, before tokenizing), unsupported image input.
+            APIError: 404 unknown model, 400 naming the field.
         """
-        if isinstance(body.get("thinking"), bool):
-            raise bad_request(THINKING_BOOL)
-        if len(body.get("messages") or ()) > self.limits.max_messages:
-            raise bad_request(f"messages: at most {self.limits.max_messages} messages are allowed")
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            self.check_model(body["model"])
+        req = parse_request(body, TokenCountRequest if counting else ChatCompletionRequest)
+        self.check_model(req.model)
+        return req
+
+    def render(self, req: ChatRequest) -> Any:
+        """Render the request (:func:`openk3.chat_format.render`) and check its image parts.
+
+        Raises:
+            APIError: 400 for what only rendering finds (named by the renderer's message) and for
+                unsupported image input.
+        """
         try:
-            opts = parse_options(body, parse_messages(body, strict=True), strict=True)
+            prompt = render(req, self.tokenizer)
         except (ValueError, TypeError, RecursionError) as e:
             raise bad_request(f"Invalid request: {e}") from None
-        if opts.thinking:
-            self.check_text_size(body, thinking=True, counting=counting)  # history reasoning is rendered too
-        try:
-            prompt = encode_request(body, self.tokenizer)
-        except (ValueError, TypeError, RecursionError) as e:
-            raise bad_request(f"Invalid request: {e}") from None
-        check_image_parts(prompt.images, self.model.supports_image_in, image_locations(body))
-        return prompt, opts
+        check_image_parts(prompt, self.model.supports_image_in)
+        return prompt
 
-    def prepare(self, body: dict, req: ChatCompletionRequest, *, tool_images: bool = False,
-                strict_tools: bool = True) -> Prepared:
-        """Validate and render a chat-completions body (api.md §11 order) into a :class:`Prepared`.
+    def prepare(self, req: ChatRequest) -> Prepared:
+        """Check and render a parsed request (api.md §11 order) into a :class:`Prepared`.
 
-        Args:
-            body: the JSON body as sent (unknown keys ignored).
-            req: the same body validated by :class:`ChatCompletionRequest`.
-            tool_images: accept image parts in ``tool`` messages (the Anthropic adapter: its
-                ``tool_result`` blocks may carry images); otherwise only user messages may.
-            strict_tools: whether a tool without a boolean ``strict`` is strict (the platform's
-                default, true; the Anthropic adapter passes false, Anthropic's default).
         Raises:
             APIError: 404 unknown model, 400 for every contract violation (message names the field).
         """
         self.check_model(req.model)
-        self.check_text_size(body)  # first: every later check costs work proportional to the body
-        check_unicode(body)
-        if isinstance(body.get("thinking"), bool):
-            raise bad_request(THINKING_BOOL)
-        check_schema_depths(body)
-        check_effort(body)
-        try:
-            opts = parse_options(body, parse_messages(body, strict=True), strict=True)
-        except (ValueError, TypeError) as e:
-            raise bad_request(f"Invalid request: {e}") from None
-        check_keep(opts.keep)
-        check_sampling(req, opts.thinking)
-        tools = check_tools(body, opts, self.limits, strict_default=strict_tools)
-        check_messages(body, opts.thinking, opts.keep)
-        check_image_roles(body, tool_images)
-        check_tool_history(body)
-        stops = check_stops(req.stop, self.limits)
-        if req.top_logprobs is not None and (not req.logprobs or not 0 <= req.top_logprobs <= 20):
-            raise bad_request("top_logprobs: must be 0-20 and requires logprobs: true")
-        prompt, opts = self.render(body)
-        ctx = self.model.context_length
-        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if asked is not None and asked < 1:
-            raise bad_request(f"max_completion_tokens: must be >= 1, got {show_int(asked)}")
+        check_message_count(req, self.limits)
+        self.check_text_size(req)  # first: every later check costs work proportional to the request
+        check_schema_depths(req)
+        check_effort(req)
+        check_keep(req)
+        check_sampling(req)
+        tools = check_tools(req, self.limits)
+        check_messages(req)
+        check_image_roles(req)
+        check_tool_history(req)
+        check_stops(req, self.limits)
+        check_logprobs(req)
+        prompt = self.render(req)
+        check_max_tokens(req)
+        ctx, asked = self.model.context_length, req.max_tokens
 
         def check(n_ids: int, grids: list) -> None:  # runs before any image is decoded
             if n_ids >= ctx or (asked is not None and n_ids + asked > ctx):
@@ -246,24 +239,20 @@ class ChatServing:
                 raise err
             self.check_memory(grids)
 
-        expanded = self._expand(prompt, body, pixels=True, check=check)
+        expanded = self._expand(prompt, pixels=True, check=check)
         n_ids = len(expanded.token_ids)
         max_tokens = asked if asked is not None else min(self.limits.default_max_tokens, ctx - n_ids)
-
-        constraint = self._constraint(opts, tools, prompt, body)
-        params = self._sampling_params(
-            max_tokens=max_tokens, temperature=1.0 if opts.thinking else 0.6, top_p=0.95, top_k=0,
-            seed=req.seed, stop_token_ids=list(self.tokenizer.stop_token_ids), stop=stops,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        constraint = self._constraint(req, tools, prompt)
+        params = req.to_sampling_params(max_tokens=max_tokens, stop_token_ids=self.tokenizer.stop_token_ids)
+        history_ids = [c.id for m in req.messages if isinstance(m, AssistantMessage) for c in m.calls]
         return Prepared(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model.id,
                         prompt=prompt, prompt_tokens=expanded.prompt_tokens, params=params, constraint=constraint,
-                        tool_index_start=next_tool_call_index(body["messages"]),
-                        tools_enabled=bool(tools) and opts.tool_choice != "none", stops=stops, stream=bool(req.stream),
-                        include_usage=include_usage, prompt_ids=expanded.token_ids,
+                        tool_index_start=next_index_after(history_ids),
+                        tools_enabled=bool(tools) and req.options.tool_choice != "none", stops=list(req.stop),
+                        stream=req.stream, include_usage=req.include_usage, prompt_ids=expanded.token_ids,
                         mm_inputs=expanded.mm_inputs or None)
 
-    def _constraint(self, opts: Any, tools: list[dict], prompt: Any, body: dict) -> Any:
+    def _constraint(self, req: ChatRequest, tools: list[dict], prompt: Any) -> Any:
         """The output constraint, on every request: the K3 output grammar with the response as
         free text or JSON (response_format json_object / strict json_schema) and a tools channel
         only when a tool is declared and ``tool_choice`` is not ``none`` (arguments valid under each
@@ -276,24 +265,23 @@ class ChatServing:
         """
         from openk3.engine.json_schema import SchemaNotEnforceable, prepare_schema
 
-        rf = body.get("response_format") or {}
+        opts = req.options
         kind = opts.response_format  # None | json_object | json_schema
         schema = opts.response_schema if kind == "json_schema" else None
         if kind == "json_schema":
-            wrapper = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
             if not isinstance(schema, dict):
-                raise bad_request("response_format.json_schema.schema: a JSON schema object is required")
-            name = wrapper.get("name")
+                raise bad_request(f"{req.schema_where}: a JSON schema object is required")
+            name = req.schema_name
             # OpenAI's rule for the schema name (Kimi documents the same field): clients reuse it as
             # an identifier, so a malformed one is rejected rather than silently accepted.
             if name is not None and (not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name)):
                 raise bad_request(f"response_format.json_schema.name: must be 1-64 characters of a-z, A-Z, 0-9, "
                                   f"'_' or '-', got {name!r}")
-            if wrapper.get("strict") is False:  # non-strict: any JSON object (api.md §1.6)
+            if req.schema_strict is False:  # non-strict: any JSON object (api.md §1.6)
                 kind, schema = "json_object", None
             else:
                 try:
-                    schema, _ = prepare_schema(schema, "response_format.json_schema.schema", strict=True)
+                    schema, _ = prepare_schema(schema, req.schema_where, strict=True)
                 except SchemaNotEnforceable as e:
                     raise bad_request(str(e)) from None
         use_tools = tools if tools and opts.tool_choice != "none" else None
@@ -301,7 +289,7 @@ class ChatServing:
         if make is None:
             from openk3.engine.constraints import make_constraint as make
         extra = {}
-        if use_tools is not None and body.get("parallel_tool_calls") is False:
+        if use_tools is not None and req.parallel_tool_calls is False:
             extra["max_tool_calls"] = 1  # OpenAI's meaning: at most one tool call in the reply
         try:
             constraint = make(self.tokenizer, kind or "text", schema=schema, tools=use_tools,
@@ -327,15 +315,15 @@ class ChatServing:
                 return ids[i + len(pattern):]
         return []
 
-    def _expand(self, prompt: Any, body: dict, *, pixels: bool, check: Any = None) -> Any:
+    def _expand(self, prompt: Any, *, pixels: bool, check: Any = None) -> Any:
         """Images expanded, then decoded (:func:`openk3.server.images.expand_images`; ``check``
         runs in between); APIError 400s."""
         config = self.image_config
         if config is None and prompt.image_slots:
             from openk3.vision.preprocess import DEFAULT_CONFIG as config
-        return expand_images(prompt, body, self.tokenizer, config, pixels=pixels, check=check)
+        return expand_images(prompt, self.tokenizer, config, pixels=pixels, check=check)
 
-    def count_tokens(self, body: dict) -> int:
+    def count_tokens(self, req: ChatRequest) -> int:
         """``prompt_tokens`` of a request rendered as completions would (api.md §6.2), images
         included (sized from their headers; no pixel is decoded).
 
@@ -345,13 +333,12 @@ class ChatServing:
         be served, and counting megabytes would stall the server.
 
         Raises:
-            APIError: 400 ``request: ...`` for text over the context; a field-named 400 for an
-                unpaired surrogate; the 400s of :meth:`render` and of the image expansion otherwise.
+            APIError: 400 ``request: ...`` for text over the context; the 400s of :meth:`render` and
+                of the image expansion otherwise.
         """
-        self.check_text_size(body, counting=True)
-        check_unicode(body)
-        prompt, _ = self.render(body, counting=True)
-        return self._expand(prompt, body, pixels=False).prompt_tokens
+        check_message_count(req, self.limits)
+        self.check_text_size(req, counting=True)
+        return self._expand(self.render(req), pixels=False).prompt_tokens
 
     # ------------------------------------------------------------------ OpenAI surface
     async def complete(self, prep: Prepared, gen: Generation) -> dict:

@@ -244,6 +244,19 @@ PLATFORM_ONLY = [
     (_rf({"json_schema": [1]}), r"^response_format\.json_schema\.json_schema: .*JSON object"),
 ]
 
+def _cyclic() -> dict:
+    d: dict = {"a": 1}
+    d["self"] = d
+    return d
+
+
+def _deep(levels: int) -> dict:
+    d: dict = {}
+    for _ in range(levels - 1):  # far beyond the recursion limit: the check itself must not recurse
+        d = {"k": d}
+    return d
+
+
 MALFORMED = [
     ({"messages": [_U, {"role": "tool", "content": "r"}]}, r"messages\[1\]\.tool_call_id"),
     ({"messages": [{"content": "x"}]}, r"messages\[0\]\.role"),
@@ -294,6 +307,8 @@ MALFORMED = [
     (_with_args({1: "one"}), _A + r": object key 1"),
     (_with_args({"x": {(1, 2): "pair"}}), _A + r'\["x"\]: object key \(1, 2\)'),
     (_with_args({"x": object()}), _A + r'\["x"\]: object'),
+    (_with_args(_cyclic()), _A + r'\["self"\]: not JSON data \(Circular reference detected\)'),
+    (_with_args(_deep(10_000)), _A + r": not JSON data \(nested more than 500 levels deep\)"),
     # partial: a JSON boolean, true only on the final message, which is an assistant message
     ({"messages": [_U, {"role": "assistant", "content": "x", "partial": "false"}]},
      r"messages\[1\]\.partial: must be a boolean"),
@@ -339,6 +354,14 @@ def test_malformed_requests_template_path(request_, field):
     assert field.endswith(r"\.tool_call_id")
     with pytest.raises(ValueError, match="chat template: tool result"):
         render_template(variables)
+
+
+def test_a_value_shared_twice_is_json_data(kimi):
+    """The same object twice in one argument value (not a cycle) is ordinary JSON data."""
+    shared = {"city": "Paris"}
+    twice = encode_request(_with_args({"a": shared, "b": [shared, shared]}), kimi)
+    copies = encode_request(_with_args({"a": dict(shared), "b": [dict(shared), dict(shared)]}), kimi)
+    assert twice.token_ids == copies.token_ids
 
 
 @pytest.mark.parametrize("request_, field", PLATFORM_ONLY)

@@ -351,7 +351,7 @@ def test_deep_schemas_are_a_field_named_400(app_serving, caplog):
 def test_schema_depth_limit_is_exact(app_serving):
     """64 levels compile into a constraint; 65 are refused — by the server and by the engine's own check."""
     from openk3.engine.constraints import MAX_SCHEMA_DEPTH, check_json_schema
-    from openk3.server.protocol import APIError, ChatCompletionRequest
+    from openk3.server.protocol import APIError
 
     assert MAX_SCHEMA_DEPTH == MAX_DEPTH
     _, serving = app_serving
@@ -363,10 +363,10 @@ def test_schema_depth_limit_is_exact(app_serving):
                      {"model": "m", "messages": msgs, "tools": [{"type": "function", "function": {
                          "name": "f", "parameters": schema}}], "tool_choice": "required"}):
             if ok:
-                assert serving.prepare(body, ChatCompletionRequest.model_validate(body)).constraint is not None
+                assert serving.prepare(serving.parse(body)).constraint is not None
             else:
                 with pytest.raises(APIError) as e:
-                    serving.prepare(body, ChatCompletionRequest.model_validate(body))
+                    serving.prepare(serving.parse(body))
                 assert e.value.status == 400 and e.value.message.endswith(DEPTH_MSG)
     check_json_schema(_nested(MAX_DEPTH))
     deep: dict = {}
@@ -381,7 +381,6 @@ def test_seed_range_names_the_field(app_serving):
     """seed is an int64 (OpenAI's documented range); every accepted value seeds torch's generator."""
     import torch
 
-    from openk3.server.protocol import ChatCompletionRequest
 
     app, serving = app_serving
     base = '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": %d}'
@@ -391,7 +390,7 @@ def test_seed_range_names_the_field(app_serving):
     _kimi(under, 400, "Invalid request: seed: Input should be greater than or equal to -9223372036854775808")
     for seed in (2**63 - 1, -2**63, 0):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": seed}
-        prep = serving.prepare(body, ChatCompletionRequest.model_validate(body))
+        prep = serving.prepare(serving.parse(body))
         assert prep.params.seed == seed
         torch.Generator().manual_seed(seed)  # raised "Overflow when unpacking long long" at 2**64
 

@@ -50,20 +50,20 @@ def loads(monkeypatch) -> list:
 def test_images_over_the_context_are_refused_from_their_headers(vision_serving, loads):
     """16 images of 7168 x 7168 (51 M pixels each, 16,384 tokens each after the resize): the 400
     comes from the header sizes, before a single pixel is decoded; counting never decodes."""
-    from openk3.server.protocol import APIError, ChatCompletionRequest
+    from openk3.server.protocol import APIError
 
     parts = [{"type": "text", "text": "Compare these."}]
     parts += [{"type": "image_url", "image_url": {"url": _png(7168, 7168)}} for _ in range(16)]
     req = {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_completion_tokens": 4}
     with pytest.raises(APIError) as e:
-        vision_serving.prepare(req, ChatCompletionRequest.model_validate(req))
+        vision_serving.prepare(vision_serving.parse(req))
     assert e.value.status == 400 and e.value.message.startswith("Your request exceeded model token limit: 4096")
     assert loads == []
     small = {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "And this?"}, {"type": "image_url", "image_url": {"url": _png(64, 40, "RGB")}}]}]}
-    counted = vision_serving.count_tokens(small)
+    counted = vision_serving.count_tokens(vision_serving.parse(small, counting=True))
     assert loads == [] and counted > 16  # 16 image tokens + text, sized from the header
-    prep = vision_serving.prepare(small, ChatCompletionRequest.model_validate(small))
+    prep = vision_serving.prepare(vision_serving.parse(small))
     assert loads == [(64, 40)] and prep.prompt_tokens == counted  # decoded once, after the checks
 
 
@@ -203,18 +203,20 @@ def _bodies() -> list[dict]:
 
 def test_rendered_chars_never_exceeds_what_is_tokenized(tokenizer, monkeypatch):
     """The bound's soundness: the characters it counts are all tokenized by the renderer."""
-    from openk3.chat_format import encode_request
-    from openk3.chat_format.request import parse_messages, parse_options
+    from openk3.chat_format import encode_request, parse_conversation
     from openk3.server.validation import rendered_chars
+
+    def chars(body, thinking=False):
+        return rendered_chars(parse_conversation(body), thinking)
 
     seen = _spy_tokenizer(monkeypatch, tokenizer)
     for body in _bodies():
-        thinking = parse_options(body, parse_messages(body)).thinking
+        thinking = parse_conversation(body).options.thinking
         seen.clear()
         encode_request(body, tokenizer)
-        counted = rendered_chars(body, thinking)
+        counted = chars(body, thinking)
         assert 0 < counted <= sum(seen), (body.get("thinking"), counted, sum(seen))
-        assert rendered_chars(body) <= counted  # without the reasoning: still a lower bound
+        assert chars(body) <= counted  # without the reasoning: still a lower bound
     # and it does count every field family: each one alone pushes the total
     base = _bodies()[0]
     grow = {
@@ -233,7 +235,7 @@ def test_rendered_chars_never_exceeds_what_is_tokenized(tokenizer, monkeypatch):
     for what, change in grow.items():
         body = copy.deepcopy(base)
         change(body)
-        assert rendered_chars(body, True) >= rendered_chars(base, True) + 4000, what
+        assert chars(body, True) >= chars(base, True) + 4000, what
 
 
 def test_every_rendered_field_is_bounded_before_any_work(tokenizer, monkeypatch):
@@ -244,7 +246,7 @@ def test_every_rendered_field_is_bounded_before_any_work(tokenizer, monkeypatch)
 
     from openk3.server import anthropic
     from openk3.server.metrics import Metrics
-    from openk3.server.protocol import APIError, ChatCompletionRequest
+    from openk3.server.protocol import APIError
     from openk3.server.serving import ChatServing, ModelInfo
 
     ctx = 64
@@ -271,11 +273,11 @@ def test_every_rendered_field_is_bounded_before_any_work(tokenizer, monkeypatch)
     for what, extra in chat_cases.items():
         body = {"model": MODEL, "messages": user, **extra}
         with pytest.raises(APIError) as e:
-            serving.prepare(body, ChatCompletionRequest.model_validate(body))
+            serving.prepare(serving.parse(body))
         assert e.value.status == 400 and e.value.message.startswith(
             f"Your request exceeded model token limit: {ctx} (requested: at least "), what
         with pytest.raises(APIError) as e:
-            serving.count_tokens(body)
+            serving.count_tokens(serving.parse(body, counting=True))
         assert e.value.status == 400 and e.value.message.startswith("request: the text to render ("), what
     a_body = {"model": MODEL, "max_tokens": 4, "messages": user,
               "tools": [{"name": "f", "description": big, "input_schema": {"type": "object"}}]}
@@ -294,7 +296,7 @@ def test_images_over_the_memory_budget_are_refused_before_decoding(tokenizer, lo
     import dataclasses
 
     from openk3.server.metrics import Metrics
-    from openk3.server.protocol import APIError, ChatCompletionRequest
+    from openk3.server.protocol import APIError
     from openk3.server.serving import ChatServing, ModelInfo
     from openk3.server.validation import Limits
     from openk3.vision import vision_preset
@@ -312,13 +314,13 @@ def test_images_over_the_memory_budget_are_refused_before_decoding(tokenizer, lo
     need = tower_activation_bytes(vc, 100 * 100)
     assert need > 64 * 2**20
     with pytest.raises(APIError) as e:
-        serving.prepare(big, ChatCompletionRequest.model_validate(big))
+        serving.prepare(serving.parse(big))
     assert e.value.status == 400 and e.value.message == (
         f"messages: the images need about {need / 2**20:.0f} MiB of activation memory in the vision tower, above "
         "this server's per-request limit of 64 MiB (--max-request-memory); send fewer or smaller images")
     assert loads == []
     small = req(280)
-    assert serving.prepare(small, ChatCompletionRequest.model_validate(small)).mm_inputs and loads == [(280, 280)]
+    assert serving.prepare(serving.parse(small)).mm_inputs and loads == [(280, 280)]
 
 
 def test_small_hostile_fields_are_400s_naming_the_field(live):

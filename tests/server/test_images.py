@@ -122,13 +122,13 @@ def test_models_report_image_support(vclient, client):
 @pytest.mark.parametrize("kind", list(SIZES))
 def test_image_token_counts_agree_everywhere(kind, vclient, vhttp, local):
     from openk3.engine import SamplingParams
-    from openk3.server.protocol import ChatCompletionRequest
 
     w, h, fmt = SIZES[kind]
     messages = body(data_url(w, h, fmt))
     serving, engine = local
     tok = serving.tokenizer
-    text_only = serving.count_tokens({"model": MODEL, "messages": [{"role": "user", "content": [messages[0]["content"][0]]}]})
+    text_only = serving.count_tokens(serving.parse({"model": MODEL, "messages": [{"role": "user", "content": [
+        messages[0]["content"][0]]}]}, counting=True))
     want = text_only + 3 + len(tok.encode_text(f"image {w}x{h}")) + documented_tokens(w, h)
 
     r = vclient.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=2)
@@ -136,7 +136,7 @@ def test_image_token_counts_agree_everywhere(kind, vclient, vhttp, local):
     counted = vhttp.post("/v1/tokenizers/estimate-token-count", json={"model": MODEL, "messages": messages})
     assert counted.status_code == 200, counted.text
     req = {"model": MODEL, "messages": messages, "max_completion_tokens": 1}
-    prep = serving.prepare(req, ChatCompletionRequest.model_validate(req))
+    prep = serving.prepare(serving.parse(req))
     engine.add_request(prep.prompt_ids, SamplingParams(max_tokens=1, temperature=0.0), mm_inputs=prep.mm_inputs)
     outs = []
     while engine.has_unfinished():
@@ -156,7 +156,8 @@ def test_anthropic_image_block(vserver, local):
         m = ac.messages.create(model=MODEL, max_tokens=2, messages=msgs)
         n = ac.messages.count_tokens(model=MODEL, messages=msgs).input_tokens
         assert m.usage.input_tokens + m.usage.cache_read_input_tokens == n
-        assert n == local[0].count_tokens({"model": MODEL, "messages": body(data_url(64, 40, "PNG"), "Describe.")})
+        assert n == local[0].count_tokens(local[0].parse({"model": MODEL, "messages": body(data_url(64, 40, "PNG"), "Describe.")},
+                                                          counting=True))
         bad = [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": base64.b64encode(b"not an image").decode()}}]}]
         with pytest.raises(anthropic.BadRequestError) as e:

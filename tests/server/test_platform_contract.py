@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from openk3.server.metrics import Metrics
-from openk3.server.protocol import APIError, ChatCompletionRequest
+from openk3.server.protocol import APIError
 from openk3.server.serving import ChatServing, ModelInfo
 from tests.server.conftest import API_KEY, MODEL, user
 
@@ -30,9 +30,9 @@ def serving():
     return ChatServing(None, load_tokenizer("openk3-tiny"), ModelInfo(MODEL, 8192), Metrics())
 
 
-def prepare(serving, body, **kw):
+def prepare(serving, body):
     body = dict({"model": MODEL}, **body)
-    return serving.prepare(body, ChatCompletionRequest.model_validate(body), **kw)
+    return serving.prepare(serving.parse(body))
 
 
 def feed(serving, constraint, text_or_ids):

@@ -9,7 +9,6 @@ import pytest
 
 from openk3.server import ChatServing, ModelInfo
 from openk3.server.metrics import Metrics
-from openk3.server.protocol import ChatCompletionRequest
 from openk3.tokenizer import load_tokenizer
 
 U = {"role": "user", "content": "hi"}
@@ -62,6 +61,6 @@ def test_platform_refusals_keep_their_status_and_message(serving, case):
     if response_format is not None:
         body["response_format"] = response_format
     with pytest.raises(APIError) as e:
-        serving.prepare(body, ChatCompletionRequest.model_validate(body))
+        serving.prepare(serving.parse(body))
     assert e.value.status == 400
     assert e.value.message == message

@@ -85,6 +85,7 @@ def test_oversized_text_is_refused_before_tokenizing(monkeypatch):
     assert sum(encoded) >= len(at_bound)
     monkeypatch.setattr(tok, "encode_text", real_encode)
     big = ChatServing(None, tok, ModelInfo("kimi-k3", 1_048_576), Metrics())
-    exact = big.count_tokens({"messages": [{"role": "user", "content": at_bound}]})
+    exact = big.count_tokens(big.parse({"model": "kimi-k3", "messages": [{"role": "user", "content": at_bound}]},
+                                        counting=True))
     assert ok.json() == {"data": {"total_tokens": exact}}
     assert ok.json()["data"]["total_tokens"] > ctx  # over the context yet below the sound bound: still counted

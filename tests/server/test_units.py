@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openk3.server.anthropic import to_chat_body
+from openk3.server.anthropic import to_chat_request
 from openk3.server.metrics import Metrics
 from openk3.server.protocol import APIError
 from openk3.server.serving import StopFilter
@@ -41,7 +41,9 @@ def test_stop_filter_matches_a_one_shot_search(text, stops, cuts):
         assert "".join(out) == text and hit is None
 
 
-def test_anthropic_mapping():
+def test_anthropic_mapping(tokenizer):
+    from openk3.chat_format import encode_request, render
+
     req = {"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}],
            "tools": [{"name": "t", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"},
            "stop_sequences": ["END"], "messages": [
@@ -52,24 +54,32 @@ def test_anthropic_mapping():
                                                   "input": {"a": 1}}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "functions.t:0", "content": "42"},
                                             {"type": "text", "text": "thanks"}]}]}
-    body = to_chat_body(req)
-    assert body["messages"] == [
+    chat = {"messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "ok", "reasoning_content": "hm", "tool_calls": [
             {"id": "functions.t:0", "type": "function", "function": {"name": "t", "arguments": '{"a": 1}'}}]},
         {"role": "tool", "tool_call_id": "functions.t:0", "content": "42"},
-        {"role": "user", "content": [{"type": "text", "text": "thanks"}]}]
-    assert body["tool_choice"] == "required" and body["stop"] == ["END"] and body["max_completion_tokens"] == 9
-    assert body["tools"][0]["function"]["parameters"] == {"type": "object"}
-    prefill = to_chat_body({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"},
-                                                                       {"role": "assistant", "content": "Sure"}]})
-    assert prefill["messages"][-1] == {"role": "assistant", "content": "Sure", "partial": True}
+        {"role": "user", "content": [{"type": "text", "text": "thanks"}]}],
+        "tools": [{"type": "function", "function": {"name": "t", "description": None,
+                                                    "parameters": {"type": "object"}}}],
+        "tool_choice": "required"}
+    got = to_chat_request(req)  # the K3 request itself: it renders as the chat-completions body does
+    assert render(got, tokenizer) == encode_request(chat, tokenizer)
+    assert [m.index for m in got.messages] == list(range(5)) and got.messages[3].id == "functions.t:0"
+    assert got.options.tool_choice == "required" and got.stop == ["END"] and got.max_tokens == 9
+    assert got.options.tools[0]["function"]["parameters"] == {"type": "object"}
+    assert got.tool_images and not got.strict_tools and got.model == "m"
+    prefill = to_chat_request({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"},
+                                                                          {"role": "assistant", "content": "Sure"}]})
+    assert prefill.messages[-1].partial and prefill.messages[-1].parts == ["Sure"]
+    assert render(prefill, tokenizer) == encode_request({"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure", "partial": True}]}, tokenizer)
     no_thinking = dict(req, messages=[req["messages"][0], {"role": "assistant", "content": [
         req["messages"][1]["content"][2]]}])
     with pytest.raises(APIError, match="thinking block is missing"):
-        to_chat_body(no_thinking)
-    assert "reasoning_content" not in to_chat_body(no_thinking, thinking_on=False)["messages"][1]
+        to_chat_request(no_thinking)
+    assert to_chat_request(no_thinking, thinking_on=False).messages[2].reasoning is None
 
 
 def test_metrics_read_engine_stats():

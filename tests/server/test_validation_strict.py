@@ -151,7 +151,6 @@ def test_parallel_tool_calls_false_allows_one_call(value, want):
     constraint's limit itself: tests/engine/test_constraints.py); true / absent keep the default."""
     from openk3.server import ChatServing, ModelInfo
     from openk3.server.metrics import Metrics
-    from openk3.server.protocol import ChatCompletionRequest
     from openk3.tokenizer import load_tokenizer
 
     seen = []
@@ -165,17 +164,17 @@ def test_parallel_tool_calls_false_allows_one_call(value, want):
     body = dict(BASE, tools=[TOOL])
     if value is not None:
         body["parallel_tool_calls"] = value
-    serving.prepare(body, ChatCompletionRequest.model_validate(body))
+    serving.prepare(serving.parse(body))
     assert len(seen) == 1 and {k: v for k, v in seen[0].items() if k == "max_tool_calls"} == want
 
 
 def test_anthropic_disable_parallel_tool_use_maps_to_one_call(http):
-    from openk3.server.anthropic import to_chat_body
+    from openk3.server.anthropic import to_chat_request
 
     req = _anth(tools=[{"name": "get_weather", "input_schema": SCHEMA}],
                 tool_choice={"type": "auto", "disable_parallel_tool_use": True})
-    assert to_chat_body(req)["parallel_tool_calls"] is False
-    assert "parallel_tool_calls" not in to_chat_body(dict(req, tool_choice={"type": "auto"}))
+    assert to_chat_request(req).parallel_tool_calls is False
+    assert to_chat_request(dict(req, tool_choice={"type": "auto"})).parallel_tool_calls is None
     bad = dict(req, tool_choice={"type": "auto", "disable_parallel_tool_use": "yes"})
     anthropic_error(http.post(MESSAGES, json=bad),
                     "tool_choice.disable_parallel_tool_use: must be a boolean, got 'yes'")
