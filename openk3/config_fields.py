@@ -261,5 +261,7 @@ def fields_markdown() -> str:
             keys = ", ".join(f"`{k}`" if not k.startswith("(") else k for k in f.keys)
             absent = "—" if f.status == IGNORED else _cell(f.absent)
             null = "—" if f.status == IGNORED else _cell(f.null)
-            rows.append(f"| {keys} | {f.type} | {absent} | {null} | {f.status} | {f.meaning} |")
+            cells = (keys, f.type, absent, null, f.status, f.meaning)
+            # A bare "|" inside a cell ("int | null", "<|media_pad|>") would split it into two columns.
+            rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"

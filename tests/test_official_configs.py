@@ -453,6 +453,9 @@ def test_kda_fields_at_the_top_level_are_read():
 
 def test_readme_config_table_is_the_declarative_table():
     assert fields_markdown() in (REPO / "README.md").read_text()
+    # Every row has the header's six cells: a "|" inside a cell ("int | null") is escaped.
+    for row in fields_markdown().splitlines():
+        assert len(re.findall(r"(?<!\\)\|", row)) == 7, row
 
 
 def _tiny_class_style(**extra) -> dict:
