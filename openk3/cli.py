@@ -18,17 +18,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if source is None:
         print("openk3 info: give a checkpoint directory or --config PRESET", file=sys.stderr)
         return 2
+    vision = None
     try:
         config = K3Config.from_pretrained(source)
+        if config.wrapper is not None and config.wrapper.get("vision_config") is not None:
+            from openk3.vision import count_vision_parameters
+
+            # A vision_config that is not an object, or has a bad field, is named here (one line)
+            # instead of being skipped or ending in a traceback.
+            vision = count_vision_parameters(config.wrapper["vision_config"])
     except (FileNotFoundError, ValueError) as e:
         print(f"openk3 info: {e}", file=sys.stderr)
         return 2
     counts = count_parameters(config)
-    vision = None
-    if config.wrapper is not None and isinstance(config.wrapper.get("vision_config"), dict):
-        from openk3.vision import count_vision_parameters
-
-        vision = count_vision_parameters(config.wrapper["vision_config"])
     if args.json:
         print(json.dumps({"source": str(source), **counts, "vision": vision}, indent=2))
         return 0

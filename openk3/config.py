@@ -41,6 +41,15 @@ ACTIVATIONS = ("situ", "silu", "gelu", "gelu_pytorch_tanh")
 
 _LA = "linear_attn_config"
 _log = logging.getLogger("openk3.config")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _finite(value: int | float) -> bool:
+    """True for a number a float64 holds finitely (JSON admits NaN, Infinity and huge integers)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -216,8 +225,14 @@ class K3Config:
                 ok = isinstance(value, bool)
             elif origin is int:
                 ok = isinstance(value, int) and not isinstance(value, bool)
+                if ok and not _INT64_MIN <= value <= _INT64_MAX:
+                    # Sizes become tensor shapes and ids become int64 tensors: beyond int64 is an
+                    # overflow there, so it is named here.
+                    raise ValueError(f"K3Config.{f.name}={value!r}: too large (beyond int64)")
             elif origin is float:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if ok and not _finite(value):
+                    raise ValueError(f"K3Config.{f.name}={value!r}: must be a finite number")
             elif origin in (str, list, dict):
                 ok = isinstance(value, origin)
             else:
@@ -394,6 +409,10 @@ class K3Config:
         if not isinstance(d, dict):
             raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
         if d.get("model_type") == "kimi_k3" or "text_config" in d:
+            if d.get("model_type", "kimi_k3") != "kimi_k3":
+                # A wrapper of another multimodal model (kimi_vl, ...) has other weights and towers.
+                raise ValueError(f"config.model_type={d['model_type']!r}: expected 'kimi_k3' for a config with a "
+                                 "text_config")
             text = d.get("text_config")
             if not isinstance(text, dict):
                 raise ValueError("config.text_config: missing or not an object in a kimi_k3 config")
@@ -564,7 +583,10 @@ def _layer_types_of(lin: dict[str, Any], n: int) -> list[str]:
     for key in ("kda_layers", "full_attn_layers"):
         value = lin.get(key)
         if value is None:
-            continue
+            # KimiLinearConfig asserts both lists are set (a missing key is a KeyError there), so a
+            # linear_attn_config without one is no model the official code builds.
+            raise ValueError(f"config.linear_attn_config.{key}=None: a list of 1-based layer numbers is required "
+                             "(the official KimiLinearConfig asserts it)")
         if not isinstance(value, list):
             raise ValueError(f"config.linear_attn_config.{key}={value!r}: must be a list of 1-based layer numbers")
         for one_based in value:

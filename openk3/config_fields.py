@@ -146,7 +146,8 @@ TEXT_FIELDS: tuple[Field, ...] = (
        "KDA output gate g_proj (full rank, K3); null or absent: low-rank g_a_proj/g_b_proj (Kimi Linear)."),
     _f("layer_types", (_LA + "kda_layers", _LA + "full_attn_layers", "layer_types"), "list", None, REFUSED,
        "Layer schedule. A layer is KDA iff its 1-based number is in `kda_layers` (a layer in both lists is KDA, "
-       "as in the reference); every other layer is MLA; no `linear_attn_config`: all MLA. A number outside "
+       "as in the reference); every other layer is MLA; both lists are required in a `linear_attn_config` (the official "
+       "class asserts them); no `linear_attn_config`: all MLA. A number outside "
        "1..L is refused (a 0-based list). transformers' 0-based `layer_types` list is read when there is no "
        "`linear_attn_config`."),
     # Mixture of experts
@@ -208,6 +209,9 @@ TEXT_FIELDS: tuple[Field, ...] = (
 
 #: The multimodal ``kimi_k3`` wrapper (``KimiK3Config``).
 WRAPPER_FIELDS: tuple[Field, ...] = (
+    _f(None, "model_type", "str", "kimi_k3", REFUSED,
+       "Must be `kimi_k3` when a `text_config` is present (another wrapper, e.g. `kimi_vl`, is refused); absent: "
+       "read as `kimi_k3` and written back with it (loaders pick the model class by it).", IGNORED),
     _f(None, "text_config", "object", None, REFUSED, "The kimi_linear text config (table above). Required.",
        IGNORED),
     _f(None, "vision_config", "object | null", None, None,

@@ -1,6 +1,7 @@
 """K3Config: official config round trip, 1-based layer lists, presets, validation errors."""
 
 import json
+import re
 
 import pytest
 
@@ -142,3 +143,63 @@ def test_missing_core_field_means_the_official_class_default():
     d["text_config"]["linear_attn_config"]["kda_layers"] = 3
     with pytest.raises(ValueError, match="kda_layers"):
         K3Config.from_dict(d)
+
+
+@pytest.mark.parametrize("key", ["kda_layers", "full_attn_layers"])
+@pytest.mark.parametrize("how", ["null", "absent"])
+def test_linear_attn_config_needs_both_layer_lists(key, how):
+    # KimiLinearConfig asserts linear_attn_config["kda_layers"] / ["full_attn_layers"] are not None
+    # (a missing key is a KeyError there): refused, never read as "every layer MLA".
+    d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
+    lin = d["text_config"]["linear_attn_config"]
+    if how == "null":
+        lin[key] = None
+    else:
+        del lin[key]
+    with pytest.raises(ValueError, match=rf"linear_attn_config\.{key}=None: a list of 1-based layer numbers"):
+        K3Config.from_dict(d)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("vocab_size", 10**30, r"K3Config\.vocab_size=10{30}: too large \(beyond int64\)"),
+        ("num_attention_heads", -(2**64), r"num_attention_heads=-18446744073709551616: too large"),
+        ("rms_norm_eps", float("nan"), r"K3Config\.rms_norm_eps=nan: must be a finite number"),
+        ("routed_scaling_factor", float("inf"), r"routed_scaling_factor=inf: must be a finite number"),
+    ],
+)
+def test_out_of_range_numbers_name_the_field(key, value, message):
+    d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
+    d["text_config"][key] = value
+    with pytest.raises(ValueError, match=message):
+        K3Config.from_dict(d)
+
+
+def test_a_wrapper_of_another_model_type_is_refused():
+    d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
+    d["model_type"] = "kimi_vl"
+    with pytest.raises(ValueError, match=r"config\.model_type='kimi_vl': expected 'kimi_k3'"):
+        K3Config.from_dict(d)
+    del d["model_type"]  # a wrapper that omits model_type is still read as kimi_k3
+    assert K3Config.from_dict(d).to_dict()["model_type"] == "kimi_k3"
+
+
+@pytest.mark.parametrize(
+    "vision, message",
+    [
+        ("x", "vision_config must be a JSON object, got str"),
+        ([], "vision_config must be a JSON object, got list"),
+        ({"vt_hidden_size": "1152"}, r"vision_config\.vt_hidden_size: must be a positive integer \(got '1152'\)"),
+    ],
+)
+def test_cli_info_names_a_bad_vision_config_in_one_line(vision, message, tmp_path, capsys):
+    from openk3.cli import main
+
+    d = _load(shared_path("fixtures", "k3-ref-tiny-a", "config.json"))
+    d["vision_config"] = vision if not isinstance(vision, dict) else {**d["vision_config"], **vision}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert main(["info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("openk3 info: ")
+    assert re.search(message, err), err
