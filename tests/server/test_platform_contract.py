@@ -89,9 +89,11 @@ CASE_SCHEMA = {"type": "object", "required": ["value"], "additionalProperties": 
     "type": "object", "properties": {"items": {"type": "array", "items": {"type": "number"}}}}}}
 
 
-def _args_prefix(serving, form: str):
-    """Ids up to the argument value: required call of `kvv_walle_case`, thinking off."""
-    tool = {"type": "function", "function": {"name": "kvv_walle_case", "parameters": CASE_SCHEMA, "strict": True}}
+def _args_prefix(serving, form: str, value_schema: dict | None = None):
+    """Ids up to the argument `value` (schema `value_schema`, default CASE_SCHEMA's): required call of
+    `kvv_walle_case`, thinking off."""
+    params = CASE_SCHEMA if value_schema is None else dict(CASE_SCHEMA, properties={"value": value_schema})
+    tool = {"type": "function", "function": {"name": "kvv_walle_case", "parameters": params, "strict": True}}
     prep = prepare(serving, {"messages": user(), "tools": [tool], "tool_choice": "required",
                              "thinking": {"type": "disabled"}})
     c = prep.constraint
@@ -137,6 +139,31 @@ def test_json_output_is_compact(serving, text, ok):
     assert (n == len(serving.tokenizer.encode_text(text))) == ok
 
 
+LAYOUTS = [('{"city": "Austin", "temperature" \n:64}', False), ('{"city":"Austin",\t"temperature":64}', False),
+           ('{\n  "city": "Austin"}', False), ('{"city": "Austin",  "temperature": 64}', False),
+           ('{"city": "Austin", "temperature": 64}', True), ('{"city":"Austin","temperature":64.5}', True)]
+
+
+@pytest.mark.parametrize("text, ok", LAYOUTS)
+def test_json_mode_is_compact(serving, text, ok):
+    """JSON mode (`response_format: json_object`) has the same compact layout as json_schema."""
+    prep = prepare(serving, {"messages": user(), "thinking": {"type": "disabled"},
+                             "response_format": {"type": "json_object"}})
+    n = feed(serving, prep.constraint, text)
+    assert (n == len(serving.tokenizer.encode_text(text))) == ok
+
+
+@pytest.mark.parametrize("form", ["typed", "json"])
+@pytest.mark.parametrize("text, ok", LAYOUTS)
+def test_tool_arguments_are_compact(serving, form, text, ok):
+    """Tool arguments, as a typed `object` argument or as the json block, have the compact layout too."""
+    c = _args_prefix(serving, form, {"type": "object", "properties": {"city": {"type": "string"},
+                                                                      "temperature": {"type": "number"}}})
+    body = text if form == "typed" else text + "}"
+    n = feed(serving, c, body)
+    assert (n == len(serving.tokenizer.encode_text(body))) == ok
+
+
 # ----------------------------------------------------------------------------- schemas
 
 @pytest.mark.parametrize("schema_id", ["#user", "anyOf with refs", "https://example.com/schemas/user#/definitions/name",
@@ -151,7 +178,8 @@ def test_id_is_an_annotation(http, schema_id):
     assert r.status_code == 200, r.text
 
 
-CLAUDE_CODE_LIKE = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False,
+CLAUDE_CODE_LIKE = {"$schema": "http://json-schema.org/draft-07/schema#", "$comment": "generated", "type": "object",
+                    "additionalProperties": False,
                     "properties": {"metadata": {"type": "object", "propertyNames": {"type": "string"},
                                                 "additionalProperties": {"type": "string"}, "title": "Metadata",
                                                 "examples": [{"k": "v"}], "deprecated": False, "readOnly": False},
