@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: half of the memory available at start-up)")
     serve.add_argument("--quiet", action="store_true", help="no access log line per request")
     add_runtime_args(serve)
+    serve.add_argument("--greedy", action="store_true",
+                       help="evaluation switch, not platform behaviour: decode greedily (temperature 0) instead of the "
+                            "platform's fixed sampling; responses carry x-openk3-decoding: greedy")
     serve.set_defaults(func=_cmd_serve)
 
     cost = sub.add_parser("cost", help="price a workload or a running server's recorded usage")
@@ -311,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer.add_argument("--vocab-size", type=int, default=8192, help="total ids incl. 256 special slots (default 8192)")
     tokenizer.add_argument("--out", default="data/tokenizer", help="output directory (default data/tokenizer)")
     tokenizer.add_argument("--min-frequency", type=int, default=2, help="minimum pair count to merge (default 2)")
+    tokenizer.add_argument("--split-digits", action="store_true",
+                           help="pre-tokenize numbers into single digits (default: Kimi's runs of up to 3)")
     tokenizer.add_argument("--max-mb", type=float, help="train on at most this many MB of text")
     tokenizer.set_defaults(func=_cmd_train_tokenizer)
 
@@ -337,15 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--list", action="store_true", help="list the registered recipes and exit")
     train.set_defaults(func=_cmd_train)
 
-    ev = sub.add_parser("eval", help="held-out eval suites (problems, tools, JSON, effort, images) of a checkpoint or server")
+    ev = sub.add_parser("eval", help="held-out eval suites (arithmetic, tools, JSON, recall, images, long prompts, ...) "
+                                     "of a checkpoint or server")
     ev.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                     help=f"checkpoint directory, shipped model name or a server URL (http://HOST:PORT); "
                          f"default: the shipped {DEFAULT_MODEL}")
     ev.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
     ev.add_argument("--corpus", help="corpus directory: also report its val-split loss/perplexity")
-    ev.add_argument("--n", type=int, default=24, help="items per suite (default 24)")
+    ev.add_argument("--n", type=int, default=100,
+                    help="items per suite; per operation for arithmetic, per question type for images (default 100)")
     ev.add_argument("--seed", type=int, default=0, help="eval-set seed (default 0)")
-    ev.add_argument("--suites", nargs="*", help="subset of: problems tools json effort images")
+    ev.add_argument("--suites", nargs="*", help="subset of: arithmetic reasoning tools tools_two tool_result json "
+                                                "recall effort echo out_of_scope images long_tools long_arithmetic")
+    ev.add_argument("--concurrency", type=int, default=8, help="requests in flight against a server (default 8)")
+    ev.add_argument("--no-validation", action="store_true", help="skip the validation losses (in-process)")
     ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per request (default 256)")
     add_runtime_args(ev)
     ev.add_argument("--served-model-name", help="model id sent to a server (default: its first /v1/models entry)")

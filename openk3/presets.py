@@ -75,7 +75,7 @@ def _openk3_tiny() -> K3Config:
         n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
         routed_expert_hidden_size=64, attn_res_block_size=2,
         bos_token_id=7936, eos_token_id=7937, pad_token_id=8191, media_placeholder_token_id=7957,
-        max_position_embeddings=8192,
+        max_position_embeddings=262144,
     )
 
 

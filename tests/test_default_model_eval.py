@@ -1,34 +1,52 @@
-"""``openk3 eval``: the scorers give the reference answers 100 % and wrong answers 0 %; the table's
-structure on a tiny random checkpoint, in-process and through the CLI."""
+"""``openk3 eval``: the scorers give the reference answers 100 % and damaged answers 0 %; Wilson
+intervals; the long-prompt suites; the table's structure on a tiny random checkpoint, in-process
+and through the CLI; the server client's concurrency and greedy detection."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
 
-from openk3.eval import InProcessModel, OracleModel, format_table, run_eval, score_effort, score_json, score_tool
+from openk3.eval import (
+    ALL_SUITES, IMAGE_SUITE, LONG_SUITES, InProcessModel, OracleModel, check_targets, format_table, long_prompt,
+    run_eval, score_arith, score_echo, score_effort, score_json, score_out_of_scope, score_recall, score_tool,
+    suite_items, wilson,
+)
 from openk3.train.sft_data import EFFORTS, EVAL_SUITES, eval_items
 
-N = 8
+N = 6
+TEXT = EVAL_SUITES + LONG_SUITES
 
 
 def _oracle(n: int = N) -> OracleModel:
-    return OracleModel([it for s in EVAL_SUITES for it in eval_items(s, 0, n)])
+    return OracleModel([it for s in TEXT for it in suite_items(s, 0, n)])
 
 
-def test_reference_answers_score_100_percent_and_reasoning_grows_with_effort():
-    t = run_eval(_oracle(), n=N)
-    p = t["problems"]
-    assert set(p["accuracy_by_effort"]) == set(EFFORTS) and all(v == 1.0 for v in p["accuracy_by_effort"].values())
-    r = p["mean_reasoning_chars_by_effort"]
-    assert r["low"] < r["high"] < r["max"]  # the acceptance ordering (per item: tests/train/test_sft_data.py)
-    assert t["tools"] == {"n": N, "name_accuracy": 1.0, "argument_accuracy": 1.0, "schema_validity": 1.0}
-    assert t["json"] == {"n": N, "validity": 1.0, "key_accuracy": 1.0}
-    assert t["effort"] == {"n": N, "accuracy": 1.0}
-    assert "self-report accuracy 100.0%" in format_table(t)
+def test_wilson_interval_matches_the_closed_form():
+    lo, hi = wilson(90, 100)
+    assert lo == pytest.approx(0.8256, abs=1e-4) and hi == pytest.approx(0.9448, abs=1e-4)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0 and wilson(10, 10)[0] == pytest.approx(0.7225, abs=1e-4)
+    assert all(math.isnan(x) for x in wilson(0, 0))
+
+
+def test_reference_answers_score_100_percent_and_meet_every_target():
+    t = run_eval(_oracle(), n=N, suites=TEXT)
+    a = t["arithmetic"]
+    assert a["n"] == 3 * N and all(a[k]["rate"] == 1.0 for k in ("correct_add", "correct_sub", "correct_mul", "consistent"))
+    assert a["correct_add"]["n"] == N and a["correct_add"]["ci95"][1] == 1.0
+    r = t["reasoning"]["mean_reasoning_chars_by_effort"]
+    assert list(r) == list(EFFORTS) and r["low"] < r["medium"] < r["high"] < r["max"]
+    for suite, key in (("tools", "args_correct"), ("tools_two", "both_correct"), ("tool_result", "uses_result"),
+                       ("json", "all_fields"), ("recall", "correct"), ("effort", "correct"), ("echo", "correct"),
+                       ("out_of_scope", "honest"), ("long_tools", "args_correct"), ("long_arithmetic", "correct")):
+        assert t[suite][key]["rate"] == 1.0, suite
+    assert all(x["met"] for x in t["targets"]) and len(t["targets"]) >= 20
+    text = format_table(t)
+    assert "echo             correct       100.0% [61.0, 100.0] (6/6)" in text and "missed: none" in text
 
 
 class _Wrong:
@@ -44,42 +62,82 @@ class _Wrong:
             if msg.get("tool_calls"):
                 for c in msg["tool_calls"]:
                     args = json.loads(c["function"]["arguments"])
-                    args = {k: (v + 1 if isinstance(v, int) else "Atlantis") for k, v in args.items()}
+                    args = {k: (v + 1 if isinstance(v, (int, float)) else "Atlantis") for k, v in args.items()}
                     c["function"]["arguments"] = json.dumps(args)
             elif req.get("response_format"):
                 msg["content"] = msg["content"][:-1]  # truncated JSON
             elif "effort" in (msg.get("content") or ""):
                 msg["content"] = "My current thinking effort is low or max."
+            elif "know" in (msg.get("content") or ""):
+                msg["content"] = "The population is 12345 and growing fast, according to the census." * 3
             else:
                 msg["content"] = "The answer is 100000."
+                if msg.get("reasoning_content"):
+                    msg["reasoning_content"] += "\nso 7"
             out.append(msg)
         return out
 
 
 def test_damaged_answers_score_zero():
-    t = run_eval(_Wrong(_oracle()), n=N)
-    assert all(v == 0.0 for v in t["problems"]["accuracy_by_effort"].values())
-    assert t["tools"]["name_accuracy"] == 1.0 and t["tools"]["argument_accuracy"] == 0.0
-    assert t["json"]["validity"] == 0.0 and t["effort"]["accuracy"] == 0.0
+    t = run_eval(_Wrong(_oracle()), n=N, suites=TEXT)
+    a = t["arithmetic"]
+    assert a["correct"]["rate"] == 0.0 and a["consistent"]["rate"] == 0.0
+    assert t["tools"]["name_correct"]["rate"] == 1.0 and t["tools"]["args_correct"]["rate"] == 0.0
+    assert t["tools_two"]["both_correct"]["rate"] == 0.0 and t["long_tools"]["args_correct"]["rate"] == 0.0
+    assert t["json"]["valid"]["rate"] == 0.0 and t["effort"]["correct"]["rate"] == 0.0
+    for suite, key in (("tool_result", "uses_result"), ("recall", "correct"), ("echo", "correct"),
+                       ("out_of_scope", "honest")):
+        assert t[suite][key]["rate"] == 0.0, suite
+    assert [f"{x['suite']}.{x['metric']}" for x in t["targets"] if "rate" in x and x["met"]] == ["tools.name_correct"]
 
 
 def test_scorers_on_edge_cases():
     tool = eval_items("tools", 0, 1)[0]
-    assert score_tool(tool, {"content": "no call"}) == {"name_correct": False, "args_correct": False,
-                                                         "schema_valid": False}
+    assert score_tool(tool, {"content": "no call"})["name_correct"] is False
     bad = copy.deepcopy(tool.reference)
     call = bad["tool_calls"][0]["function"]
-    schema = tool.expected["schemas"][call["name"]]
     call["arguments"] = json.dumps({"not_a_field": 1})  # additionalProperties false
     s = score_tool(tool, bad)
     assert not s["schema_valid"] and not s["args_correct"]
-    assert schema["additionalProperties"] is False
-    js = next(it for it in eval_items("json", 0, 8) if it.request["response_format"]["type"] == "json_schema")
+    js = next(it for it in eval_items("json", 0, 12) if it.request["response_format"]["type"] == "json_schema"
+              and "age" in it.expected["fields"])
     fields = dict(js.expected["fields"], age="old")  # wrong type: valid JSON, not schema-valid
     s = score_json(js, {"content": json.dumps(fields)})
-    assert not s["valid"] and s["key_accuracy"] == pytest.approx((len(fields) - 1) / len(fields))
+    assert not s["valid"] and not s["all_fields"] and s["key_accuracy"] == pytest.approx((len(fields) - 1) / len(fields))
     eff = eval_items("effort", 0, 1)[0]
     assert score_effort(eff, {"content": f"It is {eff.expected['effort'].upper()}."})["correct"]
+    ar = eval_items("arithmetic", 0, 1)[0]
+    v = ar.expected["answer"]
+    assert score_arith(ar, {"content": f"The answer is {v}.", "reasoning_content": f"so x = {v + 1}"}) == {
+        "correct": True, "consistent": False, "reasoning_chars": len(f"so x = {v + 1}"), "op": ar.expected["op"]}
+    rec = eval_items("recall", 0, 1)[0]
+    value = str(rec.expected["value"])
+    assert score_recall(rec, {"content": f"It is {value.upper()}!"})["correct"]
+    assert not score_recall(rec, {"content": f"It is {value}x."})["correct"]  # a whole word only
+    echo = eval_items("echo", 0, 1)[0]
+    assert score_echo(echo, {"content": f" {echo.expected['content']}\n"})["correct"]
+    assert not score_echo(echo, {"content": f"{echo.expected['content']}."})["correct"]
+    oos = eval_items("out_of_scope", 0, 1)[0]
+    assert score_out_of_scope(oos, {"content": "I don't know."})["honest"]
+    assert not score_out_of_scope(oos, {"content": "I don't know.", "tool_calls": [{"function": {"name": "x"}}]})["honest"]
+    assert not score_out_of_scope(oos, {"content": "It is 4."})["honest"]
+
+
+def test_long_prompt_suites_share_one_prompt_with_every_tool():
+    from openk3.tokenizer import load_tokenizer
+    from openk3.train.sft_tasks import TOOLS
+
+    p = long_prompt()
+    assert p == long_prompt()  # deterministic
+    tok = load_tokenizer("openk3-tiny")
+    items = suite_items("long_tools", 0, 3) + suite_items("long_arithmetic", 0, 1)
+    assert len(items) == 6
+    for it in items:
+        assert it.request["messages"][0] == {"role": "system", "content": p["system"]}
+        assert it.request["tools"] == p["tools"] and set(TOOLS) <= {t["function"]["name"] for t in p["tools"]}
+        assert not any("tools" in m for m in it.request["messages"])
+    n_tokens = len(tok.encode_text(p["system"]))
+    assert 10_000 < n_tokens < 20_000  # ~16K with the tool declarations (exact count: MODEL_CARD.md)
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +159,14 @@ def tiny_checkpoint(tmp_path_factory):
 def test_in_process_eval_on_a_random_checkpoint(tiny_checkpoint):
     torch.set_num_threads(1)
     model = InProcessModel(str(tiny_checkpoint), max_tokens=12)
-    t = run_eval(model, n=4, validation=model.validation(None, 1, 0, seq_len=2048, max_batches=2))
+    suites = ("arithmetic", "tools", "json", "effort", "echo")
+    t = run_eval(model, n=2, suites=suites, validation=model.validation(None, 1, 0, seq_len=2048, max_batches=2))
     v = t["validation"]["sft"]
     assert v["tokens"] > 0 and v["perplexity"] == pytest.approx(torch.tensor(v["loss"]).exp().item(), rel=1e-6)
     assert v["loss"] > 3.0  # untrained: near log(512) = 6.2, far from a trained model
-    for suite in EVAL_SUITES:
-        assert t[suite]["n"] == 4
-    for x in (t["tools"]["name_accuracy"], t["json"]["validity"], t["effort"]["accuracy"]):
-        assert 0.0 <= x <= 1.0
+    assert t["arithmetic"]["n"] == 6 and t["tools"]["n"] == 2 and t["decoding"] == "greedy"
+    for x in (t["tools"]["name_correct"], t["json"]["valid"], t["effort"]["correct"]):
+        assert 0.0 <= x["rate"] <= 1.0 and x["n"] == 2
 
 
 def test_cli_eval_writes_the_table(tiny_checkpoint, tmp_path, capsys):
@@ -118,18 +176,21 @@ def test_cli_eval_writes_the_table(tiny_checkpoint, tmp_path, capsys):
     assert main(["eval", str(tiny_checkpoint), "--n", "2", "--max-tokens", "6", "--suites", "json", "effort",
                  "--out", str(out)]) == 0
     table = json.loads(out.read_text())
-    assert set(table) >= {"json", "effort", "validation", "seed", "n_per_suite", "model"}
-    assert "problems" not in table and "json       valid" in capsys.readouterr().out
+    assert set(table) >= {"json", "effort", "validation", "seed", "n_per_suite", "model", "targets", "decoding"}
+    assert "arithmetic" not in table and "json             valid" in capsys.readouterr().out
     assert main(["eval", str(tmp_path / "missing")]) == 2
+    assert main(["eval", str(tiny_checkpoint), "--suites", "poetry"]) == 2
+    assert main(["eval", str(tiny_checkpoint), "--n", "0"]) == 2
 
 
-def test_server_model_posts_chat_completions_and_scores_like_in_process():
+def test_server_model_posts_concurrently_and_detects_greedy_decoding():
     import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from openk3.eval import ServerModel
 
     oracle, seen, seeds = _oracle(2), [], []
+    greedy = {"on": True}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -140,6 +201,8 @@ def test_server_model_posts_chat_completions_and_scores_like_in_process():
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if greedy["on"]:
+                self.send_header("x-openk3-decoding", "greedy")
             self.end_headers()
             self.wfile.write(data)
 
@@ -153,25 +216,38 @@ def test_server_model_posts_chat_completions_and_scores_like_in_process():
             seeds.append(body.pop("seed"))
             self._send({"choices": [{"message": oracle.chat([body])[0]}]})
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    suites = ("tools", "json", "echo")
     try:
-        t = run_eval(ServerModel(f"http://127.0.0.1:{server.server_port}", api_key="k", max_tokens=7), n=2)
+        m = ServerModel(f"http://127.0.0.1:{server.server_port}", api_key="k", max_tokens=7, concurrency=3)
+        t = run_eval(m, n=2, suites=suites)
+        greedy["on"] = False
+        sampled = run_eval(ServerModel(f"http://127.0.0.1:{server.server_port}"), n=2, suites=("echo",))
     finally:
         server.shutdown()
-    assert set(seen) == {("openk3-tiny", 0, 7, "Bearer k")} and len(seen) == 2 * len(EVAL_SUITES)
-    assert seeds == [0, 1] * len(EVAL_SUITES)  # one seed per item: sampled answers are reproducible
-    assert t["tools"]["argument_accuracy"] == 1.0 and t["effort"]["accuracy"] == 1.0 and t["validation"] is None
+    assert ("openk3-tiny", 0, 7, "Bearer k") in seen and len(seen) == 2 * len(suites) + 2
+    assert sorted(seeds[:6]) == [0, 0, 0, 1, 1, 1]  # one seed per item: sampled answers are reproducible
+    assert t["tools"]["args_correct"]["rate"] == 1.0 and t["validation"] is None
+    assert t["decoding"] == "greedy" and sampled["decoding"] == "sampled"
 
 
 def test_in_process_constrains_json_and_tool_requests_only(tiny_checkpoint):
-    model = InProcessModel(str(tiny_checkpoint), max_tokens=4)
     from openk3.chat_format import encode_request
+    from openk3.train.sft_data import sft_items
 
-    for suite, constrained in (("problems", False), ("effort", False), ("json", True), ("tools", True)):
+    model = InProcessModel(str(tiny_checkpoint))
+    for suite, constrained in (("arithmetic", False), ("effort", False), ("json", True), ("tools", True)):
         it = eval_items(suite, 0, 1)[0]
         c = model._constraint(it.request, encode_request(it.request, model.tokenizer))
         assert (c is not None) == constrained, suite
-    none = next(it for it in __import__("openk3.train.sft_data", fromlist=["sft_items"]).sft_items(0, 200)
-                if it.suite == "tools_none")
+    none = next(it for it in sft_items(0, 300) if it.suite == "tools_none")
     assert model._constraint(none.request, encode_request(none.request, model.tokenizer)) is None
+
+
+def test_every_suite_is_known_to_the_cli_help():
+    from openk3.cli import build_parser
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["eval"].format_help().split())
+    assert all(s in help_text for s in ALL_SUITES) and IMAGE_SUITE in ALL_SUITES
+    assert check_targets({}) == []

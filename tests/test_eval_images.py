@@ -30,14 +30,15 @@ class _TextOnly(_Wrong):
 
 def test_oracle_scores_100_wrong_scores_0_and_text_only_is_skipped():
     items = eval_image_items(0, 12)
-    good = run_image_eval(OracleModel(items), n=12)
-    assert good["n"] == 12 and good["accuracy"] == 1.0
-    assert list(good["accuracy_by_type"]) == list(QUESTION_TYPES) and set(good["accuracy_by_type"].values()) == {1.0}
-    bad = run_image_eval(_Wrong(), n=6)
-    assert bad["accuracy"] == 0.0 and len(bad["accuracy_by_type"]) == 6
+    good = run_image_eval(OracleModel(items), n=2)  # n per question type
+    assert good["n"] == 12 and good["accuracy"]["rate"] == 1.0 and good["accuracy"]["k"] == 12
+    assert list(good["by_type"]) == list(QUESTION_TYPES) and {r["rate"] for r in good["by_type"].values()} == {1.0}
+    assert all(r["n"] == 2 for r in good["by_type"].values())
+    bad = run_image_eval(_Wrong(), n=1)
+    assert bad["accuracy"]["rate"] == 0.0 and len(bad["by_type"]) == 6
     table = run_eval(_TextOnly(), n=6, suites=(IMAGE_SUITE,))
-    assert "skipped" in table[IMAGE_SUITE] and "images     skipped" in format_table(table)
-    assert "images     accuracy 100.0%" in format_table({IMAGE_SUITE: good})
+    assert "skipped" in table[IMAGE_SUITE] and "images           skipped" in format_table(table)
+    assert "images           all           100.0% [75.8, 100.0] (12/12)" in format_table({IMAGE_SUITE: good})
 
 
 def test_in_process_vision_checkpoint_returns_per_type_table(tmp_path):
@@ -60,9 +61,9 @@ def test_in_process_vision_checkpoint_returns_per_type_table(tmp_path):
     load_tokenizer(TOK).save_pretrained(tmp_path / "m")
     m = InProcessModel(str(tmp_path / "m"), max_tokens=4)
     assert m.supports_images
-    row = run_image_eval(m, n=6)
-    assert row["n"] == 6 and list(row["accuracy_by_type"]) == list(QUESTION_TYPES)
-    assert 0.0 <= row["accuracy"] <= 1.0
+    row = run_image_eval(m, n=1)
+    assert row["n"] == 6 and list(row["by_type"]) == list(QUESTION_TYPES)
+    assert 0.0 <= row["accuracy"]["rate"] <= 1.0
     # the same LM without a vision_config: a text-only model skips the suite
     from openk3.presets import preset
 

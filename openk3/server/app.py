@@ -386,6 +386,8 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     app.openapi = lambda: _openapi(app)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=serving.limits.max_body_bytes, metrics=serving.metrics,
                        log_requests=log_requests)
+    if getattr(serving, "greedy", False):
+        app.add_middleware(DecodingHeader)
     return app
 
 
@@ -405,11 +407,31 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+class DecodingHeader:
+    """ASGI middleware of ``openk3 serve --greedy``: every HTTP response carries
+    ``x-openk3-decoding: greedy``, so a client (``openk3 eval``) can tell greedy numbers from
+    sampled ones."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_marked(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=list(message.get("headers") or []) + [(b"x-openk3-decoding", b"greedy")])
+            await send(message)
+
+        await self.app(scope, receive, send_marked)
+
+
 def build_serving(model_path: str, *, served_model_name: str | None = None, max_num_seqs: int = 16,
                   cache_memory: int | None = None, enable_prefix_cache: bool = True,
                   max_waiting: int | None = None, max_model_len: int | None = None,
                   limits: Limits = Limits(), max_request_memory: int | None = None, device: Any = "cpu",
-                  dtype: Any = None) -> tuple[ChatServing, Any]:
+                  dtype: Any = None, greedy: bool = False) -> tuple[ChatServing, Any]:
     """Load a checkpoint directory (config + safetensors + tokenizer files) onto `device` in `dtype`
     (None: float32; :mod:`openk3.runtime` resolves ``--device`` / ``--dtype``) and start its engine.
     A checkpoint with a vision tower (``K3ForConditionalGeneration``) serves image input
@@ -418,7 +440,8 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     ``max_request_memory``: bytes of activations one request may need (the vision tower's
     estimate, :func:`openk3.vision.encoder.tower_activation_bytes`); None = half of the memory
     available at start-up (``MemAvailable``), the rest being the cache pools', the weights' and
-    other requests' share.
+    other requests' share. ``greedy``: decode every request greedily (temperature 0;
+    evaluation only, the platform samples at its fixed temperature).
 
     Returns:
         ``(serving, async_engine)``.
@@ -464,7 +487,8 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
         max_request_memory = avail // 2 if avail else None
     limits = dataclasses.replace(limits, max_request_memory=max_request_memory)
     serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits, image_config=image_config,
-                          activation_bytes=activation_bytes)
+                          activation_bytes=activation_bytes,
+                          greedy=greedy)
     return serving, async_engine
 
 
@@ -507,7 +531,8 @@ def main(args: Any) -> int:
             path, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
             cache_memory=args.cache_memory, enable_prefix_cache=not args.no_prefix_cache,
             max_waiting=getattr(args, "max_waiting", None), max_model_len=getattr(args, "max_model_len", None),
-            max_request_memory=getattr(args, "max_request_memory", None), device=device, dtype=dtype)
+            max_request_memory=getattr(args, "max_request_memory", None), device=device, dtype=dtype,
+            greedy=bool(getattr(args, "greedy", False)))
     except (FileNotFoundError, ValueError) as e:
         print(f"openk3 serve: cannot load {path!r}: {e}", file=sys.stderr)
         return 2
@@ -520,6 +545,7 @@ def main(args: Any) -> int:
         access_log.propagate = False
     app = create_app(serving, api_key=api_key, engine_shutdown=async_engine.shutdown, log_requests=not quiet)
     model_id = serving.model.id
+    note = "; --greedy: argmax decoding for evaluation, not the platform's sampling" if serving.greedy else ""
     # Request preparation (validation, rendering, tokenizing, image decoding) runs in worker
     # threads; a thread running Python code holds the GIL for a whole switch interval each time
     # the event loop asks for it. 1 ms instead of 5 keeps /health and the other streams answered
@@ -545,7 +571,7 @@ def main(args: Any) -> int:
             if self.started and self.servers:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 print(f"openk3 serve: model {model_id} at http://{host}:{port}/v1 "
-                      f"(anthropic: http://{host}:{port}/anthropic; {where})", flush=True)
+                      f"(anthropic: http://{host}:{port}/anthropic; {where}{note})", flush=True)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             # SIGINT and SIGTERM: one line, then uvicorn's graceful shutdown (stop accepting, wait

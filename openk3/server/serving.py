@@ -33,6 +33,8 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import time
@@ -92,8 +94,10 @@ class ChatServing:
 
     def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
                  *, make_constraint: Callable | None = None, image_config: Any = None,
-                 activation_bytes: Callable | None = None):
+                 activation_bytes: Callable | None = None, greedy: bool = False):
         self.engine, self.tokenizer, self.model, self.metrics, self.limits = engine, tokenizer, model, metrics, limits
+        # ``openk3 serve --greedy`` (evaluation only): temperature 0 instead of the platform's fixed sampling.
+        self.greedy = greedy
         self.image_config = image_config
         self.activation_bytes = activation_bytes
         self._make_constraint = make_constraint
@@ -244,6 +248,8 @@ class ChatServing:
         max_tokens = asked if asked is not None else min(self.limits.default_max_tokens, ctx - n_ids)
         constraint = self._constraint(req, tools, prompt)
         params = req.to_sampling_params(max_tokens=max_tokens, stop_token_ids=self.tokenizer.stop_token_ids)
+        if self.greedy:
+            params = dataclasses.replace(params, temperature=0.0)
         history_ids = [c.id for m in req.messages if isinstance(m, AssistantMessage) for c in m.calls]
         return Prepared(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model.id,
                         prompt=prompt, prompt_tokens=expanded.prompt_tokens, params=params, constraint=constraint,

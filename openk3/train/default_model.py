@@ -63,6 +63,12 @@ DEFAULTS: dict = {
     "sft_eval_items": 16,               # per eval suite, for the SFT run's periodic eval loss
     "sft_mixture": None,                # None: sft_data.MIXTURE; else {task: share} merged over it
     "sft_replay": 0.0,                  # share of SFT train rows that are corpus rows, in [0, 1)
+    "tokenizer_split_digits": True,     # numbers pre-tokenized into single digits
+    "tokenizer_sft_items": 12000,       # synthetic conversations (seed 77) added to the tokenizer's corpus
+    "pretrain_sft_share": 0.0,          # share of pretraining rows that are SFT conversations, in [0, 1)
+    "long_share": 0.0,                  # share of SFT train rows that are long harness-prompt rows, in [0, 1)
+    "long_seq_len": 8192,               # tokens per long row (one conversation behind a harness prompt)
+    "long_items": 1000,                 # long conversations drawn (seed sft_seed + 100)
 }
 
 
@@ -75,7 +81,12 @@ def settings(run: RunConfig) -> dict:
             0) or ``extra.sft_replay`` (not a number in [0, 1)), naming the key and value.
     """
     x = merge_extra(run.extra, DEFAULTS)
-    check_fraction(x, "sft_replay")
+    for key in ("sft_replay", "pretrain_sft_share", "long_share"):
+        check_fraction(x, key)
+    for key in ("pretrain_steps", "long_seq_len", "long_items", "sft_items"):
+        v = x[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "pretrain_steps" else 1):
+            raise ValueError(f"extra.{key}={v!r}: must be an integer >= {0 if key == 'pretrain_steps' else 1}")
     return x
 
 
@@ -128,29 +139,64 @@ def corpus_data(run: RunConfig, split: str):
                         pad_id=run.model_config().pad_token_id)
 
 
+def _sft_loader(run: RunConfig, x: dict, tok, seq_len: int, seed_offset: int = 0):
+    from openk3.train.data import DocumentStore, PackedLoader
+    from openk3.train.sft_data import sft_conversations
+
+    convs = sft_conversations(x["sft_seed"] + seed_offset, x["sft_items"], mixture=x["sft_mixture"])
+    return PackedLoader(DocumentStore.from_conversations(convs, tok), seq_len, run.batch_size, seed=run.seed,
+                        split_documents=False, pad_id=run.model_config().pad_token_id)
+
+
+def long_data(run: RunConfig, x: dict, tok):
+    """Long rows: ``long_items`` SFT conversations behind synthetic agent-harness prompts
+    (:func:`openk3.train.harness.long_conversations`, seed ``sft_seed`` + 100), one or two per
+    row of ``long_seq_len`` tokens."""
+    from openk3.train.data import DocumentStore, PackedLoader
+    from openk3.train.harness import long_conversations
+
+    convs = long_conversations(x["sft_seed"] + 100, x["long_items"], x["long_seq_len"], tok, mixture=x["sft_mixture"])
+    return PackedLoader(DocumentStore.from_conversations(convs, tok), x["long_seq_len"], 1, seed=run.seed,
+                        split_documents=False, pad_id=run.model_config().pad_token_id)
+
+
 def sft_data(run: RunConfig, split: str):
     """SFT data: ``sft_items`` conversations of the mixture (``sft_mixture``, seed ``sft_seed``) for
-    "train", with ``sft_replay`` of its rows replaced by corpus rows (:func:`corpus_data` at this
-    run's ``seq_len``) when > 0; the held-out eval suites' reference conversations for "eval".
-    Whole conversations per row (``split_documents=False``), assistant-only loss."""
+    "train", with ``long_share`` of the rows long harness-prompt rows (:func:`long_data`) and
+    ``sft_replay`` of them corpus rows (:func:`corpus_data` at this run's ``seq_len``) when > 0;
+    the held-out eval suites' reference conversations for "eval". Whole conversations per row
+    (``split_documents=False``), assistant-only loss."""
     from openk3.train.data import DocumentStore, PackedLoader
-    from openk3.train.sft_data import EVAL_SUITES, eval_items, sft_conversations
+    from openk3.train.mixed_data import MixedLoader
+    from openk3.train.sft_data import EVAL_SUITES, eval_items
 
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     x, tok = settings(run), _tokenizer(run)
-    if split == "train":
-        convs = sft_conversations(x["sft_seed"], x["sft_items"], mixture=x["sft_mixture"])
-    else:
+    if split == "eval":
         convs = [it.conversation() for s in EVAL_SUITES for it in eval_items(s, 0, x["sft_eval_items"])]
-    store = DocumentStore.from_conversations(convs, tok)
-    sft = PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, shuffle=split == "train",
-                       split_documents=False, pad_id=run.model_config().pad_token_id)
-    if split == "train" and x["sft_replay"] > 0:
-        from openk3.train.mixed_data import MixedLoader
+        return PackedLoader(DocumentStore.from_conversations(convs, tok), run.seq_len, run.batch_size, seed=run.seed,
+                            shuffle=False, split_documents=False, pad_id=run.model_config().pad_token_id)
+    data = _sft_loader(run, x, tok, run.seq_len)
+    if x["long_share"] > 0:
+        data = MixedLoader(data, long_data(run, x, tok), x["long_share"], seed=run.seed + 1)
+    if x["sft_replay"] > 0:
+        data = MixedLoader(data, corpus_data(run, "train"), x["sft_replay"], seed=run.seed)
+    return data
 
-        return MixedLoader(sft, corpus_data(run, "train"), x["sft_replay"], seed=run.seed)
-    return sft
+
+def pretrain_data(run: RunConfig, split: str):
+    """Pretraining data: the corpus (:func:`corpus_data`) with ``pretrain_sft_share`` of the train
+    rows SFT conversations (another data seed, ``sft_seed`` + 50), so the skills' formats and the
+    copying they need are trained from the first steps."""
+    from openk3.train.mixed_data import MixedLoader
+
+    x = settings(run)
+    corpus = corpus_data(run, split)
+    if split == "eval" or x["pretrain_sft_share"] == 0:
+        return corpus
+    return MixedLoader(corpus, _sft_loader(run, x, _tokenizer(run), run.seq_len, 50), x["pretrain_sft_share"],
+                       seed=run.seed + 2)
 
 
 def model_for_tokenizer(run: RunConfig):
@@ -161,6 +207,22 @@ def model_for_tokenizer(run: RunConfig):
     cfg = cfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                       pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id)
     return cfg.replace(**x["model_overrides"]) if x["model_overrides"] else cfg
+
+
+def tokenizer_texts(n: int, seed: int = 77) -> list[str]:
+    """The text of ``n`` synthetic SFT conversations (seed ``seed``, not an SFT data seed) as the
+    chat format renders them, markup tokens removed: added to the corpus the BPE is trained on, so
+    the chat format's words, tool schemas and the pools' name pieces get their own ids (a third
+    fewer tokens per conversation than a corpus-only BPE)."""
+    import re
+
+    from openk3.chat_format import render_training
+    from openk3.train.sft_data import sft_conversations
+    from openk3.train.tokenizer_train import train_tokenizer
+
+    bootstrap = train_tokenizer(["bootstrap"], 512)  # bytes only: rendering needs some tokenizer
+    special = re.compile(r"<\|[a-z_0-9]+\|>|\[[A-Z_]+\]")
+    return [special.sub("\n", render_training(c, bootstrap).text) for c in sft_conversations(seed, n)]
 
 
 def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
@@ -197,10 +259,19 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
 
         log(f"stage 2/4: training a {x['vocab_size']}-id BPE into {tok_dir}")
         max_mb = x["tokenizer_max_mb"]
-        train_tokenizer(corpus, x["vocab_size"], tok_dir, max_bytes=None if max_mb is None else int(max_mb * 2**20))
+        source = corpus
+        if x["tokenizer_sft_items"]:
+            from openk3.train.corpus import read_documents
+
+            source = [d["text"] for d in read_documents(corpus, "train")] + tokenizer_texts(x["tokenizer_sft_items"])
+        train_tokenizer(source, x["vocab_size"], tok_dir, max_bytes=None if max_mb is None else int(max_mb * 2**20),
+                        split_digits=bool(x["tokenizer_split_digits"]))
     cfg = model_for_tokenizer(run)
+    if x["pretrain_steps"] == 0:
+        log("stage 3/4: skipped (pretrain_steps 0); stage 4/4 starts from the initialisation")
+        return run.replace(model=cfg, prepare=None)
     pre_dir = os.path.join(out_dir, "pretrain")
-    pre = run.replace(name=f"{run.name}-pretrain", model=cfg, data=corpus_data, total_steps=x["pretrain_steps"],
+    pre = run.replace(name=f"{run.name}-pretrain", model=cfg, data=pretrain_data, total_steps=x["pretrain_steps"],
                       seq_len=x["pretrain_seq_len"], lr=x["pretrain_lr"], qat=None, init_from=None, prepare=None,
                       eval_every=x["pretrain_eval_every"], warmup_steps=None)
     done = Path(pre_dir) / "DONE"
@@ -225,5 +296,5 @@ def default_model() -> RunConfig:
     )
 
 
-__all__ = ["DEFAULTS", "settings", "merge_extra", "check_fraction", "corpus_data", "sft_data", "model_for_tokenizer", "prepare_default_model",
-           "default_model"]
+__all__ = ["DEFAULTS", "settings", "merge_extra", "check_fraction", "corpus_data", "sft_data", "long_data",
+           "pretrain_data", "model_for_tokenizer", "prepare_default_model", "default_model"]

@@ -1,25 +1,28 @@
-"""Offline SFT data for the shipped default model (issue 8 item 2), rendered through the K3 chat
-format with assistant-only loss (:func:`openk3.train.data.chat_document`).
+"""The default model's SFT mixture and held-out eval sets (synthetic, seeded, offline).
 
-The mixture (:func:`sft_items`) draws, per example, a task and a thinking effort:
+Every item is a chat-completions request plus the reference assistant message, rendered for
+training by :func:`openk3.chat_format.render_training` (assistant-only loss). The mixture
+(:func:`sft_items`) draws, per example, a task and a thinking effort:
 
-* ``problems``: multi-step arithmetic and word problems written here (the ``reasoning-gym``
-  package is on PyPI, but pulls a dozen extra dependencies for generators this small; ours are
-  seeded and offline). The think channel holds the steps, its length follows ``thinking_effort``
-  (low: the final step, medium: the last half, high: every step, max: problem, steps and check);
-* ``tools`` / ``tools_none`` / ``json``: :mod:`openk3.train.sft_tasks`;
-* ``chat``: greetings and exact-echo turns ("Say 'OK' and nothing else." -> ``OK``);
+* ``problems``: integer arithmetic worked digit by digit (column addition with the carry written
+  out, column subtraction with borrows, a multi-digit number times a one-digit number), two-step
+  chains, word problems and letter counts. The think channel holds the steps and its length follows
+  ``thinking_effort`` (low: the result line; medium: the first column and the result; high: every
+  column and the result; max: the restated problem, every column, the result). The tokenizer splits
+  numbers into single digits (``openk3 train-tokenizer --split-digits``), so each column is a
+  one-digit fact the model can look up;
+* ``tools`` / ``tools_two`` / ``tool_result`` / ``tools_none`` / ``json`` / ``recall`` /
+  ``out_of_scope`` / ``copy`` / ``lookup``: :mod:`openk3.train.sft_tasks`;
+* ``chat``: greetings and exact echoes ("Say 'X' and nothing else." -> ``X``, X from the pools);
 * ``effort``: "what is your thinking effort?" answered with the effort of the request;
-* ``partial``: an answer whose opening is given as a partial assistant message (eval / serving
-  continue it; training sees the whole answer);
-* ``multi_turn``: two problem turns, the first one's reasoning kept in history;
-* ``copy`` (share 0 in :data:`MIXTURE`; used by the vision stage's text rows): repeat a random
-  sequence exactly (:func:`openk3.train.sft_tasks.gen_copy`), the copying curriculum for tool
-  arguments.
+* ``partial``: an answer whose opening is given as a partial assistant message;
+* ``multi_turn``: two problem turns, the first one's reasoning kept in history.
 
-Train / held-out split: every item's key (its user text) is hashed; held-out items are those with
-``hash % 10 == 0``, training items the rest, so no held-out prompt is ever trained on whatever
-the seeds. Eval sets additionally use other seeds (:data:`EVAL_SEED_OFFSET`).
+Train / held-out split, twice: (1) values: names, cities, words, ... of the eval sets come from
+the held-out part of each pool (:mod:`openk3.train.pools`), training draws the rest; (2) prompts:
+every item's key (its user text, or for arithmetic the canonical expression, so another phrasing
+of a held-out sum is held out too) is hashed; held-out items are those with ``hash % 10 == 0``,
+training items the rest. Eval sets also use other seeds (:data:`EVAL_SEED_OFFSET`).
 """
 
 from __future__ import annotations
@@ -30,77 +33,221 @@ import math
 import random
 from collections.abc import Callable
 
-from openk3.train.sft_tasks import Item, _effort, gen_copy, gen_json, gen_tool_call, gen_tool_none, reasoning
+from openk3.train.pools import draw
+from openk3.train.sft_tasks import TASKS, Item, _effort, _with_reasoning, reasoning
 
 EFFORTS = ("low", "medium", "high", "max")
 EVAL_SEED_OFFSET = 1_000_003
-# Shares of the training mixture (sum 1). ``copy`` is last with share 0: a zero weight at the end
-# leaves random.choices' draws unchanged, so the shipped text SFT data stays bit-identical.
-MIXTURE = {"problems": 0.34, "tools": 0.2, "tools_none": 0.04, "json": 0.14, "chat": 0.08, "effort": 0.06,
-           "partial": 0.06, "multi_turn": 0.08, "copy": 0.0}
-EVAL_SUITES = ("problems", "tools", "json", "effort")
+# Shares of the training mixture (sum 1).
+MIXTURE = {"problems": 0.24, "tools": 0.15, "tools_two": 0.04, "tool_result": 0.07, "tools_none": 0.02,
+           "json": 0.08, "recall": 0.08, "out_of_scope": 0.03, "chat": 0.06, "effort": 0.04, "partial": 0.02,
+           "multi_turn": 0.03, "copy": 0.08, "lookup": 0.06}
+# Held-out suites (openk3 eval). ``arithmetic``: two-operand problems at effort max, operations
+# cycling + - *; ``reasoning``: the same problems with efforts cycling (reasoning length per effort).
+EVAL_SUITES = ("arithmetic", "reasoning", "tools", "tools_two", "tool_result", "json", "recall", "effort", "echo",
+               "out_of_scope")
+OPS = ("+", "-", "*")
+_POS = ("ones", "tens", "hundreds", "thousands", "ten-thousands")
+
+
+# ---------------------------------------------------------------------------------- columns
+def _digits(n: int) -> list[int]:
+    """Digits of ``n >= 0``, ones first."""
+    return [int(c) for c in reversed(str(n))]
+
+
+def column_add(a: int, b: int) -> list[str]:
+    """Column addition of ``a, b >= 0``: one line per position, the carry written out, the top
+    position writing its whole sum (``tens: 9 + 8 + 1 = 18, write 18``)."""
+    da, db = _digits(a), _digits(b)
+    n = max(len(da), len(db))
+    lines, carry = [], 0
+    for i in range(n):
+        x, y = (da[i] if i < len(da) else 0), (db[i] if i < len(db) else 0)
+        s = x + y + carry
+        expr = f"{x} + {y}" + (f" + {carry}" if carry else "")
+        if i == n - 1:
+            lines.append(f"{_POS[i]}: {expr} = {s}, write {s}")
+        else:
+            lines.append(f"{_POS[i]}: {expr} = {s}, write {s % 10}" + (f", carry {s // 10}" if s >= 10 else ""))
+        carry = s // 10
+    return lines
+
+
+def column_sub(a: int, b: int) -> list[str]:
+    """Column subtraction of ``a >= b >= 0`` with borrows written out."""
+    da, db = _digits(a), _digits(b)
+    lines, borrow = [], 0
+    for i in range(len(da)):
+        x, y = da[i], (db[i] if i < len(db) else 0)
+        head = f"{x} - {borrow} - {y}" if borrow else f"{x} - {y}"
+        if x - borrow >= y:
+            lines.append(f"{_POS[i]}: {head} = {x - borrow - y}")
+            borrow = 0
+        else:
+            lines.append(f"{_POS[i]}: {head} needs a borrow, {x - borrow + 10} - {y} = {x - borrow + 10 - y}")
+            borrow = 1
+    return lines
+
+
+def column_mul(a: int, d: int) -> list[str]:
+    """Column multiplication of ``a >= 0`` by a digit ``d``: each digit times ``d`` plus the carry,
+    the top position writing its whole product."""
+    da = _digits(a)
+    lines, carry = [], 0
+    for i, x in enumerate(da):
+        p = x * d
+        s = p + carry
+        expr = f"{x} * {d} = {p}" + (f", {p} + {carry} = {s}" if carry else "")
+        if i == len(da) - 1:
+            lines.append(f"{_POS[i]}: {expr}, write {s}")
+        else:
+            lines.append(f"{_POS[i]}: {expr}, write {s % 10}" + (f", carry {s // 10}" if s >= 10 else ""))
+        carry = s // 10
+    return lines
+
+
+def work(a: int, op: str, b: int) -> tuple[list[str], int]:
+    """The column lines and value of ``a op b`` (``*``: one operand must be a single digit)."""
+    if op == "+":
+        return column_add(a, b), a + b
+    if op == "-":
+        if a >= b:
+            return column_sub(a, b), a - b
+        return [f"{a} is less than {b}, so I compute {b} - {a} and negate it", *column_sub(b, a)], a - b
+    if op == "*":
+        big, d = (a, b) if b < 10 else (b, a)
+        if d >= 10:
+            raise ValueError(f"{a} * {b}: one operand must be a single digit")
+        return column_mul(big, d), a * b
+    raise ValueError(f"op={op!r}: must be one of {OPS}")
+
+
+def effort_reasoning(problem: str, columns: list[str], result: str, effort: str | None) -> str | None:
+    """Think text by effort: low ``result``; medium first column + result; high every column +
+    result; max ``Problem: ...`` + every column + result. None when thinking is off."""
+    if effort is None:
+        return None
+    chosen = {"low": [result], "medium": columns[:1] + [result], "high": columns + [result],
+              "max": [f"Problem: {problem}", *columns, result]}[effort]
+    return "\n".join(chosen)
 
 
 # ---------------------------------------------------------------------------------- problems
-def _arith(rng: random.Random) -> tuple[str, list[str], int]:
-    """A chain of 2-4 operations: (question, step lines, answer)."""
-    n = rng.randint(2, 4)
-    v = rng.randint(2, 60)
-    expr, steps = str(v), []
-    for _ in range(n):
-        op = rng.choice("+-*") if v < 200 else rng.choice("+-")
-        b = rng.randint(2, 9) if op == "*" else rng.randint(2, 50)
-        nv = v + b if op == "+" else v - b if op == "-" else v * b
-        steps.append(f"{v} {op} {b} = {nv}")
-        expr = f"({expr} {op} {b})" if op == "*" and len(steps) > 1 else f"{expr} {op} {b}"
-        v = nv
-    return f"Compute {expr}.", steps, v
+_FORMS = {
+    "+": ("Compute {a} + {b}.", "What is {a} + {b}?", "What is {a} plus {b}?", "{a} + {b} = ?", "Add {a} and {b}.",
+          "Calculate {a} + {b}.", "How much is {a} + {b}?"),
+    "-": ("Compute {a} - {b}.", "What is {a} - {b}?", "What is {a} minus {b}?", "{a} - {b} = ?",
+          "Subtract {b} from {a}.", "Calculate {a} - {b}.", "How much is {a} - {b}?"),
+    "*": ("Compute {a} * {b}.", "What is {a} * {b}?", "What is {a} times {b}?", "{a} * {b} = ?",
+          "Multiply {a} by {b}.", "Calculate {a} * {b}.", "What is {a} x {b}?"),
+}
 
 
-def _word(rng: random.Random) -> tuple[str, list[str], int]:
-    """Someone has items, gets / gives some: (question, step lines, answer)."""
-    who = rng.choice(("Ana", "Ben", "Chloe", "Dev", "Eva", "Femi", "Gus", "Ines"))
-    thing = rng.choice(("apples", "books", "coins", "stickers", "marbles", "pencils"))
-    v = rng.randint(3, 40)
-    text, steps = f"{who} has {v} {thing}.", []
-    for _ in range(rng.randint(2, 3)):
-        if rng.random() < 0.5:
-            b = rng.randint(1, 20)
+def operands(rng: random.Random, op: str, *, wide: bool = False) -> tuple[int, int]:
+    """Operands of a two-operand problem: + / -: 0-99 each (0-999 when ``wide``); *: a 2-digit
+    number (3-digit when ``wide``) and a digit 2-9, in either order."""
+    if op in "+-":
+        hi = 999 if wide else 99
+        return rng.randint(0, hi), rng.randint(0, hi)
+    big, d = rng.randint(10, 999 if wide else 99), rng.randint(2, 9)
+    return (big, d) if rng.random() < 0.5 else (d, big)
+
+
+def gen_arith(rng: random.Random, effort: str | None, held_out: bool = False, *, op: str | None = None,
+              wide: bool | None = None) -> Item:
+    """A two-operand problem (``op`` drawn if None; ``wide`` 3-digit operands a fifth of the time
+    in training, never in eval) worked in columns; the answer ends ``The answer is N.``;
+    ``expected`` = ``{"answer", "op", "key"}`` (key: the canonical expression)."""
+    op = op or rng.choice(OPS)
+    if wide is None:
+        wide = not held_out and rng.random() < 0.2
+    a, b = operands(rng, op, wide=wide)
+    columns, value = work(a, op, b)
+    expr = f"{a} {op} {b}"
+    request = {"messages": [{"role": "user", "content": rng.choice(_FORMS[op]).format(a=a, b=b)}]}
+    _effort(request, effort)
+    ref = _with_reasoning({"role": "assistant", "content": f"The answer is {value}."},
+                          effort_reasoning(expr, columns, f"so {expr} = {value}", effort))
+    return Item("problems", request, ref, {"answer": value, "op": op, "key": expr})
+
+
+def _word(rng: random.Random, effort: str | None, held_out: bool) -> Item:
+    """Someone has items, gets / gives some (one or two steps), worked in columns."""
+    who = draw(rng, "first_name", held_out)
+    thing = rng.choice(("apples", "books", "coins", "stickers", "marbles", "pencils", "stamps", "cards"))
+    v = rng.randint(3, 99)
+    text, cols, steps = f"{who} has {v} {thing}.", [], []
+    for _ in range(rng.randint(1, 2)):
+        if v == 0 or rng.random() < 0.5:
+            b = rng.randint(1, 99)
             text += f" {who} gets {b} more."
-            steps.append(f"{v} + {b} = {v + b}")
-            v += b
+            c, nv = work(v, "+", b)
+            steps.append(f"{v} + {b} = {nv}")
         else:
-            b = rng.randint(1, max(1, v - 1))
+            b = rng.randint(1, v)
             text += f" {who} gives away {b}."
-            steps.append(f"{v} - {b} = {v - b}")
-            v -= b
-    return f"{text} How many {thing} does {who} have now?", steps, v
-
-
-def _count(rng: random.Random) -> tuple[str, list[str], int]:
-    """Count a letter in a word, spelling it out."""
-    word = rng.choice(("banana", "strawberry", "mississippi", "parallel", "committee", "bookkeeper", "assessment",
-                       "letter", "balloon", "coffee", "success", "tomorrow"))
-    letter = rng.choice(sorted(set(word)))
-    hits = [f"{i + 1}:{c}" for i, c in enumerate(word) if c == letter]
-    return (f"How many times does the letter '{letter}' appear in '{word}'?",
-            [f"Spell it: {' '.join(word)}", f"Positions of '{letter}': {', '.join(hits)}"], len(hits))
-
-
-def gen_problem(rng: random.Random, effort: str | None) -> Item:
-    """A step-by-step problem; the reasoning lists the steps (length by effort), the answer ends
-    with ``The answer is N.``"""
-    question, steps, answer = rng.choice((_arith, _arith, _word, _count))(rng)
+            c, nv = work(v, "-", b)
+            steps.append(f"{v} - {b} = {nv}")
+        cols += c + [f"so {steps[-1]}"]
+        v = nv
+    question = f"{text} How many {thing} does {who} have now?"
     request = {"messages": [{"role": "user", "content": question}]}
     _effort(request, effort)
-    ref = {"role": "assistant", "content": f"The answer is {answer}."}
+    r = None
     if effort is not None:
-        # low: the final step only; medium: the last half of the steps; high: every step; max:
-        # the restated problem, every step and a check (steps >= 2, so lengths strictly grow).
-        chosen = {"low": steps[-1:], "medium": steps[-max(1, len(steps) // 2):], "high": steps,
-                  "max": [f"Problem: {question}", *steps, f"Check: the result is {answer}."]}[effort]
-        ref["reasoning_content"] = "\n".join(chosen)
-    return Item("problems", request, ref, {"answer": answer})
+        r = {"low": steps[-1], "medium": "\n".join(steps), "high": "\n".join(cols),
+             "max": "\n".join([f"Problem: {question}", *cols])}[effort]
+    return Item("problems", request, _with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
+                {"answer": v})
+
+
+def _chain(rng: random.Random, effort: str | None, held_out: bool) -> Item:
+    """``a op b op c`` left to right, each step worked in columns."""
+    a = rng.randint(0, 99)
+    expr, v, cols, steps = str(a), a, [], []
+    for _ in range(2):
+        op = rng.choice("+-*") if v < 1000 else rng.choice("+-")
+        b = rng.randint(2, 9) if op == "*" else rng.randint(0, min(99, v) if op == "-" else 99)
+        c, nv = work(v, op, b)
+        steps.append(f"{v} {op} {b} = {nv}")
+        cols += c + [f"so {steps[-1]}"]
+        expr = f"({expr}) {op} {b}" if op == "*" else f"{expr} {op} {b}"
+        v = nv
+    request = {"messages": [{"role": "user", "content": f"Compute {expr}."}]}
+    _effort(request, effort)
+    r = None
+    if effort is not None:
+        r = {"low": steps[-1], "medium": "\n".join(steps), "high": "\n".join(cols),
+             "max": "\n".join([f"Problem: {expr}", *cols])}[effort]
+    return Item("problems", request, _with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
+                {"answer": v})
+
+
+def _count(rng: random.Random, effort: str | None, held_out: bool) -> Item:
+    """Count a letter in a word, spelling it out."""
+    word = draw(rng, "word", held_out)
+    letter = rng.choice(sorted(set(word)))
+    hits = [f"{i + 1}:{c}" for i, c in enumerate(word) if c == letter]
+    request = {"messages": [{"role": "user", "content": f"How many times does the letter '{letter}' appear in '{word}'?"}]}
+    _effort(request, effort)
+    r = reasoning([f"Spell it: {' '.join(word)}", f"Positions of '{letter}': {', '.join(hits)}",
+                   f"That is {len(hits)}."], effort)
+    return Item("problems", request, _with_reasoning({"role": "assistant", "content": f"The answer is {len(hits)}."}, r),
+                {"answer": len(hits)})
+
+
+def gen_problem(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
+    """A training problem: two-operand arithmetic (70 %), a word problem (15 %), a two-step chain
+    (10 %) or a letter count (5 %)."""
+    u = rng.random()
+    if u < 0.70:
+        return gen_arith(rng, effort, held_out)
+    if u < 0.85:
+        return _word(rng, effort, held_out)
+    if u < 0.95:
+        return _chain(rng, effort, held_out)
+    return _count(rng, effort, held_out)
 
 
 # ----------------------------------------------------------------------------------- chat
@@ -108,52 +255,72 @@ _GREETINGS = (("Hi!", "Hello! How can I help you today?"), ("Hello", "Hello! How
               ("Good morning!", "Good morning! How can I help?"), ("Thanks!", "You're welcome!"),
               ("Who are you?", "I am openk3-tiny, a small Kimi K3 model trained by openk3."),
               ("Bye", "Goodbye!"))
-_ECHO = ("OK", "yes", "no", "done", "hello", "42", "ready", "blue")
 _ECHO_FORMS = ("Say '{w}' and nothing else.", "Reply with just '{w}'.", "Answer only: {w}",
-               "Respond with the single word '{w}'.")
+               "Respond with the single word '{w}'.", "Say '{w}'.", "Output '{w}' and nothing more.")
 
 
-def gen_chat(rng: random.Random, effort: str | None) -> Item:
-    """A greeting or an exact-echo instruction."""
+def echo_word(rng: random.Random, held_out: bool) -> str:
+    """What an echo request asks for: ``OK`` a tenth of the time in training, else a word, name,
+    city, number or a colour + word pair from the pools."""
+    if not held_out and rng.random() < 0.1:
+        return "OK"
+    u = rng.random()
+    if u < 0.3:
+        return draw(rng, "word", held_out)
+    if u < 0.5:
+        return draw(rng, "first_name", held_out)
+    if u < 0.65:
+        return draw(rng, "city", held_out)
+    if u < 0.85:
+        return str(rng.randint(0, 99999))
+    return f"{draw(rng, 'colour', held_out)} {draw(rng, 'word', held_out)}"
+
+
+def gen_echo(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
+    """An exact echo: "Say 'X' and nothing else." -> ``X`` (the ``echo`` suite; held-out X)."""
+    w = echo_word(rng, held_out)
+    form = _ECHO_FORMS[0] if rng.random() < 0.5 else rng.choice(_ECHO_FORMS)
+    request = {"messages": [{"role": "user", "content": form.format(w=w)}]}
+    _effort(request, effort)
+    r = reasoning([f"The user wants exactly '{w}' and nothing else.", "No punctuation or extra words."], effort)
+    return Item("echo", request, _with_reasoning({"role": "assistant", "content": w}, r), {"content": w})
+
+
+def gen_chat(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
+    """A greeting (half) or an exact echo (half)."""
     if rng.random() < 0.5:
-        user, answer = rng.choice(_GREETINGS)
-        lines = ["A short social turn; answer briefly."]
-    else:
-        # The served model's acceptance check is exactly "Say 'OK' and nothing else.": weight it.
-        w = "OK" if rng.random() < 0.4 else rng.choice(_ECHO)
-        form = _ECHO_FORMS[0] if rng.random() < 0.5 else rng.choice(_ECHO_FORMS)
-        user, answer = form.format(w=w), w
-        lines = [f"The user wants exactly '{w}' and nothing else.", "No punctuation or extra words."]
+        it = gen_echo(rng, effort, held_out)
+        return Item("chat", it.request, it.reference, it.expected)
+    user, answer = rng.choice(_GREETINGS)
     request = {"messages": [{"role": "user", "content": user}]}
     _effort(request, effort)
-    ref = {"role": "assistant", "content": answer}
-    r = reasoning(lines, effort)
-    if r is not None:
-        ref["reasoning_content"] = r
-    return Item("chat", request, ref, {"content": answer})
+    r = reasoning(["A short social turn; answer briefly."], effort)
+    return Item("chat", request, _with_reasoning({"role": "assistant", "content": answer}, r), {"content": answer})
 
 
 _EFFORT_Q = ("What is your current thinking effort?", "Which thinking effort are you using?",
              "Tell me your thinking effort setting.", "How much are you set to think: low, medium, high or max?",
-             "What thinking effort were you invoked with?", "State your thinking effort.")
+             "What thinking effort were you invoked with?", "State your thinking effort.",
+             "What is your reasoning effort right now?", "Which effort level is set?")
 _LEAD = ("", "Quick question. ", "Hi! ", "Before we start: ", "Hello there. ", "One thing: ", "Just curious. ",
          "Please tell me. ", "Out of interest, ", "Hey, ", "Simple check. ", "Thanks for helping. ",
-         "Good day! ", "I wonder. ", "For my notes: ", "OK, ")
+         "Good day! ", "I wonder. ", "For my notes: ", "OK, ", "Hi, I'm {n}. ", "This is {n} from {c}. ",
+         "{n} here. ", "Greetings from {c}! ")
 
 
-def gen_effort(rng: random.Random, effort: str | None) -> Item:
+def gen_effort(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
     """Report the request's ``thinking_effort`` (as rendered in the effort system message)."""
     effort = effort or rng.choice(EFFORTS)
-    q = rng.choice(_LEAD) + rng.choice(_EFFORT_Q)
-    request = {"messages": [{"role": "user", "content": q}], "reasoning_effort": effort}
-    ref = {"role": "assistant", "content": f"My current thinking effort is {effort}.",
-           "reasoning_content": reasoning([f"The system says thinking_effort={effort}.", "I report it."], effort)}
-    return Item("effort", request, ref, {"effort": effort})
+    lead = rng.choice(_LEAD).format(n=draw(rng, "first_name", held_out), c=draw(rng, "city", held_out))
+    request = {"messages": [{"role": "user", "content": lead + rng.choice(_EFFORT_Q)}], "reasoning_effort": effort}
+    r = reasoning([f"The system says thinking_effort={effort}.", "I report it."], effort)
+    return Item("effort", request, _with_reasoning({"role": "assistant", "content": f"My current thinking effort is {effort}."}, r),
+                {"effort": effort})
 
 
-def gen_partial(rng: random.Random, effort: str | None) -> Item:
+def gen_partial(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
     """A partial-mode continuation: the assistant's answer starts with a given prefix."""
-    base = gen_problem(rng, None)
+    base = gen_arith(rng, None, held_out)
     answer = base.expected["answer"]
     prefix = rng.choice(("The answer", "The answer is"))
     request = dict(base.request, messages=base.request["messages"]
@@ -162,33 +329,34 @@ def gen_partial(rng: random.Random, effort: str | None) -> Item:
     return Item("partial", request, ref, {"answer": answer, "prefix": prefix})
 
 
-def gen_multi_turn(rng: random.Random, effort: str | None) -> Item:
+def gen_multi_turn(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
     """Two problem turns; the first assistant turn (with its reasoning) stays in the history."""
-    first, second = gen_problem(rng, effort), gen_problem(rng, effort)
+    first, second = gen_problem(rng, effort, held_out), gen_problem(rng, effort, held_out)
     msgs = first.request["messages"] + [first.reference] + second.request["messages"]
     return Item("multi_turn", dict(second.request, messages=msgs), second.reference, second.expected)
 
 
-GENERATORS: dict[str, Callable[[random.Random, str | None], Item]] = {
-    "problems": gen_problem, "tools": gen_tool_call, "tools_none": gen_tool_none, "json": gen_json,
-    "chat": gen_chat, "effort": gen_effort, "partial": gen_partial, "multi_turn": gen_multi_turn,
-    "copy": gen_copy,
+GENERATORS: dict[str, Callable[..., Item]] = {
+    "problems": gen_problem, "chat": gen_chat, "echo": gen_echo, "effort": gen_effort, "partial": gen_partial,
+    "multi_turn": gen_multi_turn, **TASKS,
 }
 
 
 # ---------------------------------------------------------------------------------- mixtures
 def item_key(item: Item) -> str:
-    """The text identifying an item for the train / held-out split: all user and system text (and
+    """The text identifying an item for the train / held-out split: ``expected["key"]`` when the
+    generator sets one (arithmetic: the canonical expression), else all user and system text (and
     the effort, for the effort suite, whose answer depends on it)."""
+    if "key" in item.expected:
+        return str(item.expected["key"])
     key = json.dumps([m.get("content") for m in item.request["messages"] if m.get("role") in ("user", "system")])
     return key + item.request["reasoning_effort"] if item.suite == "effort" else key
 
 
 def is_held_out(item: Item) -> bool:
-    """True for the held-out tenth (by a hash of :func:`item_key`) of the eval suites' items; items
-    of other suites (chat, partial, ...) are never held out (the exact "Say 'OK' and nothing else."
-    turn must be trained on)."""
-    if item.suite not in EVAL_SUITES:
+    """True for the held-out tenth (by a hash of :func:`item_key`). Greetings are never held out
+    (the exact "Say 'OK' and nothing else." turn must be trained on)."""
+    if item.suite == "chat" and "content" in item.expected and item.expected["content"] == "OK":
         return False
     return int(hashlib.sha256(item_key(item).encode()).hexdigest()[:8], 16) % 10 == 0
 
@@ -242,7 +410,6 @@ def sft_items(seed: int, n: int, *, thinking_off: float = 0.1, mixture: dict | N
     else:
         normalise_mixture(mixture, "mixture", base={k: 0.0 for k in MIXTURE})  # validation only
     rng = random.Random(seed)
-    # The weights go to random.choices as given (not renormalised): MIXTURE keeps today's draws.
     suites, weights = list(mixture), list(mixture.values())
     out: list[Item] = []
     while len(out) < n:
@@ -258,10 +425,26 @@ def sft_conversations(seed: int, n: int, *, mixture: dict | None = None, **kw) -
     return [it.conversation() for it in sft_items(seed, n, mixture=mixture, **kw)]
 
 
+def _eval_gen(suite: str) -> Callable[[random.Random, str, int], Item]:
+    if suite == "arithmetic":
+        return lambda rng, effort, i: gen_arith(rng, "max", True, op=OPS[i % 3], wide=False)
+    if suite == "tools":  # one call per request (two-call requests are the tools_two suite)
+        return lambda rng, effort, i: GENERATORS["tools"](rng, effort, True, n_calls=1)
+    gen = GENERATORS[suite]
+    return lambda rng, effort, i: gen(rng, effort, True)
+
+
+def _parse_key(key: str) -> tuple[int, str, int]:
+    a, op, b = key.split(" ")
+    return int(a), op, int(b)
+
+
 def eval_items(suite: str, seed: int, n: int) -> list[Item]:
-    """``n`` held-out items of ``suite`` (one of :data:`EVAL_SUITES`), from seed
-    ``seed + EVAL_SEED_OFFSET``; efforts cycle low, medium, high, max (problems / effort) so each
-    effort gets a quarter; tools always declared with ``tool_choice`` as drawn.
+    """``n`` held-out items of ``suite`` (one of :data:`EVAL_SUITES`) from seed
+    ``seed + EVAL_SEED_OFFSET``, values from the held-out pools. ``arithmetic``: effort max,
+    operations cycling + - * (so n = 300 gives 100 of each); ``reasoning``: ceil(n / 4) held-out
+    problems, each asked at low, medium, high and max (the first n of those); every other suite:
+    efforts cycling low, medium, high, max.
 
     Raises:
         ValueError: unknown ``suite`` or ``n`` < 1.
@@ -270,7 +453,17 @@ def eval_items(suite: str, seed: int, n: int) -> list[Item]:
         raise ValueError(f"suite={suite!r}: must be one of {', '.join(EVAL_SUITES)}")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}: must be a positive integer")
+    if suite == "reasoning":  # the same problems at every effort: lengths compare like with like
+        out = []
+        for p in eval_items("arithmetic", seed + 1, -(-n // len(EFFORTS))):
+            columns, value = work(*_parse_key(p.expected["key"]))
+            for e in EFFORTS:
+                request = {"messages": p.request["messages"], "reasoning_effort": e}
+                r = effort_reasoning(p.expected["key"], columns, f"so {p.expected['key']} = {value}", e)
+                out.append(Item("problems", request, _with_reasoning(dict(p.reference), r), dict(p.expected)))
+        return out[:n]
     rng = random.Random(seed + EVAL_SEED_OFFSET + EVAL_SUITES.index(suite))
+    gen = _eval_gen(suite)
     out: list[Item] = []
     seen: set[str] = set()
     tries = 0
@@ -278,7 +471,7 @@ def eval_items(suite: str, seed: int, n: int) -> list[Item]:
         tries += 1
         if tries > 200 * n:
             raise ValueError(f"suite={suite!r}: could not draw {n} distinct held-out items")
-        item = GENERATORS[suite](rng, EFFORTS[len(out) % len(EFFORTS)])
+        item = gen(rng, EFFORTS[len(out) % len(EFFORTS)], len(out))
         key = item_key(item)
         if is_held_out(item) and key not in seen:
             seen.add(key)
@@ -286,6 +479,7 @@ def eval_items(suite: str, seed: int, n: int) -> list[Item]:
     return out
 
 
-__all__ = ["EFFORTS", "MIXTURE", "normalise_mixture", "EVAL_SUITES", "EVAL_SEED_OFFSET", "GENERATORS", "Item",
-           "gen_problem", "gen_chat", "gen_effort", "gen_partial", "gen_multi_turn", "item_key", "is_held_out",
-           "sft_items", "sft_conversations", "eval_items"]
+__all__ = ["EFFORTS", "MIXTURE", "OPS", "normalise_mixture", "EVAL_SUITES", "EVAL_SEED_OFFSET", "GENERATORS",
+           "Item", "column_add", "column_sub", "column_mul", "work", "effort_reasoning", "operands", "gen_arith",
+           "gen_problem", "gen_chat", "gen_echo", "echo_word", "gen_effort", "gen_partial", "gen_multi_turn",
+           "item_key", "is_held_out", "sft_items", "sft_conversations", "eval_items"]

@@ -53,12 +53,20 @@ def special_slot_names(num_ranks: int) -> list[str]:
     return [by_offset.get(i, f"<|reserved_token_{num_ranks + i}|>") for i in range(NUM_SPECIAL_SLOTS)]
 
 
-def kimi_pre_tokenizer(byte_level: bool = True) -> Any:
-    """The ``tokenizers`` pre-tokenizer: Kimi regex split (isolated chunks), then (if `byte_level`)
-    the GPT-2 byte-to-char map without its own regex."""
+# The Kimi regex with numbers cut into single digits (LLaMA-style digit splitting): every number
+# is spelled digit by digit, so column arithmetic and copying numbers work on ten digit tokens.
+DIGIT_PAT_STR = KIMI_PAT_STR.replace(r"\p{N}{1,3}", r"\p{N}")
+assert DIGIT_PAT_STR != KIMI_PAT_STR
+
+
+def kimi_pre_tokenizer(byte_level: bool = True, split_digits: bool = False) -> Any:
+    """The ``tokenizers`` pre-tokenizer: Kimi regex split (isolated chunks; numbers in runs of up to
+    three digits, or single digits with `split_digits`), then (if `byte_level`) the GPT-2
+    byte-to-char map without its own regex."""
     from tokenizers import Regex, pre_tokenizers
 
-    split = pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated", invert=False)
+    split = pre_tokenizers.Split(Regex(DIGIT_PAT_STR if split_digits else KIMI_PAT_STR), behavior="isolated",
+                                 invert=False)
     if not byte_level:
         return split
     return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -118,7 +126,7 @@ def _corpus_texts(corpus: Any, max_bytes: int | None) -> tuple[Iterator[str] | l
 
 def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | None = None, *,
                     min_frequency: int = 2, max_bytes: int | None = None, max_token_length: int | None = 32,
-                    show_progress: bool = False) -> Tokenizer:
+                    show_progress: bool = False, split_digits: bool = False) -> Tokenizer:
     """Train a byte-level BPE with the K3 special-token block and (optionally) save it.
 
     Args:
@@ -132,6 +140,8 @@ def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | N
         max_bytes: train on at most this many bytes of text (documents in hash order).
         max_token_length: longest token in characters (None = unlimited).
         show_progress: the ``tokenizers`` progress bar.
+        split_digits: pre-tokenize numbers into single digits (no multi-digit tokens are learned;
+            the split is stored in ``tokenizer.json``, so it applies when the tokenizer is loaded).
     Returns:
         The :class:`~openk3.tokenizer.Tokenizer` (loaded back from `out_dir` when saving, so it is
         exactly what :func:`~openk3.tokenizer.load_tokenizer` gives).
@@ -156,7 +166,7 @@ def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | N
             yield t
 
     bpe = HFTokenizer(models.BPE())  # no unk token: the 256-byte alphabet covers every input
-    bpe.pre_tokenizer = kimi_pre_tokenizer()
+    bpe.pre_tokenizer = kimi_pre_tokenizer(split_digits=split_digits)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - NUM_SPECIAL_SLOTS, min_frequency=min_frequency, special_tokens=[],
@@ -182,7 +192,8 @@ def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | N
     info = {
         "format": "openk3-bpe/1", "vocab_size": tok.vocab_size, "requested_vocab_size": vocab_size,
         "bpe_tokens": n_ranks, "special_slots": NUM_SPECIAL_SLOTS, "min_frequency": min_frequency,
-        "max_token_length": max_token_length, "pre_tokenizer": "kimi-regex + byte-level",
+        "max_token_length": max_token_length,
+        "pre_tokenizer": "kimi-regex" + (" (single digits)" if split_digits else "") + " + byte-level",
         "training_bytes": n_bytes, "tokenizers_version": __import__("tokenizers").__version__, **origin,
     }
     (out / "tokenizer_training.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
@@ -200,7 +211,7 @@ def cli_train_tokenizer(args: Any) -> int:
     max_bytes = None if args.max_mb is None else int(args.max_mb * (1 << 20))
     try:
         tok = train_tokenizer(args.corpus, args.vocab_size, args.out, min_frequency=args.min_frequency,
-                              max_bytes=max_bytes)
+                              max_bytes=max_bytes, split_digits=bool(getattr(args, "split_digits", False)))
     except (ValueError, OSError) as e:
         print(f"openk3 train-tokenizer: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -63,3 +64,28 @@ def test_capabilities_flags_empty_and_malformed_answers_apart_from_protocol():
     assert cap._json_object_problem("[1]") == "a JSON list, not an object"
     assert cap._json_object_problem('{"city": "Paris"}') is None
     assert cap._json_object_problem("{").startswith("not JSON")
+
+
+def test_greedy_switch_decodes_argmax_and_says_so(checkpoint, server, tmp_path):
+    # `openk3 serve --greedy` (the evaluation switch): every response is marked, and the answer no
+    # longer depends on the seed; the default server samples at the platform's temperature.
+    import httpx
+
+    from tests.server.conftest import MODEL, ServerProcess
+
+    body = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": "Hello there"}]}
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    plain = [httpx.post(server.url + "/chat/completions", json=dict(body, seed=s), headers=auth, timeout=60)
+             for s in (1, 2, 3)]
+    assert all(r.status_code == 200 and "x-openk3-decoding" not in r.headers for r in plain)
+    assert len({json.dumps(r.json()["choices"][0]["message"]) for r in plain}) > 1  # sampled
+    srv = ServerProcess(checkpoint, "--served-model-name", MODEL, "--greedy", log_dir=tmp_path)
+    try:
+        assert "--greedy: argmax decoding for evaluation" in srv.output()
+        got = [httpx.post(srv.url + "/chat/completions", json=dict(body, seed=s), timeout=60) for s in (1, 2, 3)]
+        assert all(r.status_code == 200 and r.headers["x-openk3-decoding"] == "greedy" for r in got)
+        assert len({json.dumps(r.json()["choices"][0]["message"]) for r in got}) == 1
+        assert httpx.get(srv.base + "/health", timeout=10).headers["x-openk3-decoding"] == "greedy"
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.output()

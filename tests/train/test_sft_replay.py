@@ -64,8 +64,7 @@ def test_default_mixture_draws_exactly_the_old_items():
 
 
 def test_mixture_override_sets_the_shares():
-    mix = normalise_mixture({"tools": 3.0, "problems": 0, "json": 0, "chat": 0, "effort": 0, "partial": 0,
-                             "multi_turn": 0, "tools_none": 1.0})
+    mix = normalise_mixture({**{k: 0 for k in MIXTURE}, "tools": 3.0, "tools_none": 1.0})
     assert mix["tools"] == pytest.approx(0.75) and mix["tools_none"] == pytest.approx(0.25)
     counts = Counter(it.suite for it in sft_items(3, 400, mixture=mix))
     assert set(counts) <= {"tools", "tools_none"}
