@@ -66,6 +66,8 @@ DEFAULTS: dict = {
     "tokenizer_split_digits": True,     # numbers pre-tokenized into single digits
     "tokenizer_sft_items": 12000,       # synthetic conversations (seed 77) added to the tokenizer's corpus
     "pretrain_sft_share": 0.0,          # share of pretraining rows that are SFT conversations, in [0, 1)
+    "pretrain_induction_share": 0.0,    # share of pretraining rows that are induction documents, in [0, 1)
+    "induction_items": 20000,           # induction documents drawn (seed sft_seed + 200)
     "long_share": 0.0,                  # share of SFT train rows that are long harness-prompt rows, in [0, 1)
     "long_seq_len": 8192,               # tokens per long row (one conversation behind a harness prompt)
     "long_items": 1000,                 # long conversations drawn (seed sft_seed + 100)
@@ -81,9 +83,12 @@ def settings(run: RunConfig) -> dict:
             0) or ``extra.sft_replay`` (not a number in [0, 1)), naming the key and value.
     """
     x = merge_extra(run.extra, DEFAULTS)
-    for key in ("sft_replay", "pretrain_sft_share", "long_share"):
+    for key in ("sft_replay", "pretrain_sft_share", "pretrain_induction_share", "long_share"):
         check_fraction(x, key)
-    for key in ("pretrain_steps", "long_seq_len", "long_items", "sft_items"):
+    if x["pretrain_sft_share"] + x["pretrain_induction_share"] >= 1:
+        raise ValueError(f"extra.pretrain_sft_share + extra.pretrain_induction_share = "
+                         f"{x['pretrain_sft_share'] + x['pretrain_induction_share']!r}: must be < 1 (the rest is corpus)")
+    for key in ("pretrain_steps", "long_seq_len", "long_items", "sft_items", "induction_items"):
         v = x[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "pretrain_steps" else 1):
             raise ValueError(f"extra.{key}={v!r}: must be an integer >= {0 if key == 'pretrain_steps' else 1}")
@@ -187,16 +192,26 @@ def sft_data(run: RunConfig, split: str):
 
 def pretrain_data(run: RunConfig, split: str):
     """Pretraining data: the corpus (:func:`corpus_data`) with ``pretrain_sft_share`` of the train
-    rows SFT conversations (another data seed, ``sft_seed`` + 50), so the skills' formats and the
-    copying they need are trained from the first steps."""
+    rows SFT conversations (another data seed, ``sft_seed`` + 50) and ``pretrain_induction_share``
+    induction documents (:mod:`openk3.train.induction`, seed ``sft_seed`` + 200, every token a
+    target), so the skills' formats and the copying they need are trained from the first steps."""
+    from openk3.train.data import PackedLoader
+    from openk3.train.induction import induction_store
     from openk3.train.mixed_data import MixedLoader
 
     x = settings(run)
-    corpus = corpus_data(run, split)
-    if split == "eval" or x["pretrain_sft_share"] == 0:
-        return corpus
-    return MixedLoader(corpus, _sft_loader(run, x, _tokenizer(run), run.seq_len, 50), x["pretrain_sft_share"],
-                       seed=run.seed + 2)
+    data = corpus_data(run, split)
+    p_sft, p_ind = x["pretrain_sft_share"], x["pretrain_induction_share"]
+    if split == "eval":
+        return data
+    tok = _tokenizer(run)
+    if p_sft > 0:
+        data = MixedLoader(data, _sft_loader(run, x, tok, run.seq_len, 50), p_sft / (1 - p_ind), seed=run.seed + 2)
+    if p_ind > 0:
+        ind = PackedLoader(induction_store(x["sft_seed"] + 200, x["induction_items"], tok), run.seq_len, run.batch_size,
+                           seed=run.seed, pad_id=run.model_config().pad_token_id)
+        data = MixedLoader(data, ind, p_ind, seed=run.seed + 3)
+    return data
 
 
 def model_for_tokenizer(run: RunConfig):

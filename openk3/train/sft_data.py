@@ -353,12 +353,17 @@ def item_key(item: Item) -> str:
     return key + item.request["reasoning_effort"] if item.suite == "effort" else key
 
 
+def is_held_out_key(key: str) -> bool:
+    """True for the held-out tenth of keys (``sha256(key) % 10 == 0``)."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 10 == 0
+
+
 def is_held_out(item: Item) -> bool:
     """True for the held-out tenth (by a hash of :func:`item_key`). Greetings are never held out
     (the exact "Say 'OK' and nothing else." turn must be trained on)."""
     if item.suite == "chat" and "content" in item.expected and item.expected["content"] == "OK":
         return False
-    return int(hashlib.sha256(item_key(item).encode()).hexdigest()[:8], 16) % 10 == 0
+    return is_held_out_key(item_key(item))
 
 
 def _draw(rng: random.Random, suite: str, thinking_off: float) -> Item:
@@ -482,4 +487,4 @@ def eval_items(suite: str, seed: int, n: int) -> list[Item]:
 __all__ = ["EFFORTS", "MIXTURE", "OPS", "normalise_mixture", "EVAL_SUITES", "EVAL_SEED_OFFSET", "GENERATORS",
            "Item", "column_add", "column_sub", "column_mul", "work", "effort_reasoning", "operands", "gen_arith",
            "gen_problem", "gen_chat", "gen_echo", "echo_word", "gen_effort", "gen_partial", "gen_multi_turn",
-           "item_key", "is_held_out", "sft_items", "sft_conversations", "eval_items"]
+           "item_key", "is_held_out", "is_held_out_key", "sft_items", "sft_conversations", "eval_items"]

@@ -1,0 +1,95 @@
+"""Synthetic pretraining documents where copying and lookup are necessary from the first step.
+
+Plain-text documents (next-token loss on every token) built from the value pools of
+:mod:`openk3.train.pools` (training parts only), four kinds drawn uniformly:
+
+* ``repeat``: a random sequence of 8-40 pool values (words, names, cities, numbers, codes,
+  addresses), then the same sequence once or twice more: every token of a repeat is predictable
+  only by finding the earlier occurrence (the induction-head pattern);
+* ``lookup``: 4-16 ``key = value`` lines, then the keys queried again in random order, each
+  followed by its value;
+* ``columns``: two-operand problems worked in columns (:func:`openk3.train.sft_data.work`), the
+  digits of each column copied from the problem line (held-out eval problems excluded);
+* ``echo``: ``Say 'X'. -> X`` pairs with fresh values.
+
+Why: a tiny model trained only on chat rows sees a copying target on a few tokens per row (the
+assistant's argument values); these documents make half of their tokens copy targets, so the
+copying circuit forms early and the chat stage can use it. Deterministic in ``(seed, index)``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from openk3.train.pools import draw, draw_date
+from openk3.train.sft_data import OPS, is_held_out_key, operands, work
+
+KINDS = ("repeat", "lookup", "columns", "echo")
+
+
+def _value(rng: random.Random) -> str:
+    u = rng.random()
+    if u < 0.2:
+        return draw(rng, "word")
+    if u < 0.4:
+        return str(rng.randint(0, 99999))
+    if u < 0.55:
+        return draw(rng, "first_name")
+    if u < 0.7:
+        return draw(rng, "city")
+    if u < 0.8:
+        return draw(rng, "symbol")
+    if u < 0.9:
+        return draw_date(rng)
+    return draw(rng, "email")
+
+
+def induction_text(seed: int, index: int, kind: str | None = None) -> str:
+    """Document ``index`` of the synthetic induction corpus ``seed`` (``kind`` drawn if None).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    rng = random.Random(seed * 1_000_003 + index)
+    kind = kind or rng.choice(KINDS)
+    if kind == "repeat":
+        seq = " ".join(_value(rng) for _ in range(rng.randint(8, 40)))
+        return "\n".join([seq] * rng.randint(2, 3))
+    if kind == "lookup":
+        keys: list[str] = []
+        while len(keys) < rng.randint(4, 16):
+            k = draw(rng, rng.choice(("first_name", "city", "word")))
+            if k not in keys:
+                keys.append(k)
+        vals = {k: _value(rng) for k in keys}
+        lines = [f"{k} = {vals[k]}" for k in keys]
+        asked = rng.sample(keys, len(keys))
+        return "\n".join(lines + ["Lookup:"] + [f"{k} = {vals[k]}" for k in asked])
+    if kind == "columns":
+        out = []
+        for _ in range(rng.randint(2, 5)):
+            op = rng.choice(OPS)
+            a, b = operands(rng, op, wide=rng.random() < 0.2)
+            while is_held_out_key(f"{a} {op} {b}"):  # never an eval problem
+                a, b = operands(rng, op, wide=rng.random() < 0.2)
+            lines, value = work(a, op, b)
+            out.append("\n".join([f"Problem: {a} {op} {b}", *lines, f"so {a} {op} {b} = {value}"]))
+        return "\n\n".join(out)
+    if kind == "echo":
+        pairs = []
+        for _ in range(rng.randint(4, 12)):
+            v = _value(rng)
+            pairs.append(f"Say '{v}'. -> {v}")
+        return "\n".join(pairs)
+    raise ValueError(f"kind={kind!r}: must be one of {KINDS}")
+
+
+def induction_store(seed: int, n: int, tokenizer):
+    """A :class:`~openk3.train.data.DocumentStore` of ``n`` documents (BOS, text, EOS; every
+    next token a target)."""
+    from openk3.train.data import DocumentStore, text_document
+
+    return DocumentStore.from_documents(text_document(induction_text(seed, i), tokenizer) for i in range(n))
+
+
+__all__ = ["KINDS", "induction_text", "induction_store"]

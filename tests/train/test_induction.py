@@ -1,0 +1,43 @@
+"""Induction pretraining documents: deterministic, copy targets really repeat, no eval problem."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from openk3.train.induction import KINDS, induction_store, induction_text
+from openk3.train.sft_data import eval_items, is_held_out_key
+
+
+def test_documents_are_deterministic_and_their_copies_repeat():
+    assert induction_text(0, 5) == induction_text(0, 5) and induction_text(0, 5) != induction_text(1, 5)
+    for i in range(40):
+        rep = induction_text(3, i, "repeat").split("\n")
+        assert len(rep) in (2, 3) and len(set(rep)) == 1
+        lk = induction_text(3, i, "lookup").split("\n")
+        cut = lk.index("Lookup:")
+        assert sorted(lk[:cut]) == sorted(lk[cut + 1:])  # every key queried once, with its value
+        echo = induction_text(3, i, "echo").split("\n")
+        assert all(re.fullmatch(r"Say '(.+)'\. -> \1", line) for line in echo)
+    with pytest.raises(ValueError, match="kind"):
+        induction_text(0, 0, "poem")
+
+
+def test_column_documents_never_hold_an_eval_problem():
+    held = {it.expected["key"] for it in eval_items("arithmetic", 0, 300)}
+    seen = set()
+    for i in range(400):
+        for m in re.finditer(r"Problem: (\d+ [-+*] \d+)", induction_text(7, i, "columns")):
+            seen.add(m.group(1))
+    assert len(seen) > 500 and not seen & held and not any(is_held_out_key(k) for k in seen)
+    assert set(KINDS) == {"repeat", "lookup", "columns", "echo"}
+
+
+def test_store_targets_every_token():
+    from openk3.train.recipes import synthetic_document
+    from openk3.train.tokenizer_train import train_tokenizer
+
+    tok = train_tokenizer([synthetic_document(0, i) for i in range(30)], 600, split_digits=True)
+    store = induction_store(0, 10, tok)
+    assert len(store) == 10 and (store.labels != -100).sum() >= store.num_tokens - 10
