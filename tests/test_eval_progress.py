@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from openk3.eval import OracleModel, run_eval
-from openk3.train.sft_data import EVAL_SUITES, eval_items
+from openk3.eval import OracleModel, run_eval, suite_items
+from openk3.train.sft_data import EVAL_SUITES
 
 N = 3
 
@@ -22,7 +22,7 @@ class _Reporting(OracleModel):
 
 
 def test_progress_bar_per_suite_on_stderr(capsys):
-    model = _Reporting([it for s in EVAL_SUITES for it in eval_items(s, 0, N)])
+    model = _Reporting([it for s in EVAL_SUITES for it in suite_items(s, 0, N)])
     quiet = run_eval(model, n=N, suites=EVAL_SUITES)
     assert capsys.readouterr().err == ""
     shown = run_eval(model, n=N, suites=EVAL_SUITES, progress=True)
@@ -32,6 +32,6 @@ def test_progress_bar_per_suite_on_stderr(capsys):
         done = re.findall(rf"eval {suite}: 100%\|[^|]*\| (\d+)/(\d+) \[", err)
         assert done and done[-1][0] == done[-1][1], (suite, err)
     # a model without progress reporting (the OracleModel itself) still runs, silently
-    assert run_eval(OracleModel([it for s in EVAL_SUITES for it in eval_items(s, 0, N)]), n=N,
+    assert run_eval(OracleModel([it for s in EVAL_SUITES for it in suite_items(s, 0, N)]), n=N,
                     suites=EVAL_SUITES, progress=True) == quiet
     assert capsys.readouterr().err == ""
