@@ -90,6 +90,8 @@ class ChatServing:
         activation_bytes: ``(grids) -> bytes`` peak activation memory of the vision tower for a
             request's image grids (``(1, gh, gw)`` each); with ``limits.max_request_memory`` a
             request above it is refused before its images are decoded.
+        greedy: decode every request at temperature 0 (``openk3 serve --greedy``, an evaluation
+            switch; the platform samples at its fixed temperature).
     """
 
     def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
