@@ -272,6 +272,12 @@ class OutputParser:
         return out
 
     @property
+    def in_reasoning(self) -> bool:
+        """Whether the next id is read inside the think channel (its closing tag included): the
+        ids a client bills as reasoning tokens."""
+        return self._mode == "think"
+
+    @property
     def finish_reason(self) -> Literal["stop", "length", "tool_calls"]:
         """``tool_calls`` if a complete call was parsed (and tools are enabled),
         else ``length`` while the message has not ended, else ``stop`` (spec §11.2)."""

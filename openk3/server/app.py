@@ -1,6 +1,7 @@
 """The FastAPI application, its guards and error mapping, and ``openk3 serve``.
 
-Routes (``../shared/spec/api.md`` §0.1): ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes (``../shared/spec/api.md`` §0.1): ``POST /v1/chat/completions``, ``POST /v1/responses``
+(the OpenAI Responses API, stateless: :mod:`openk3.server.responses`), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/tokenizers/estimate-token-count``, ``POST /anthropic/v1/messages``,
 ``POST /anthropic/v1/messages/count_tokens``, ``GET /anthropic/v1/models`` and ``/{id}`` (Anthropic's
 model objects), ``GET|HEAD /health``, ``GET /metrics``, and ``GET|HEAD`` on the roots ``/``, ``/v1``,
@@ -45,7 +46,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openk3.server import anthropic
+from openk3.server import anthropic, responses
 from openk3.server.metrics import CONTENT_TYPE, Metrics
 from openk3.server.protocol import (
     AnthropicCountRequest, AnthropicMessagesRequest, APIError, ChatCompletion, ErrorResponse, ModelCard, ModelList,
@@ -57,13 +58,14 @@ from openk3.server.validation import Limits
 
 log = logging.getLogger("openk3.server")
 
-_ENDPOINTS = {"/v1/chat/completions", "/v1/models", "/v1/tokenizers/estimate-token-count", "/anthropic/v1/messages",
-              "/anthropic/v1/messages/count_tokens", "/anthropic/v1/models", "/health", "/metrics", "/", "/v1",
-              "/anthropic"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/tokenizers/estimate-token-count",
+              "/anthropic/v1/messages", "/anthropic/v1/messages/count_tokens", "/anthropic/v1/models", "/health",
+              "/metrics", "/", "/v1", "/anthropic"}
 _ROOTS = ("/", "/v1", "/v1/", "/anthropic", "/anthropic/")  # status only: open like /health
 SMALL_BODY = 64 * 1024  # body bytes a request to a path without a JSON body may announce
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted for requests whose client left
-_BODY_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/tokenizers/estimate-token-count": TokenCountRequest,
+_BODY_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/responses": responses.ResponsesRequest,
+                "/v1/tokenizers/estimate-token-count": TokenCountRequest,
                 "/anthropic/v1/messages": AnthropicMessagesRequest,
                 "/anthropic/v1/messages/count_tokens": AnthropicCountRequest}
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
@@ -133,8 +135,8 @@ class Guard:
         path = scope["path"]
         endpoint = path.rstrip("/") or "/"
         if endpoint not in _ENDPOINTS:
-            endpoint = next((p + "/{id}" for p in ("/v1/models", "/anthropic/v1/models") if path.startswith(p + "/")),
-                            "other")
+            endpoint = next((p + "/{id}" for p in ("/v1/models", "/v1/responses", "/anthropic/v1/models")
+                             if path.startswith(p + "/")), "other")
         status_box = [500]
         t0 = time.monotonic()
         scope[ACCESS] = access = {}
@@ -315,6 +317,17 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         # parsing, checks, rendering and grammar compilation are CPU work: keep them off the event loop
         prep = await asyncio.to_thread(lambda: serving.prepare(serving.parse(body)))
         return await _run(request, prep, serving.complete, serving.sse)
+
+    @app.post("/v1/responses", response_model=None, responses=_ERRORS)
+    async def create_response(request: Request, body: JSONBody) -> Response:
+        prep, ctx = await asyncio.to_thread(responses.prepare, serving, body)
+        return await _run(request, prep, lambda p, g: responses.complete(serving, p, ctx, g),
+                          lambda p, g: responses.sse(serving, p, ctx, g))
+
+    @app.get("/v1/responses/{response_id:path}", response_model=None, responses=_ERRORS)
+    async def get_response(response_id: str) -> Response:
+        raise APIError(404, f"Not found the response {response_id}: this server does not store responses "
+                            "(stateless, as with store: false)")
 
     @app.post("/v1/tokenizers/estimate-token-count", response_model=TokenCountResponse, responses=_ERRORS)
     async def estimate_token_count(body: JSONBody) -> dict:

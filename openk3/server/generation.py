@@ -120,6 +120,7 @@ class Generation:
         self.engine_reason: str | None = None
         self.usage: Any = None
         self.logprobs: list[Any] = []
+        self.reasoning_tokens = 0  # generated ids read in the think channel (the Responses API reports them)
 
     async def start(self) -> None:
         """Submit to the engine and wait for the first output.
@@ -199,7 +200,9 @@ class Generation:
             else:
                 self.s.metrics.inter_token(now - self._last_token_t, len(out.new_token_ids))
             self._last_token_t = now
-            events = self.parser.feed(out.new_token_ids)
+            for tid in out.new_token_ids:
+                self.reasoning_tokens += self.parser.in_reasoning
+                events += self.parser.feed(tid)
         self.usage = out.usage
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
