@@ -341,15 +341,36 @@ def _check_model(serving: ChatServing, body: Any) -> None:
         serving.check_model(body["model"])  # an unknown model is a 404 before any 400
 
 
+def parse_sized(serving: ChatServing, body: Any, *, counting: bool = False) -> ChatRequest:
+    """The first checks of :func:`prepare` (``counting``: of :func:`count_tokens`), in their order
+    and wording, none of whose cost grows with the body beyond one pass: the model id, the parse
+    (:func:`parse_request`), the message count and the size bound over every rendered field. The
+    body screen (:mod:`openk3.server.screen`) runs exactly this on large bodies.
+
+    Raises:
+        APIError: 404 unknown model, 400 naming the field, too many messages or text over the context.
+    """
+    _check_model(serving, body)
+    req = parse_request(body, counting=counting)
+    if counting:
+        serving.check_size(req, counting=True)
+        return req
+    serving.check_text_size(req, thinking=False)  # before the checks whose work grows with the request
+    try:
+        serving.check_size(req)  # what serving.prepare checks first (history reasoning counted when thinking)
+    except APIError as e:
+        e.message = e.anthropic_message or anthropic_names(e.message)
+        raise
+    return req
+
+
 def prepare(serving: ChatServing, body: Any) -> Prepared:
     """Parse and check an Anthropic body and prepare its generation.
 
     Raises:
         APIError: 404 unknown model, 400 invalid request (in Anthropic's field names and wording).
     """
-    _check_model(serving, body)
-    req = parse_request(body)
-    serving.check_text_size(req, thinking=False)  # before the checks whose work grows with the request
+    req = parse_sized(serving, body)
     try:
         prep = serving.prepare(req)
     except APIError as e:
@@ -365,8 +386,7 @@ def count_tokens(serving: ChatServing, body: Any) -> dict:
     Raises:
         APIError: 404 unknown model, 400 invalid request.
     """
-    _check_model(serving, body)
-    return {"input_tokens": serving.count_tokens(parse_request(body, counting=True))}
+    return {"input_tokens": serving.count_tokens(parse_sized(serving, body, counting=True))}
 
 
 def _usage(usage: dict) -> dict:

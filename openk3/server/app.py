@@ -13,7 +13,9 @@ the API key (``Authorization: Bearer`` or ``x-api-key``, compared in constant ti
 API description ``/openapi.json``, ``/docs``, ``/redoc`` for tooling such as the schemathesis run),
 then the body size (``Content-Length`` first, then the bytes actually received) -> 413: the JSON
 endpoints take up to ``Limits.max_body_bytes`` (32 MiB), every other path at most 64 KiB announced and never
-reads or buffers a body.
+reads or buffers a body; then, for a JSON body of 256 KiB or more, the body screen
+(:mod:`openk3.server.screen`: structure, JSON, model, size bound, checked in a worker process so
+that the server never parses a body it refuses).
 
 Every error answers with the Kimi envelope ``{"error": {"message", "type"}}`` (the Anthropic one
 under ``/anthropic``); unexpected exceptions are logged and answered 500 without internals.
@@ -53,6 +55,7 @@ from openk3.server.protocol import (
     TokenCountResponse, field_path, first_error,
 )
 from openk3.server.request import ChatCompletionRequest, TokenCountRequest
+from openk3.server.screen import BodyScreen, ScreenSpec, invalid_json_message
 from openk3.server.serving import ChatServing, Generation, ModelInfo
 from openk3.server.validation import Limits
 
@@ -118,9 +121,9 @@ class Guard:
     the module docstring."""
 
     def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Metrics,
-                 log_requests: bool = False):
+                 log_requests: bool = False, screen: BodyScreen | None = None):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
-        self.log_requests = log_requests
+        self.log_requests, self.screen = log_requests, screen
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         given = headers.get(b"x-api-key", b"")
@@ -186,13 +189,21 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        if self.screen is not None and self.screen.applies(path, headers.get(b"content-type", b"").decode("latin-1"),
+                                                           total):
+            # large bodies: checked in a worker process, sent as received (joining tens of MiB
+            # here would hold the event loop for a page-faulting copy)
+            refused = await self.screen.check(path, chunks, total)
+            if refused is not None:
+                return await _error_response(path, refused)(scope, receive, send)
         replayed = False
 
         async def replay() -> dict:
-            nonlocal replayed
+            nonlocal replayed, chunks
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                body, chunks = b"".join(chunks), None
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
@@ -241,7 +252,7 @@ async def _or_disconnect(request: Request, coro: Any) -> tuple[bool, Any]:
 
 
 def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutdown: Any = None,
-               log_requests: bool = False) -> FastAPI:
+               log_requests: bool = False, start_screen: bool = False) -> FastAPI:
     """The FastAPI app over a :class:`ChatServing`.
 
     Args:
@@ -249,17 +260,28 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         api_key: when set, ``/v1`` and ``/anthropic`` require it.
         engine_shutdown: ``async (drain: bool) -> None`` run at shutdown (``AsyncEngine.shutdown``).
         log_requests: one :func:`access_line` per request on the ``openk3.access`` logger.
+        start_screen: start the body-screening worker (:mod:`openk3.server.screen`) at startup
+            instead of on the first large body (``openk3 serve`` does).
     """
     from openk3 import __version__
 
+    screen = BodyScreen(ScreenSpec(serving.model.id, serving.model.context_length, serving.max_token_bytes(),
+                                    max_messages=serving.limits.max_messages))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
+        if start_screen:
+            await screen.start()
+        try:
+            yield
+        finally:
+            await screen.close()
         if engine_shutdown is not None:
             await engine_shutdown(drain=True)
 
     app = FastAPI(title="openk3 Kimi-compatible API", version=__version__, lifespan=lifespan)
     app.state.serving = serving
+    app.state.screen = screen
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -273,9 +295,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         if first.get("type") == "json_invalid":  # loc is ("body", character position)
             pos = (first.get("loc") or ("body",))[-1]
             detail = (first.get("ctx") or {}).get("error") or msg
-            at = f" at character {pos}" if isinstance(pos, int) else ""
-            message = f"Invalid request: body: invalid JSON ({detail}{at})"
-            return _error_response(request.url.path, APIError(400, message))
+            return _error_response(request.url.path, APIError(400, invalid_json_message(detail, pos)))
         loc = field_path(first.get("loc", ()))
         if not loc and first.get("type") == "missing":  # FastAPI reports an empty body as a missing one
             model = _BODY_MODELS.get(request.url.path)
@@ -398,7 +418,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 
     app.openapi = lambda: _openapi(app)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=serving.limits.max_body_bytes, metrics=serving.metrics,
-                       log_requests=log_requests)
+                       log_requests=log_requests, screen=screen)
     if getattr(serving, "greedy", False):
         app.add_middleware(DecodingHeader)
     return app
@@ -556,7 +576,9 @@ def main(args: Any) -> int:
         access_log.addHandler(handler)
         access_log.setLevel(logging.INFO)
         access_log.propagate = False
-    app = create_app(serving, api_key=api_key, engine_shutdown=async_engine.shutdown, log_requests=not quiet)
+    # start_screen: the body-screening worker imports while the server starts, not on the first big body
+    app = create_app(serving, api_key=api_key, engine_shutdown=async_engine.shutdown, log_requests=not quiet,
+                     start_screen=True)
     model_id = serving.model.id
     note = "; --greedy: argmax decoding for evaluation, not the platform's sampling" if serving.greedy else ""
     # Request preparation (validation, rendering, tokenizing, image decoding) runs in worker

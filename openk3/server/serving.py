@@ -92,16 +92,21 @@ class ChatServing:
             request above it is refused before its images are decoded.
         greedy: decode every request at temperature 0 (``openk3 serve --greedy``, an evaluation
             switch; the platform samples at its fixed temperature).
+        max_token_bytes: bytes of the tokenizer's longest token when already known (the body
+            screen's worker process has no tokenizer); default: computed from `tokenizer` on first use.
     """
 
     def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
                  *, make_constraint: Callable | None = None, image_config: Any = None,
-                 activation_bytes: Callable | None = None, greedy: bool = False):
+                 activation_bytes: Callable | None = None, greedy: bool = False,
+                 max_token_bytes: int | None = None):
         self.engine, self.tokenizer, self.model, self.metrics, self.limits = engine, tokenizer, model, metrics, limits
         # ``openk3 serve --greedy`` (evaluation only): temperature 0 instead of the platform's fixed sampling.
         self.greedy = greedy
         self.image_config = image_config
         self.activation_bytes = activation_bytes
+        if max_token_bytes is not None:
+            self._max_token_bytes = max_token_bytes
         self._make_constraint = make_constraint
 
     # ------------------------------------------------------------------ validation
@@ -195,6 +200,18 @@ class ChatServing:
         self.check_model(req.model)
         return req
 
+    def check_size(self, req: ChatRequest, *, counting: bool = False) -> None:
+        """The first checks of :meth:`prepare` / :meth:`count_tokens`, whose cost does not grow with
+        the request beyond one pass: the message count, then the size bound over every rendered
+        field (:meth:`check_text_size`). The body screen (:mod:`openk3.server.screen`) runs exactly
+        these, after :meth:`parse`, on large bodies.
+
+        Raises:
+            APIError: 400 for too many messages or text over the context.
+        """
+        check_message_count(req, self.limits)
+        self.check_text_size(req, counting=counting)
+
     def render(self, req: ChatRequest) -> Any:
         """Render the request (:func:`openk3.chat_format.render`) and check its image parts.
 
@@ -216,8 +233,7 @@ class ChatServing:
             APIError: 404 unknown model, 400 for every contract violation (message names the field).
         """
         self.check_model(req.model)
-        check_message_count(req, self.limits)
-        self.check_text_size(req)  # first: every later check costs work proportional to the request
+        self.check_size(req)  # first: every later check costs work proportional to the request
         check_schema_depths(req)
         check_effort(req)
         check_keep(req)
@@ -344,8 +360,7 @@ class ChatServing:
             APIError: 400 ``request: ...`` for text over the context; the 400s of :meth:`render` and
                 of the image expansion otherwise.
         """
-        check_message_count(req, self.limits)
-        self.check_text_size(req, counting=True)
+        self.check_size(req, counting=True)
         return self._expand(self.render(req), pixels=False).prompt_tokens
 
     # ------------------------------------------------------------------ OpenAI surface
