@@ -8,7 +8,11 @@ Layout of ``<dir>/step-0000120/`` (``<dir>`` is ``<out>/checkpoints``):
 * ``trainer_state.pt``: optimizer state (Muon momenta, AdamW moments, ``initial_lr``), each
   balancer's state, torch / Python RNG states (read back with ``torch.load(weights_only=True)``);
 * ``trainer_state.json``: step, data-stream position (``DataSource.state_dict()``, must be JSON),
-  the run configuration and the last metrics, readable by people and scripts.
+  the run configuration and the last metrics, readable by people and scripts;
+* ``checksums.sha256``: the SHA-256 of every other file, in ``sha256sum`` format (so
+  ``sha256sum -c checksums.sha256`` checks a copy by hand); :meth:`CheckpointManager.load`
+  verifies them before reading anything, and a mismatch is an error naming the file. A
+  checkpoint written before this file existed loads unverified.
 
 Atomicity: everything is written into ``<dir>/.tmp-step-0000120-<pid>/``, flushed, and the
 directory is renamed to ``step-0000120`` in one ``os.rename`` (atomic on POSIX within a file
@@ -16,10 +20,17 @@ system); only then is the ``latest`` pointer replaced (``os.replace``) and old c
 A crash at any point leaves either the previous checkpoint or the new one complete, never a
 half-written directory under a ``step-*`` name; leftover ``.tmp-*`` directories are ignored and
 removed by the next save.
+
+One trainer per run directory: :class:`RunLock` holds an exclusive ``flock`` on ``<out>/.lock``
+(which records the holder's pid) for the whole run; a second trainer on the same directory is
+refused naming that pid. The kernel drops the lock when the holder exits, however it exits, so a
+killed run never leaves a stale lock behind.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import pickle
@@ -35,7 +46,10 @@ from openk3.checkpoint import from_hf_state_dict, read_safetensors
 
 STATE_PT = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
+CHECKSUMS = "checksums.sha256"
 LATEST = "latest"
+LOCK = ".lock"
+_WHAT = {STATE_PT: "optimizer state", STATE_JSON: "training state"}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -63,6 +77,102 @@ def _fsync_tree(path: str) -> None:
             with open(os.path.join(root, fn), "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(root)
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_checksums(directory: str) -> None:
+    """``checksums.sha256`` over every file under `directory` (relative paths, sorted)."""
+    lines = []
+    for root, _, files in os.walk(directory):
+        for fn in files:
+            rel = os.path.relpath(os.path.join(root, fn), directory)
+            if rel != CHECKSUMS:
+                lines.append(f"{_sha256(os.path.join(directory, rel))}  {rel}\n")
+    with open(os.path.join(directory, CHECKSUMS), "w", encoding="utf-8") as f:
+        f.writelines(sorted(lines, key=lambda line: line[66:]))
+
+
+def verify_checksums(directory: str | os.PathLike) -> bool:
+    """Check every file listed in ``<directory>/checksums.sha256``; returns False when there is
+    no such file (a checkpoint from before checksums were written), True when all match.
+
+    Raises:
+        ValueError: a listed file that is missing or whose SHA-256 differs (named, with what it
+            holds), or a malformed checksum file.
+    """
+    directory = os.fspath(directory)
+    manifest = os.path.join(directory, CHECKSUMS)
+    if not os.path.isfile(manifest):
+        return False
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            entries = [line.rstrip("\n").split("  ", 1) for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{manifest}: cannot be read ({e})") from None
+    for entry in entries:
+        if len(entry) != 2 or len(entry[0]) != 64:
+            raise ValueError(f"{manifest}: malformed line {'  '.join(entry)[:80]!r}")
+        want, rel = entry
+        path = os.path.join(directory, rel)
+        what = _WHAT.get(rel, "model weights" if rel.endswith(".safetensors") else "checkpoint file")
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: missing from the checkpoint ({what}; listed in {CHECKSUMS})")
+        if _sha256(path) != want:
+            raise ValueError(f"{path}: damaged {what}: its SHA-256 differs from the one recorded in {CHECKSUMS} "
+                             "when the checkpoint was saved")
+    return True
+
+
+class RunLock:
+    """An exclusive lock on a run directory for as long as a trainer runs in it.
+
+    ``flock(LOCK_EX | LOCK_NB)`` on ``<out_dir>/.lock``, which then holds the holder's pid. The
+    kernel releases the lock when the holder's file is closed, which includes the process
+    dying, so no stale lock can outlive a killed run. Use as a context manager, or
+    :meth:`acquire` / :meth:`release`.
+
+    Raises (acquire):
+        ValueError: another process holds the lock (its pid named, as recorded in the file).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.path = os.path.join(os.fspath(out_dir), LOCK)
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ValueError(f"out_dir {os.path.dirname(self.path)!r}: cannot lock {self.path} ({e.strerror})") from None
+            raise ValueError(f"out_dir {os.path.dirname(self.path)!r} is in use by another trainer (pid {holder}, "
+                             f"lock {self.path}); wait for it to finish or stop it first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the last descriptor drops the flock
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _rng_state() -> dict:
@@ -218,6 +328,7 @@ class CheckpointManager:
             # Written last: its presence marks a complete checkpoint for :meth:`complete`.
             with open(os.path.join(tmp, STATE_JSON), "w", encoding="utf-8") as f:
                 json.dump(record, f, indent=1)
+            _write_checksums(tmp)
             _fsync_tree(tmp)
             trash = None
             if os.path.exists(final):
@@ -274,13 +385,15 @@ class CheckpointManager:
             The ``trainer_state.json`` record (``step``, ``data``, ``run``, ``metrics``).
         Raises:
             FileNotFoundError: not a complete checkpoint.
-            ValueError: the checkpoint does not fit the model (shape / name, via
-                :func:`~openk3.checkpoint.from_hf_state_dict`), the balancer layers differ, or
-                the optimizer groups differ.
+            ValueError: a file whose SHA-256 differs from ``checksums.sha256`` (named; checked
+                before anything is read, :func:`verify_checksums`), the checkpoint does not fit the
+                model (shape / name, via :func:`~openk3.checkpoint.from_hf_state_dict`), the
+                balancer layers differ, or the optimizer groups differ.
         """
         path = os.fspath(path)
         if not os.path.isfile(os.path.join(path, STATE_JSON)):
             raise FileNotFoundError(f"{path!r} is not a complete training checkpoint (no {STATE_JSON})")
+        verify_checksums(path)
         try:
             with open(os.path.join(path, STATE_JSON), encoding="utf-8") as f:
                 record = json.load(f)
@@ -310,15 +423,18 @@ class CheckpointManager:
         return record
 
 
-__all__ = ["CheckpointManager", "check_out_dir", "step_dir_name", "STATE_PT", "STATE_JSON", "LATEST"]
+__all__ = ["CheckpointManager", "RunLock", "check_out_dir", "step_dir_name", "verify_checksums", "STATE_PT",
+           "STATE_JSON", "CHECKSUMS", "LATEST", "LOCK"]
 
 
-def check_out_dir(out_dir: str, resume: bool) -> None:
+def check_out_dir(out_dir: str, resume: bool, lock: bool = False) -> RunLock | None:
     """Create ``out_dir``; refuse a path that is not a directory, and an earlier run there unless
     ``resume`` (a fresh start would truncate its metrics and mix its checkpoints with the new ones).
+    With ``lock``, first take the directory's :class:`RunLock` (before looking for an earlier
+    run, so that a second trainer learns who holds it) and return it, held.
 
     Raises:
-        ValueError: naming the path.
+        ValueError: naming the path (or the pid of the trainer holding the lock).
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"out_dir {out_dir!r}: exists and is not a directory")
@@ -326,12 +442,16 @@ def check_out_dir(out_dir: str, resume: bool) -> None:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise ValueError(f"out_dir {out_dir!r}: cannot be created ({e.strerror or e})") from None
+    held = RunLock(out_dir).acquire() if lock else None
     if resume:
-        return
+        return held
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     earlier = [n for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []) if n.startswith("step-")]
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if earlier or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
+        if held is not None:
+            held.release()
         what = f"checkpoints {sorted(earlier)[-1]}" if earlier else "metrics.jsonl"
         raise ValueError(f"out_dir {out_dir!r} already holds a training run ({what}): pass --resume to continue "
                          "it, or choose another --out (or remove the directory) to start over")
+    return held

@@ -382,8 +382,8 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
     Raises:
         TrainingStopped: a non-finite loss or gradient norm; the message names the step and the
             last good checkpoint.
-        ValueError: a bad run configuration, an ``out_dir`` that is a file or already holds a run
-            while ``resume`` is false, ``resume`` onto a checkpoint of another model, or
+        ValueError: a bad run configuration, an ``out_dir`` that is a file, is in use by another
+            trainer (its pid named) or already holds a run while ``resume`` is false, ``resume`` onto a checkpoint of another model, or
             (under torchrun) a multi-stage recipe or an ``ep_size`` that does not divide the world.
     """
     from openk3.train.checkpointing import CheckpointManager, check_out_dir
@@ -391,10 +391,16 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
     from openk3.train.logging import MetricsLog, Progress, plot_metrics
 
     out_dir = os.fspath(out_dir)
-    check_out_dir(out_dir, resume)
-    if run.prepare is not None and not distributed_requested():  # multi-stage: earlier stages first
-        run = run.prepare(run, out_dir, resume)
-    ctx = run_context(run)
+    # one trainer per run directory: held from here to the end (rank 0 holds it for a torchrun job)
+    lock = check_out_dir(out_dir, resume, lock=os.environ.get("RANK", "0") == "0")
+    try:
+        if run.prepare is not None and not distributed_requested():  # multi-stage: earlier stages first
+            run = run.prepare(run, out_dir, resume)
+        ctx = run_context(run)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     try:
         if run.threads:
             torch.set_num_threads(run.threads)
@@ -463,6 +469,8 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
                         print(f"openk3 train: no plot ({e})", file=sys.stderr)
     finally:
         ctx.close()
+        if lock is not None:
+            lock.release()
     return TrainResult(step=step, end_step=end, signal=stop_sig, checkpoint=ckpt_path, last_metrics=last)
 
 
