@@ -121,9 +121,12 @@ class Guard:
     the module docstring."""
 
     def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Metrics,
-                 log_requests: bool = False, screen: BodyScreen | None = None):
+                 log_requests: bool = False, screen: BodyScreen | None = None, in_flight: dict | None = None):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
         self.log_requests, self.screen = log_requests, screen
+        # {"requests": n}: requests not yet fully answered (what SIGTERM / Ctrl-C waits for; the
+        # server's connection tasks outlive the last byte of a response for a moment)
+        self.in_flight = in_flight if in_flight is not None else {"requests": 0}
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         given = headers.get(b"x-api-key", b"")
@@ -144,16 +147,28 @@ class Guard:
         t0 = time.monotonic()
         scope[ACCESS] = access = {}
 
+        answered = False
+        self.in_flight["requests"] += 1
+
+        def done() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                self.in_flight["requests"] -= 1
+
         async def send_tracked(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status_box[0] = message["status"]
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                done()
 
         try:
             unanswered = await self._guarded(scope, receive, send_tracked, path)
             if unanswered is not None:
                 status_box[0] = unanswered
         finally:
+            done()
             self.metrics.request(endpoint, status_box[0])
             if self.log_requests:
                 gen = access.get("generation")
@@ -282,6 +297,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     app = FastAPI(title="openk3 Kimi-compatible API", version=__version__, lifespan=lifespan)
     app.state.serving = serving
     app.state.screen = screen
+    app.state.in_flight = in_flight = {"requests": 0}  # maintained by Guard
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -418,7 +434,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 
     app.openapi = lambda: _openapi(app)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=serving.limits.max_body_bytes, metrics=serving.metrics,
-                       log_requests=log_requests, screen=screen)
+                       log_requests=log_requests, screen=screen, in_flight=in_flight)
     if getattr(serving, "greedy", False):
         app.add_middleware(DecodingHeader)
     return app
@@ -612,7 +628,7 @@ def main(args: Any) -> int:
             # SIGINT and SIGTERM: one line, then uvicorn's graceful shutdown (stop accepting, wait
             # for in-flight responses, then the lifespan drains the engine). A second SIGINT aborts.
             if not self.should_exit:
-                n = len(self.server_state.tasks)
+                n = app.state.in_flight["requests"]
                 name = signal.Signals(sig).name
                 drain = f"finishing {n} in-flight request{'s' if n != 1 else ''}" if n else "no request in flight"
                 more = "; Ctrl-C again to abort them" if n and sig == signal.SIGINT else ""
