@@ -413,3 +413,30 @@ def test_malformed_checkpoint_files_are_one_line_errors_naming_the_file(tmp_path
     os.mkfifo(ck / "config.json")  # a FIFO would block a plain open() forever
     with pytest.raises(ValueError, match="config.json: cannot load: not a regular file"):
         load_pretrained(ck)
+
+
+def test_oversized_checkpoint_files_are_refused_before_reading(tmp_path):
+    """A config or tokenizer file over its size cap (a sparse file: it takes no disk) is a
+    one-line ``cannot load`` error naming the file and the cap, raised from its size alone."""
+    import os
+    import shutil
+
+    from openk3.files import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES
+    from openk3.pretrained import load_pretrained
+    from openk3.shipped import shipped_model_path
+    from openk3.tokenizer import load_tokenizer
+
+    src = shipped_model_path()
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    for name, cap, load in (("tokenizer.json", MAX_TOKENIZER_BYTES, load_tokenizer),
+                            ("tokenizer_config.json", MAX_CONFIG_BYTES, load_tokenizer),
+                            ("config.json", MAX_CONFIG_BYTES, load_pretrained)):
+        target = ck / name
+        original = target.read_bytes()
+        os.truncate(target, cap + 1)
+        with pytest.raises(ValueError) as e:
+            load(ck)
+        assert str(e.value) == f"{target}: cannot load: {cap + 1} bytes is over the {cap}-byte limit", str(e.value)
+        target.write_bytes(original)
+    assert load_tokenizer(ck).vocab_size == load_tokenizer(src).vocab_size  # restored: loads again
