@@ -452,6 +452,26 @@ def _names(message: str, conv: _Conversation) -> str:
     return message
 
 
+def parse_sized(serving: ChatServing, body: Any) -> tuple[ChatRequest, dict]:
+    """The first checks of :func:`prepare`, in its order and wording, none of whose cost grows with
+    the body beyond one pass: the model id, the parse (:func:`parse_request`), the message count
+    and the size bound over every rendered field (``ChatServing.check_size``). The body screen
+    (:mod:`openk3.server.screen`) runs exactly this on large bodies.
+
+    Raises:
+        APIError: 404 unknown model, 400 naming the field, too many messages or text over the context.
+    """
+    if isinstance(body, dict) and isinstance(body.get("model"), str):
+        serving.check_model(body["model"])  # an unknown model is a 404 before any 400
+    req, ctx = parse_request(body)
+    try:
+        serving.check_size(req)
+    except APIError as e:
+        e.message = _names(e.message, ctx["conversation"])
+        raise
+    return req, ctx
+
+
 def prepare(serving: ChatServing, body: Any) -> tuple[Prepared, dict]:
     """Parse and check a Responses body and prepare its generation; returns the prepared request
     and the echo context for :func:`complete` / :func:`sse`.
@@ -459,9 +479,7 @@ def prepare(serving: ChatServing, body: Any) -> tuple[Prepared, dict]:
     Raises:
         APIError: 404 unknown model, 400 invalid request (named in the Responses request's terms).
     """
-    if isinstance(body, dict) and isinstance(body.get("model"), str):
-        serving.check_model(body["model"])  # an unknown model is a 404 before any 400
-    req, ctx = parse_request(body)
+    req, ctx = parse_sized(serving, body)
     try:
         prep = serving.prepare(req)
     except APIError as e:

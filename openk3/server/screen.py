@@ -14,8 +14,8 @@ runs, in the server's order, the checks whose work grows with the body and that 
 3. the endpoint's first checks, as its route runs them: the model id (404), the parse into a
    request (the 400 naming the field), the message count and the size bound over every rendered
    field (:meth:`~openk3.server.serving.ChatServing.check_size`; history reasoning included when
-   thinking is on), on both surfaces and the token-count endpoints (Anthropic:
-   :func:`~openk3.server.anthropic.parse_sized`).
+   thinking is on), on every surface and the token-count endpoints (Anthropic and Responses:
+   their ``parse_sized``).
 
 A body the worker refuses is answered from its verdict and never parsed by the server; one it
 accepts is parsed by the server as usual, at a cost bounded by those limits. The worker imports
@@ -46,6 +46,8 @@ MAX_JSON_VALUES = (SCREEN_BYTES + 1) // 2  # as many values as SCREEN_BYTES - 1 
 
 CHAT, COUNT = "/v1/chat/completions", "/v1/tokenizers/estimate-token-count"
 ANTHROPIC, ANTHROPIC_COUNT = "/anthropic/v1/messages", "/anthropic/v1/messages/count_tokens"
+RESPONSES = "/v1/responses"
+SCREENED = (CHAT, COUNT, ANTHROPIC, ANTHROPIC_COUNT, RESPONSES)
 
 # a JSON string (skipped: commas and brackets inside it are text), a comma, or the opening of a
 # non-empty array / object; the value count is 1 + the matches that are not strings
@@ -127,6 +129,10 @@ def _check(serving: Any, path: str, body: Any) -> None:
         serving.check_size(serving.parse(body, counting=path == COUNT), counting=path == COUNT)
     elif path in (ANTHROPIC, ANTHROPIC_COUNT):
         anthropic.parse_sized(serving, body, counting=path == ANTHROPIC_COUNT)
+    elif path == RESPONSES:
+        from openk3.server import responses
+
+        responses.parse_sized(serving, body)
 
 
 def screen(path: str, raw: bytes, serving: Any = None, spec: ScreenSpec | None = None) -> tuple | None:
@@ -238,7 +244,7 @@ class BodyScreen:
 
     def applies(self, path: str, content_type: str | None, size: int) -> bool:
         """Whether a body goes through the worker: a JSON endpoint, parsed as JSON, large."""
-        return size >= self.threshold and path in (CHAT, COUNT, ANTHROPIC, ANTHROPIC_COUNT) \
+        return size >= self.threshold and path in SCREENED \
             and parsed_as_json(content_type)
 
     async def check(self, path: str, chunks: list[bytes], size: int) -> APIError | None:

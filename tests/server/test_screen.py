@@ -70,6 +70,9 @@ def _hostile(big: str) -> dict[str, tuple[str, dict]]:
         "anthropic tool description": ("/anthropic/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": user,
                                                                   "tools": a_tool}),
         "anthropic count": ("/anthropic/v1/messages/count_tokens", {"model": MODEL, "messages": user, "tools": a_tool}),
+        "responses tool description": ("/v1/responses", {"model": MODEL, "input": "hi", "tools": [
+            {"type": "function", "name": "f", "description": big, "parameters": {"type": "object"}}]}),
+        "responses unknown model": ("/v1/responses", {"model": "gpt-x", "input": big}),
     }
 
 
@@ -85,6 +88,10 @@ def _direct(serving, path: str, body: dict):
             serving.count_tokens(serving.parse(body, counting=True))
         elif path == "/anthropic/v1/messages":
             anthropic.prepare(serving, body)
+        elif path == "/v1/responses":
+            from openk3.server import responses
+
+            responses.prepare(serving, body)
         else:
             anthropic.count_tokens(serving, body)
     except APIError as e:
@@ -108,7 +115,7 @@ def test_screen_verdicts_are_the_servers_own_answers(tokenizer):
     fine = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "user": "u" * 300_000}
     for path in ("/v1/chat/completions", "/v1/tokenizers/estimate-token-count"):
         assert screen(path, json.dumps(fine).encode(), worker, spec) is None
-    for path in ("/v1/chat/completions", "/anthropic/v1/messages"):  # the parse's 400, as the route gives it
+    for path in ("/v1/chat/completions", "/anthropic/v1/messages", "/v1/responses"):  # the parse's 400, as routed
         assert screen(path, b"[1, 2]", worker, spec) == _direct(serving, path, [1, 2])
     many = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 10_001}
     assert screen("/v1/chat/completions", json.dumps(many).encode(), worker, spec) == (
