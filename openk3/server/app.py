@@ -247,6 +247,21 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
+OUT_OF_MEMORY = "Internal server error: not enough memory to prepare this request"
+
+
+async def _off_loop(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a worker thread (request preparation: parsing, rendering, tokenizing,
+    image decoding). A failed allocation there (``MemoryError``, numpy's included) fails this
+    request alone with a 500 in the platform envelope; as an :class:`APIError` it is answered like
+    any other error, where an unhandled exception would also close the client's connection."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except MemoryError:
+        log.warning("request preparation ran out of memory; the request is answered 500")
+        raise APIError(500, OUT_OF_MEMORY) from None
+
+
 async def _or_disconnect(request: Request, coro: Any) -> tuple[bool, Any]:
     """Await `coro` unless the client goes away first; returns ``(completed, result)``. On a
     disconnect `coro` is cancelled (``Generation`` cleanup then aborts the engine request)."""
@@ -351,12 +366,12 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}, **_ERRORS})
     async def chat_completions(request: Request, body: JSONBody) -> Response:
         # parsing, checks, rendering and grammar compilation are CPU work: keep them off the event loop
-        prep = await asyncio.to_thread(lambda: serving.prepare(serving.parse(body)))
+        prep = await _off_loop(lambda: serving.prepare(serving.parse(body)))
         return await _run(request, prep, serving.complete, serving.sse)
 
     @app.post("/v1/responses", response_model=None, responses=_ERRORS)
     async def create_response(request: Request, body: JSONBody) -> Response:
-        prep, ctx = await asyncio.to_thread(responses.prepare, serving, body)
+        prep, ctx = await _off_loop(responses.prepare, serving, body)
         return await _run(request, prep, lambda p, g: responses.complete(serving, p, ctx, g),
                           lambda p, g: responses.sse(serving, p, ctx, g))
 
@@ -367,7 +382,7 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 
     @app.post("/v1/tokenizers/estimate-token-count", response_model=TokenCountResponse, responses=_ERRORS)
     async def estimate_token_count(body: JSONBody) -> dict:
-        total = await asyncio.to_thread(lambda: serving.count_tokens(serving.parse(body, counting=True)))
+        total = await _off_loop(lambda: serving.count_tokens(serving.parse(body, counting=True)))
         return {"data": {"total_tokens": total}}
 
     def _card() -> dict:
@@ -411,13 +426,13 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
 
     @app.post("/anthropic/v1/messages", response_model=None, responses=_ERRORS)
     async def anthropic_messages(request: Request, body: JSONBody) -> Response:
-        prep = await asyncio.to_thread(anthropic.prepare, serving, body)
+        prep = await _off_loop(anthropic.prepare, serving, body)
         return await _run(request, prep, lambda p, g: anthropic.complete(serving, p, g),
                           lambda p, g: anthropic.sse(serving, p, g))
 
     @app.post("/anthropic/v1/messages/count_tokens", response_model=None, responses=_ERRORS)
     async def anthropic_count_tokens(body: JSONBody) -> dict:
-        return await asyncio.to_thread(anthropic.count_tokens, serving, body)
+        return await _off_loop(anthropic.count_tokens, serving, body)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

@@ -158,6 +158,49 @@ def test_engine_failure_is_a_500_then_the_server_serves_100_requests(live):
         assert live.aengine.engine.check_consistency() == []
 
 
+def test_out_of_memory_while_preparing_is_a_500_and_the_connection_goes_on(live, monkeypatch):
+    """A failed allocation while a request is prepared (numpy's MemoryError decoding an image under
+    a memory cap) is a 500 in the platform envelope on every surface; the client's keep-alive
+    connection stays open and serves the next request (an unhandled exception would close it)."""
+    import http.client
+    import json
+
+    import numpy as np
+
+    from openk3.server.app import OUT_OF_MEMORY
+
+    failures: list = []
+    real = live.serving.render
+
+    def render(req):
+        if not failures:
+            failures.append(1)
+            np.empty(1 << 62, dtype=np.uint8)  # numpy's _ArrayMemoryError, a MemoryError
+        return real(req)
+
+    monkeypatch.setattr(live.serving, "render", render)
+    host, port = live.base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2}
+    cases = [("/v1/chat/completions", chat, {"error": {"message": OUT_OF_MEMORY, "type": "server_error"}}),
+             ("/v1/tokenizers/estimate-token-count", {"model": MODEL, "messages": chat["messages"]},
+              {"error": {"message": OUT_OF_MEMORY, "type": "server_error"}}),
+             ("/anthropic/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": chat["messages"]},
+              {"type": "error", "error": {"type": "api_error", "message": OUT_OF_MEMORY}})]
+    for path, body, want in cases:
+        failures.clear()
+        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())) == (500, want), path
+        assert (r.getheader("connection") or "").lower() != "close", path
+        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+        r = conn.getresponse()  # same socket: still open
+        assert r.status == 200, (path, r.read())
+        r.read()
+    conn.close()
+    assert live.aengine.engine.check_consistency() == []
+
+
 def _spy_tokenizer(monkeypatch, tok) -> list[int]:
     """Lengths of every text the tokenizer encodes while the test runs."""
     seen: list[int] = []
