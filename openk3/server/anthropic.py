@@ -336,9 +336,27 @@ def parse_request(body: Any, *, counting: bool = False) -> ChatRequest:
     return to_chat_request(body, check_thinking(body))
 
 
-def _check_model(serving: ChatServing, body: Any) -> None:
+CLAUDE_MODEL_PREFIX = "claude-"
+
+
+def _check_model(serving: ChatServing, body: Any) -> Any:
+    """The body with its ``model`` resolved to the served model, or APIError 404 (before any 400).
+
+    A ``claude-*`` id is answered by the served model: Anthropic clients send their own default
+    model ids (Claude Code asks for e.g. ``claude-opus-4-8[1m]`` and a ``claude-*-haiku`` for side
+    tasks) unless configured otherwise, and Moonshot's Anthropic gateway for Kimi Code is reached by
+    Claude Code with only a base URL and a key, answering with its own model id. Any other unknown
+    id stays a 404, as on the platform.
+    """
     if isinstance(body, dict) and isinstance(body.get("model"), str):
-        serving.check_model(body["model"])  # an unknown model is a 404 before any 400
+        if body["model"].startswith(CLAUDE_MODEL_PREFIX) and body["model"] != serving.model.id:
+            return {**body, "model": serving.model.id}
+        try:
+            serving.check_model(body["model"])
+        except APIError as e:  # Anthropic's wording (``model: X``), as the surface's other errors
+            e.message = e.anthropic_message or e.message
+            raise
+    return body
 
 
 def parse_sized(serving: ChatServing, body: Any, *, counting: bool = False) -> ChatRequest:
@@ -350,7 +368,7 @@ def parse_sized(serving: ChatServing, body: Any, *, counting: bool = False) -> C
     Raises:
         APIError: 404 unknown model, 400 naming the field, too many messages or text over the context.
     """
-    _check_model(serving, body)
+    body = _check_model(serving, body)
     req = parse_request(body, counting=counting)
     if counting:
         serving.check_size(req, counting=True)

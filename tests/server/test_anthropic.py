@@ -101,8 +101,9 @@ def test_prefill_and_text_stream(ac):
 
 def test_errors_use_the_anthropic_envelope(ac):
     with pytest.raises(anthropic.NotFoundError) as e:
-        ac.messages.create(model="claude-x", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+        ac.messages.create(model="gpt-x", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    assert e.value.body["error"]["message"] == "model: gpt-x"
     with pytest.raises(anthropic.BadRequestError):
         ac.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
@@ -143,3 +144,17 @@ def test_anthropic_field_names_in_errors(ac):
         ac.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": 5}}]}])
     assert e.value.body["error"]["message"] == "messages[0].content[0].source.data: must be a base64 string, got int"
+
+
+@pytest.mark.parametrize("claude_id", ["claude-opus-4-8[1m]", "claude-haiku-4-5-20251001"])
+def test_claude_model_ids_are_answered_by_the_served_model(ac, claude_id):
+    """Claude Code's own default ids (its main model and the small one for side tasks) reach the served
+    model, which names itself in the reply; the count endpoint agrees with the served id's count."""
+    msgs = [{"role": "user", "content": "say hi"}]
+    m = ac.messages.create(model=claude_id, max_tokens=3, messages=msgs)
+    assert m.model == MODEL and m.usage.output_tokens == 3
+    assert (ac.messages.count_tokens(model=claude_id, messages=msgs).input_tokens
+            == ac.messages.count_tokens(model=MODEL, messages=msgs).input_tokens)
+    with ac.messages.stream(model=claude_id, max_tokens=2, messages=msgs) as s:
+        final = s.get_final_message()
+    assert final.model == MODEL and final.usage.output_tokens == 2

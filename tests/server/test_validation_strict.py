@@ -139,7 +139,7 @@ def test_openai_route_thinking_budget_stays_accept_and_ignore(http):
 
 
 def test_unknown_model_still_wins_over_a_bad_thinking_budget(http):
-    r = http.post(MESSAGES, json=_anth(model="claude-x", thinking={"type": "enabled"}))
+    r = http.post(MESSAGES, json=_anth(model="gpt-x", thinking={"type": "enabled"}))
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
 
 
