@@ -115,19 +115,22 @@ def test_checkpoint_names_and_init():
     assert all(mod.bias is None for mod in m.modules() if isinstance(mod, torch.nn.Linear))
 
 
+@pytest.mark.parametrize("grad", (True, False), ids=("autograd", "inference"))
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_prefill_then_decode_equals_full(variant):
+def test_prefill_then_decode_equals_full(variant, grad):
+    # With autograd the cached prefill runs the dense latent form; without it (the engine) the tiled one.
     m = _layer(variant)
     B, T, T0 = 2, 10, 4
     x = torch.randn(B, T, m.hidden_size)
-    full = m(x)
-    cache = MLALayerCache.zeros(m_cfg := _config(variant), B, capacity=T)
-    assert m_cfg.kv_lora_rank == cache.latent.shape[-1]
-    outs = [m(x[:, :T0], cache, past_lengths=torch.zeros(B, dtype=torch.long))]
-    past = torch.full((B,), T0)
-    for t in range(T0, T):
-        outs.append(m(x[:, t:t + 1], cache, past_lengths=past))
-        past = past + 1
+    with torch.set_grad_enabled(grad):
+        full = m(x)
+        cache = MLALayerCache.zeros(m_cfg := _config(variant), B, capacity=T)
+        assert m_cfg.kv_lora_rank == cache.latent.shape[-1]
+        outs = [m(x[:, :T0], cache, past_lengths=torch.zeros(B, dtype=torch.long))]
+        past = torch.full((B,), T0)
+        for t in range(T0, T):
+            outs.append(m(x[:, t:t + 1], cache, past_lengths=past))
+            past = past + 1
     assert_close(torch.cat(outs, 1), full, atol=1e-5, what=f"{variant}: prefill + decode vs full")
 
 
@@ -150,28 +153,30 @@ def test_chunked_prefill_with_history_equals_full(variant):
     assert_close(ml_cached, ml_full, atol=1e-5, what="absorbed vs full max logits")
 
 
-def test_ragged_batch_unequal_lengths_and_history():
-    m = _layer("qlora+gate")
-    D = m.hidden_size
-    seqs = [torch.randn(n, D) for n in (6, 8, 3)]  # each row's own token stream
-    B = len(seqs)
-    cache = MLALayerCache.zeros(_config("qlora+gate"), B, capacity=8)
-    # Three calls with different (past, lengths) per row; right-padded inputs.
-    plan = [(torch.tensor([2, 5, 0]), 5), (torch.tensor([3, 1, 2]), 3), (torch.tensor([1, 2, 1]), 2)]
-    past = torch.zeros(B, dtype=torch.long)
-    got = [[] for _ in range(B)]
-    for lengths, T in plan:
-        x = torch.randn(B, T, D) * 100  # garbage in padded slots must not leak
+@pytest.mark.parametrize("grad", (True, False), ids=("autograd", "inference"))
+def test_ragged_batch_unequal_lengths_and_history(grad):
+    with torch.set_grad_enabled(grad):
+        m = _layer("qlora+gate")
+        D = m.hidden_size
+        seqs = [torch.randn(n, D) for n in (6, 8, 3)]  # each row's own token stream
+        B = len(seqs)
+        cache = MLALayerCache.zeros(_config("qlora+gate"), B, capacity=8)
+        # Three calls with different (past, lengths) per row; right-padded inputs.
+        plan = [(torch.tensor([2, 5, 0]), 5), (torch.tensor([3, 1, 2]), 3), (torch.tensor([1, 2, 1]), 2)]
+        past = torch.zeros(B, dtype=torch.long)
+        got = [[] for _ in range(B)]
+        for lengths, T in plan:
+            x = torch.randn(B, T, D) * 100  # garbage in padded slots must not leak
+            for b in range(B):
+                x[b, : lengths[b]] = seqs[b][past[b]:past[b] + lengths[b]]
+            y = m(x, cache, lengths=lengths, past_lengths=past)
+            for b in range(B):
+                got[b].append(y[b, : lengths[b]])
+                assert bool((y[b, lengths[b]:] == 0).all()), "padded positions must be zero"
+            past = past + lengths
         for b in range(B):
-            x[b, : lengths[b]] = seqs[b][past[b]:past[b] + lengths[b]]
-        y = m(x, cache, lengths=lengths, past_lengths=past)
-        for b in range(B):
-            got[b].append(y[b, : lengths[b]])
-            assert bool((y[b, lengths[b]:] == 0).all()), "padded positions must be zero"
-        past = past + lengths
-    for b in range(B):
-        assert_close(torch.cat(got[b]), m(seqs[b][None])[0], atol=1e-5, what=f"row {b} vs its own full forward")
-        assert_close(cache.latent[b, past[b]:], torch.zeros_like(cache.latent[b, past[b]:]), atol=0, what="unwritten slots")
+            assert_close(torch.cat(got[b]), m(seqs[b][None])[0], atol=1e-5, what=f"row {b} vs its own full forward")
+            assert_close(cache.latent[b, past[b]:], torch.zeros_like(cache.latent[b, past[b]:]), atol=0, what="unwritten slots")
 
 
 def test_full_form_padding_matches_unpadded_rows():
