@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-memory", type=_bytes, help="bytes for the KV/KDA cache pools, e.g. 8G")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     serve.add_argument("--max-waiting", type=int, help="admission queue bound; beyond it requests get 429")
-    serve.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped by memory)")
+    serve.add_argument("--max-model-len", type=int,
+                       help="context length (default: the model's); more than --cache-memory holds for one "
+                            "sequence is an error")
     serve.add_argument("--max-request-memory", type=_bytes,
                        help="activation memory one request may need (vision tower); larger ones get a 400 "
                             "(default: half of the memory available at start-up)")

@@ -75,7 +75,9 @@ def _openk3_tiny() -> K3Config:
         n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
         routed_expert_hidden_size=64, attn_res_block_size=2,
         bos_token_id=7936, eos_token_id=7937, pad_token_id=8191, media_placeholder_token_id=7957,
-        max_position_embeddings=262144,
+        # K3's context: KDA and NoPE MLA have no positional limit, so the declared context is a
+        # serving budget (one 1M-token sequence is 384 MiB of fp32 MLA latents here), not trained length.
+        max_position_embeddings=1048576,
     )
 
 

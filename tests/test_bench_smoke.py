@@ -101,7 +101,8 @@ def test_server_quick():
 
 
 def test_registry_and_bad_input():
-    assert set(BENCHMARKS) == {"vs-transformers", "prefix-cache", "batching", "kda", "attn-res", "memory", "server"}
+    assert set(BENCHMARKS) == {"vs-transformers", "prefix-cache", "batching", "kda", "attn-res", "memory", "server",
+                               "long-prefill"}
     with pytest.raises(ValueError, match="unknown"):
         run_benchmark("nope")
     with pytest.raises(ValueError, match="unknown settings"):
@@ -120,3 +121,43 @@ def test_batching_quick_in_bfloat16_and_fp32_only_benchmarks_refuse_other_dtypes
     assert run_benchmark("memory", quick=True)["dtype"] == "float32"  # the default placement is recorded
     with pytest.raises(ValueError, match="'kda' runs on cpu in float32 only.*batching, server take --device"):
         run_benchmark("kda", quick=True, dtype=torch.bfloat16)
+
+
+def test_long_prefill_quick_and_its_equality_check_bites(monkeypatch):
+    pytest.importorskip("transformers")
+    r = run_benchmark("long-prefill", quick=True)
+    _targets_are_numbers(r)
+    c = r["checks"]
+    assert c["greedy_tokens_equal"] and c["k3_vs_full_forward_max_abs"] <= 1e-4 * max(1.0, c["k3_logits_scale"])
+    assert c["turn2_cached_tokens"] >= r["config"]["prompt_tokens"] - r["config"]["block_size"]
+    assert r["k3"]["prefill_tok_per_s"] > 0 and r["kimi_linear"]["transformers_tok_per_s"] > 0
+    assert r["measured"]["matmul_gflops"]["median"] > 0
+    assert r["k3"]["cpu_time"]["fraction_of_matmul_rate"] > 0 and r["kimi_linear"]["speedup_cpu_time"] > 0
+    # a chunked prefill that is slightly wrong must stop the benchmark
+    import openk3.ops.attention as attention
+
+    real = attention.latent_attention_blocked
+    monkeypatch.setattr(attention, "latent_attention_blocked", lambda *a, **k: real(*a, **k) * 1.01)
+    with pytest.raises(BenchmarkError, match="chunked prefill"):
+        run_benchmark("long-prefill", quick=True, peer=False)
+
+
+def test_prefill_flops_of_the_shipped_config_by_hand():
+    from openk3.bench.long_prefill import prefill_flops
+    from openk3.config import preset
+
+    cfg = preset("openk3-tiny")
+    # multiply-adds per token (D 128, KDA P 128 K 32 H 4; MLA Q 64, C 32, N 32, R 16, V 32, H 4;
+    # dense I 384; MoE E 16, latent 64, F 64, top-2, one shared expert of 64)
+    kda = 4 * 128 * 128 + 128 * 32 + 32 * 128 + 128 * 4 + 128 * 128
+    mla = 128 * 64 + 64 * 4 * 48 + 128 * 48 + 32 * 4 * 64 + 128 * 128 + 128 * 128
+    dense = 3 * 128 * 384
+    moe_rest, experts = 128 * 16 + 128 * 64 + 64 * 128 + 3 * 128 * 64, 2 * 3 * 64 * 64
+    T, past = 100, 50
+    f = prefill_flops(cfg, T, past)
+    assert f["projections"] == 2 * T * (6 * kda + 2 * mla + dense + 7 * moe_rest)
+    assert f["experts"] == 2 * T * 7 * experts
+    pairs = sum(past + t + 1 for t in range(T))
+    assert f["attention"] == 2 * 4 * 2 * (32 + 16 + 32) * pairs
+    assert f["kda_state"] == 6 * 4 * 7 * 32 * 32 * T and f["lm_head"] == 2 * 128 * 8192
+    assert f["total"] == sum(v for k, v in f.items() if k not in ("total", "per_token"))

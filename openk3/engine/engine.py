@@ -65,10 +65,13 @@ class EngineConfig:
         max_num_seqs: most requests running at once (also the number of KDA slots wanted).
         cache_memory: bytes for MLA blocks + KDA slots + prefix snapshots; None = 80% of free GPU
             memory on CUDA, else room for ``max_num_seqs`` sequences of min(max_model_len, 32768)
-            tokens (each at least twice a KDA state, so every one gets a slot) plus the snapshot share.
+            tokens (each at least twice a KDA state, so every one gets a slot) and for one
+            sequence of max_model_len tokens, plus the snapshot share (CPU pools are committed
+            lazily, :func:`~openk3.engine.kv_pool.pool_zeros`).
         block_size: L, tokens per MLA latent block and per prefix-hash block.
-        max_model_len: longest prompt + output; default ``max_position_embeddings``, always capped
-            by the block pool's capacity.
+        max_model_len: longest prompt + output; default ``max_position_embeddings``. Never capped
+            silently: more than the model declares, or more than the block pool holds for one
+            sequence, is a ValueError naming both numbers.
         enable_prefix_cache: reuse prompt prefixes across requests.
         prefill_chunk: token budget of one step (decodes count one each).
         max_waiting: admission queue bound (:class:`EngineOverloaded` beyond it).
@@ -187,8 +190,7 @@ class Engine:
         self.slots = SlotPool(mc, lay.num_slots, self.device, self.dtype)
         self.snapshots = SnapshotPool(mc, lay.num_snapshots, L, self.device, self.dtype)
         self.prefix = PrefixCache(self.blocks, self.snapshots, L, interval, cfg.enable_prefix_cache)
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
-                                 lay.num_blocks * L)
+        self.max_model_len = self._resolve_max_model_len(memory)
         self.scheduler = Scheduler(self.blocks, self.slots, self.prefix, max_num_seqs=min(cfg.max_num_seqs, lay.num_slots),
                                    prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill, block_size=L,
                                    forward_cost=cfg.prefill_forward_cost)
@@ -203,16 +205,53 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         self.failures = 0  # step work that raised (each failed its requests, see step())
 
+    def _requested_max_model_len(self) -> int:
+        """``max_model_len`` as configured (default: the model's ``max_position_embeddings``).
+
+        Raises:
+            ValueError: more than the model declares (naming both numbers).
+        """
+        cfg, mc = self.config, self.model_config
+        if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={cfg.max_model_len}: exceeds the model's context "
+                             f"(max_position_embeddings={mc.max_position_embeddings})")
+        return cfg.max_model_len or mc.max_position_embeddings
+
+    def _resolve_max_model_len(self, memory: int) -> int:
+        """The served context: the requested one if the MLA block pool holds that many tokens for
+        one sequence.
+
+        Raises:
+            ValueError: it does not (naming max_model_len, the tokens the pool holds, cache_memory
+                and the bytes the pool would need).
+        """
+        want = self._requested_max_model_len()
+        lay = self.layout
+        room = lay.num_blocks * lay.block_size
+        # A sequence of n tokens caches n - 1 of them: its last sampled token is never fed back.
+        if want - 1 > room:
+            need = -(-(want - 1) // lay.block_size) * lay.block_bytes
+            what = "" if self.config.max_model_len is not None else " (the model's max_position_embeddings)"
+            raise ValueError(
+                f"max_model_len={want}{what}: cache_memory={memory} bytes holds sequences of up to "
+                f"{room + 1} tokens ({lay.num_blocks} MLA blocks of {lay.block_size} tokens); {want} tokens "
+                f"need {need} bytes of MLA blocks alone: raise cache_memory or lower max_model_len")
+        return want
+
     def _default_cache_memory(self, frac: float) -> int:
         cfg, mc = self.config, self.model.config
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.8)  # the rest is for activations of the forward passes
-        tokens = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings, 32768)
+        context = self._requested_max_model_len()
+        tokens = min(context, 32768)
         # cache_layout gives max_num_seqs KDA slots only if they take at most half of the non-snapshot
         # budget; with short contexts the KDA state dominates a sequence, so budget at least twice it.
-        per_seq = max(sequence_bytes(mc, tokens, self.dtype), 2 * kda_state_bytes(mc, self.dtype)["total"])
-        return math.ceil(cfg.max_num_seqs * per_seq / (1 - frac)) + 1
+        kda = kda_state_bytes(mc, self.dtype)["total"]
+        per_seq = max(sequence_bytes(mc, tokens, self.dtype), 2 * kda)
+        # ... and one sequence must be able to use the whole context (one spare block for rounding).
+        longest = sequence_bytes(mc, context + cfg.block_size, self.dtype) + (2 * cfg.max_num_seqs - 1) * kda
+        return math.ceil(max(cfg.max_num_seqs * per_seq, longest) / (1 - frac)) + 1
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_ids: list[int], params: SamplingParams, constraint=None,
@@ -242,8 +281,7 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt_ids: {len(prompt_ids)} tokens leave no room to generate within max_model_len="
-                f"{self.max_model_len} (the model's limit and the cache capacity of "
-                f"{self.layout.num_blocks} blocks x {self.layout.block_size} tokens)"
+                f"{self.max_model_len}"
             )
         if constraint is not None and not callable(getattr(constraint, "allowed_tokens", None)):
             raise ValueError("constraint: needs allowed_tokens(), accept(token_id) and is_finished()")

@@ -16,7 +16,9 @@ Two entry points, one per MLA form (architecture.md §4):
   (q̃_h = W_UK,hᵀ q^C_h) attend over the cached normalised latent ĉ and shared key k^R. Query t of
   row b sees cache positions ``< past_lengths[b] + t + 1``, which serves single-token decode and
   chunked prefill on top of history alike. It returns Σ_j p_j ĉ_j per head; the caller applies
-  W_UV.
+  W_UV. Multi-token calls (prefill) run the tiled online-softmax form
+  (:func:`openk3.ops.latent_blocked.latent_attention_blocked`); decode steps, QK-Clip max-logit
+  requests and the ``"reference"`` backend run the dense :func:`latent_attention_reference`.
 
 Both can report the per-head maximum of the scaled pre-softmax logits over the unmasked pairs
 (QK-Clip, architecture.md §9), accumulated in place into a caller-owned [H] tensor.
@@ -31,6 +33,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from openk3.ops.latent_blocked import latent_attention_blocked
 
 BACKENDS = ("sdpa", "reference")
 _backend = "sdpa"
@@ -219,13 +223,18 @@ def causal_attention(
             q, k, v, scale=scale, lengths=lengths, cu_seqlens=cu_seqlens, max_logits_out=max_logits_out
         )
     _check_full_args(q, k, v, lengths, cu_seqlens)
-    B, H, T, _ = q.shape
+    B, H, T, K = q.shape
+    V = v.shape[-1]
     qvalid = _query_valid(lengths, B, T, q.device)
+    # The CPU fused (flash) kernel needs V == K; otherwise SDPA falls back to its math path, which
+    # materialises [B, H, T, T] scores (2.6 GB at T = 8192, H = 4). Zero value columns change nothing.
+    vv = F.pad(v, (0, K - V)) if q.device.type == "cpu" and V < K else v
     if cu_seqlens is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=scale)
     else:
         mask = _full_mask(T, cu_seqlens, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, vv, attn_mask=mask, scale=scale)
+    out = out[..., :V] if vv is not v else out
     if qvalid is not None:
         out = out * qvalid[:, None, :, None].to(out.dtype)
     if max_logits_out is not None:
@@ -244,8 +253,38 @@ def latent_attention(
     scale: float,
     lengths: torch.Tensor | None = None,
     max_logits_out: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """Absorbed MLA attention of new queries over a latent cache (architecture.md §4, decode).
+    """Absorbed MLA attention of new queries over a latent cache (architecture.md §4).
+
+    Arguments, result and errors as :func:`latent_attention_reference`; ``backend``: ``"reference"``
+    forces the dense form, None = :func:`get_attention_backend` (``"reference"`` there forces it as
+    well). Otherwise a call with more than one query token, no ``max_logits_out`` and no gradient
+    runs the tiled form (:func:`~openk3.ops.latent_blocked.latent_attention_blocked`: no
+    [B, H, T, S] logits, inference only), everything else the dense form (a decode step's logits
+    are [B, H, 1, S]; training through a cache differentiates the dense form).
+    """
+    backend = backend or _backend
+    _check_backend(backend)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_latent, q_rope, latent, k_rope))
+    if backend != "reference" and max_logits_out is None and q_latent.shape[1] > 1 and not grad:
+        return latent_attention_blocked(q_latent, q_rope, latent, k_rope, past_lengths, scale=scale, lengths=lengths)
+    return latent_attention_reference(q_latent, q_rope, latent, k_rope, past_lengths, scale=scale, lengths=lengths,
+                                      max_logits_out=max_logits_out)
+
+
+def latent_attention_reference(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    past_lengths: torch.Tensor,
+    *,
+    scale: float,
+    lengths: torch.Tensor | None = None,
+    max_logits_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA attention of new queries over a latent cache, dense (the readable form).
 
     logit[b, h, t, j] = (q_latent[b,t,h]·latent[b,j] + q_rope[b,t,h]·k_rope[b,j]) * scale, visible
     iff ``j < past_lengths[b] + t + 1`` and t is a valid query (``t < lengths[b]``). The cache

@@ -598,7 +598,7 @@ def main(args: Any) -> int:
             max_request_memory=getattr(args, "max_request_memory", None), device=device, dtype=dtype,
             greedy=bool(getattr(args, "greedy", False)))
     except (FileNotFoundError, ValueError) as e:
-        print(f"openk3 serve: cannot load {path!r}: {e}", file=sys.stderr)
+        print(f"openk3 serve: cannot start with {path!r}: {e}", file=sys.stderr)
         return 2
     quiet = getattr(args, "quiet", False)
     if not quiet and not access_log.handlers:

@@ -61,7 +61,8 @@ def test_admission_control_under_a_tiny_budget(model):
     # 2 slots and 34 blocks of 8 tokens (max_model_len 272); each long request reserves
     # ceil((20 + 130 - 1) / 8) = 19 blocks for its lifetime, so only one fits at a time.
     memory = tiny_budget(model, 2, 34, 8)
-    eng = Engine(model, EngineConfig(block_size=8, cache_memory=memory, enable_prefix_cache=False, max_num_seqs=2))
+    eng = Engine(model, EngineConfig(block_size=8, cache_memory=memory, enable_prefix_cache=False, max_num_seqs=2,
+                                     max_model_len=272))
     assert (eng.layout.num_slots, eng.layout.num_blocks, eng.max_model_len) == (2, 34, 272)
     assert eng.layout.total_bytes <= memory
     long_a, long_b, short_c = prompts_of((20, 20, 5), seed=22)
@@ -92,7 +93,7 @@ def test_admission_control_under_a_tiny_budget(model):
 
 def test_requests_that_can_never_fit_are_rejected(model):
     eng = Engine(model, EngineConfig(block_size=8, cache_memory=tiny_budget(model, 2, 34, 8),
-                                     enable_prefix_cache=False, max_num_seqs=2))
+                                     enable_prefix_cache=False, max_num_seqs=2, max_model_len=272))
     with pytest.raises(ValueError, match="max_model_len=272"):
         eng.add_request(list(range(272)), greedy(1))
     # a long max_tokens is capped to the room left, not rejected
@@ -131,7 +132,7 @@ def test_default_budget_gives_every_sequence_a_slot_and_its_tokens(model, prefix
 
 
 def test_allocations_equal_the_planner_formulas(model):
-    eng = Engine(model, EngineConfig(block_size=8, cache_memory=4_000_000))
+    eng = Engine(model, EngineConfig(block_size=8, cache_memory=4_000_000, max_model_len=1024))
     cfg, lay = model.config, eng.layout
     assert lay.block_bytes == 8 * kv_bytes_per_token(cfg, torch.float32)
     assert lay.slot_bytes == kda_state_bytes(cfg, torch.float32)["total"]
@@ -144,3 +145,55 @@ def test_allocations_equal_the_planner_formulas(model):
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * (16 + 8) * 4
     assert kda_state_bytes(cfg, torch.float32) == {"recurrent": 4 * 4 * 16 * 16 * 4, "conv": 4 * 3 * 64 * 3 * 4,
                                                    "total": 4 * 4 * 16 * 16 * 4 + 4 * 3 * 64 * 3 * 4}
+
+
+def test_max_model_len_is_honoured_or_refused_never_capped(model):
+    budget = tiny_budget(model, 2, 34, 8)  # the MLA pool holds 272 tokens for one sequence
+    eng = Engine(model, EngineConfig(block_size=8, cache_memory=budget, enable_prefix_cache=False, max_num_seqs=2,
+                                     max_model_len=200))
+    assert eng.max_model_len == 200 and eng.stats()["max_model_len"] == 200
+    # 272 cached tokens serve sequences of 273 (the last sampled token is never cached) ...
+    eng = Engine(model, EngineConfig(block_size=8, cache_memory=budget, enable_prefix_cache=False, max_num_seqs=2,
+                                     max_model_len=273))
+    rid = eng.add_request(list(range(100)), greedy(1000))
+    assert eng.scheduler.waiting[0].max_tokens == 173 and eng.scheduler.blocks_needed(eng.scheduler.waiting[0]) == 34
+    eng.abort(rid)
+    with pytest.raises(ValueError) as e:  # ... and one token more does not fit
+        Engine(model, EngineConfig(block_size=8, cache_memory=budget, enable_prefix_cache=False, max_num_seqs=2,
+                                   max_model_len=274))
+    assert str(e.value).startswith(f"max_model_len=274: cache_memory={budget} bytes holds sequences of up to 273 "
+                                   "tokens (34 MLA blocks of 8 tokens)")
+    with pytest.raises(ValueError) as e:  # no max_model_len: the model's context must fit as well
+        Engine(model, EngineConfig(block_size=8, cache_memory=budget, enable_prefix_cache=False, max_num_seqs=2))
+    ctx = model.config.max_position_embeddings
+    assert f"max_model_len={ctx} (the model's max_position_embeddings): cache_memory={budget} bytes holds " \
+        "sequences of up to 273" in str(e.value)
+    with pytest.raises(ValueError, match=f"max_model_len={ctx + 1}: exceeds the model's context "
+                                         rf"\(max_position_embeddings={ctx}\)"):
+        Engine(model, EngineConfig(block_size=8, max_model_len=ctx + 1))
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
+def test_default_budget_holds_one_sequence_of_a_million_tokens(model, prefix):
+    # K3's context: the default budget is sized for one sequence of the whole context besides the
+    # batch (CPU pools are committed lazily, so this costs no resident memory up front).
+    cfg = model.config.replace(max_position_embeddings=1 << 20)
+    big = type(model)(cfg)
+    big.load_state_dict(model.state_dict())
+    eng = Engine(big.eval(), EngineConfig(block_size=16, max_num_seqs=4, enable_prefix_cache=prefix))
+    assert eng.max_model_len == 1 << 20
+    assert eng.layout.num_blocks * 16 >= 1 << 20 and eng.layout.num_slots == 4
+    # a prompt far past the old 8K limit is accepted with its output budget capped by the room left
+    rid = eng.add_request([i % 500 for i in range(20_000)], greedy(1 << 30))
+    assert eng.scheduler.waiting[0].max_tokens == (1 << 20) - 20_000
+    eng.abort(rid)
+
+
+def test_pool_zeros_are_zero_in_every_dtype():
+    from openk3.engine.kv_pool import pool_zeros
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = pool_zeros(3, 5, device="cpu", dtype=dtype)
+        assert t.dtype == dtype and t.shape == (3, 5) and not t.any()
+        t[1, 2] = 1.5  # writable, and writes land where they are addressed
+        assert float(t.sum()) == 1.5 and float(t[1, 2]) == 1.5

@@ -128,7 +128,7 @@ def test_eviction_under_pool_pressure(mild_model):
     # 3 snapshots, 1 slot, 17 blocks: a few prompts are enough to evict from both pools
     memory = 3 * snap_b + slot_b + 17 * block_b
     eng, log = logged_engine(model, block_size=L, snapshot_interval=8, max_num_seqs=4, cache_memory=memory,
-                             snapshot_fraction=3 * snap_b / memory + 1e-9)
+                             max_model_len=17 * L, snapshot_fraction=3 * snap_b / memory + 1e-9)
     assert (eng.layout.num_snapshots, eng.layout.num_slots, eng.layout.num_blocks) == (3, 1, 17)
     a = prompts_of((24,), seed=7)[0]
     check_hit(model, eng, log, a, 0)
@@ -178,7 +178,7 @@ def test_many_short_prompts_share_one_parent(mild_model):
     snap_b = snapshot_bytes(cfg, 8, torch.float32)
     memory = 4 * snap_b + kda_state_bytes(cfg, torch.float32)["total"] * 2 + 60 * 8 * kv_bytes_per_token(cfg, torch.float32)
     eng, log = logged_engine(model, block_size=8, snapshot_interval=8, cache_memory=memory, max_num_seqs=1,
-                             snapshot_fraction=4 * snap_b / memory + 1e-9)
+                             max_model_len=480, snapshot_fraction=4 * snap_b / memory + 1e-9)
     assert eng.layout.num_snapshots == 4
     shared = prompts_of((8,), seed=13)[0]
     ta, tb, *more = prompts_of((5, 5, 5, 5, 5, 5), seed=14)

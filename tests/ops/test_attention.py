@@ -155,3 +155,65 @@ def test_latent_attention_overflow_and_shapes():
         latent_attention(ql, qr, lat, kr, torch.tensor([0, 0]), scale=1.0)
     with pytest.raises(ValueError, match="q_latent"):
         latent_attention(ql, qr[..., :1], lat, kr, torch.tensor([0]), scale=1.0)
+
+
+@pytest.mark.parametrize("tiles", [(256, 512), (3, 4), (1, 1), (2, 7)], ids=lambda t: f"q{t[0]}k{t[1]}")
+def test_blocked_latent_attention_matches_naive(tiles):
+    # Several query and key tiles, partial tiles, rows with different histories, a padded row and
+    # an empty one; the tiled online softmax equals the definition.
+    from openk3.ops.latent_blocked import latent_attention_blocked
+
+    g = torch.Generator().manual_seed(5)
+    B, T, H, C, R, S = 4, 9, 3, 6, 2, 40
+    ql, qr = torch.randn(B, T, H, C, generator=g), torch.randn(B, T, H, R, generator=g)
+    lat, kr = torch.randn(B, S, C, generator=g), torch.randn(B, S, R, generator=g)
+    past, lengths = torch.tensor([0, 13, 30, 4]), torch.tensor([9, 9, 5, 0])
+    out = latent_attention_blocked(ql, qr, lat, kr, past, scale=0.6, lengths=lengths, query_tokens=tiles[0],
+                                   key_block=tiles[1])
+    q = torch.cat([ql, qr], -1).transpose(1, 2)
+    k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
+    v = lat[:, None].expand(B, H, S, C)
+    want, _ = naive_attention(q, k, v, 0.6, lambda b, t, j: t < lengths[b] and j < past[b] + t + 1)
+    assert_close(out, want.transpose(1, 2), atol=2e-6, what="blocked latent attention")
+    assert bool((out[2, 5:] == 0).all()) and bool((out[3] == 0).all()), "padded queries must be zero"
+    dense = latent_attention(ql, qr, lat, kr, past, scale=0.6, lengths=lengths, backend="reference")
+    assert_close(out, dense, atol=2e-6, what="blocked vs dense")
+
+
+def test_blocked_latent_attention_moves_its_offset_exactly():
+    # Logits of hundreds: the first key (the initial offset) scores far below later keys, so the
+    # running offset must move (tile maxima beyond the margin) without overflow or lost precision.
+    from openk3.ops.latent_blocked import latent_attention_blocked
+
+    g = torch.Generator().manual_seed(6)
+    B, T, H, C, R, S = 1, 6, 2, 8, 4, 50
+    ql, qr = torch.randn(B, T, H, C, generator=g), torch.randn(B, T, H, R, generator=g)
+    lat, kr = torch.randn(B, S, C, generator=g), torch.randn(B, S, R, generator=g)
+    lat[0, 0] = -ql[0, :, 0].mean(0) * 4  # key 0 scores low for every query
+    lat[0, 30] = ql[0, :, 0].mean(0) * 6  # a sharp peak late in the history
+    past = torch.tensor([44])
+    out = latent_attention_blocked(ql, qr, lat, kr, past, scale=20.0, query_tokens=2, key_block=8)
+    q = torch.cat([ql, qr], -1).transpose(1, 2)
+    k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
+    v = lat[:, None].expand(B, H, S, C)
+    want, best = naive_attention(q, k, v, 20.0, lambda b, t, j: j < past[b] + t + 1)
+    assert float(best.max()) > 100  # the case this test is about
+    assert torch.isfinite(out).all()
+    # Logits of ~300 carry fp32 rounding of ~1e-5 into the exponent: the dense fp32 form errs as much.
+    dense = latent_attention(ql, qr, lat, kr, past, scale=20.0, backend="reference")
+    ref_err = float((dense.double() - want.transpose(1, 2)).abs().max())
+    assert_close(out, want.transpose(1, 2), atol=max(4 * ref_err, 1e-6), what="blocked latent attention, large logits")
+
+
+def test_blocked_latent_attention_never_reads_past_the_visible_prefix():
+    from openk3.ops.latent_blocked import latent_attention_blocked
+
+    ql, qr = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 2)
+    lat, kr = torch.randn(2, 10, 4), torch.randn(2, 10, 2)
+    past = torch.tensor([2, 5])
+    a = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, key_block=2)
+    lat[0, 5:], kr[1, 8:] = float("nan"), float("inf")  # beyond past + T of each row
+    b = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, key_block=2)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="exceed"):
+        latent_attention_blocked(ql, qr, lat, kr, torch.tensor([8, 0]), scale=1.0)

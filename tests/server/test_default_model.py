@@ -68,6 +68,8 @@ def test_serves_openk3_tiny_by_default(default_server, sdk):
     models = sdk.models.list().data
     assert [m.id for m in models] == [DEFAULT_MODEL]
     assert models[0].model_extra["supports_image_in"] is True  # the tiny MoonViT ships with it
+    declared = json.loads((shipped_model_path() / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    assert models[0].model_extra["context_length"] == declared >= 262_144  # real agent prompts fit
 
 
 def test_image_question_answers(sdk):
