@@ -171,6 +171,18 @@ def _malloc_trim() -> Any:
     return lambda: fn(0)
 
 
+RETIRE_GROWTH = 32 * 2**20  # a worker whose resident set grew this much past its start exits after answering
+
+
+def _rss_bytes() -> int:
+    """This process's resident set (``VmRSS``), bytes; 0 where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 def worker_main(argv: list[str] | None = None) -> None:
     """The worker process: ``python -c 'from openk3.server.screen import worker_main; worker_main()'
     SPEC_JSON``. Reads requests ``!II`` (path length, body length) + path + body from stdin and
@@ -181,6 +193,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     spec = ScreenSpec(**json.loads((argv or sys.argv[1:])[0]))
     _init_worker(spec)
     trim = _malloc_trim()
+    baseline = _rss_bytes()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         head = stdin.read(8)
@@ -197,6 +210,10 @@ def worker_main(argv: list[str] | None = None) -> None:
         stdout.write(json.dumps(verdict).encode() + b"\n")
         stdout.flush()
         trim()  # hand the body's pages back: glibc keeps freed heap otherwise, and the worker lives long
+        if _rss_bytes() > baseline + RETIRE_GROWTH:
+            # what trim cannot give back (Python's object arenas after millions of values) goes
+            # with the process: exit, and the server starts a fresh worker
+            return
 
 
 _TOO_LARGE = "request body too large: the server could not check it within its memory"
@@ -284,8 +301,25 @@ class BodyScreen:
                     self._kill(proc)
                     return APIError(413, _TOO_LARGE)
                 verdict = json.loads(line)
+                if self._loop is not None:  # a retiring worker exits after this answer: replace it now
+                    asyncio.ensure_future(self._replace_if_exited(proc))
                 return None if verdict is None else APIError(verdict[0], verdict[1])
         return APIError(413, _TOO_LARGE)
+
+    async def _replace_if_exited(self, proc: Any) -> None:
+        """If `proc` exits within 2 s of an answer (it retired: :data:`RETIRE_GROWTH`), reap it and
+        start a fresh worker, so that the next large body does not wait for one to import."""
+        try:
+            await asyncio.wait_for(proc.wait(), 2)
+        except asyncio.TimeoutError:
+            return  # still serving
+        except Exception:  # noqa: BLE001 - a worker gone some other way: the next check replaces it
+            return
+        if self._proc is proc:
+            self._proc = None
+            with contextlib.suppress(Exception):
+                async with self._lock:
+                    await self.start()
 
     def _kill(self, proc: Any) -> None:
         if proc is None:

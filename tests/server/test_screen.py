@@ -242,3 +242,30 @@ def test_the_server_never_parses_a_body_it_refuses(app, monkeypatch):
         assert app.screen.pid not in (None, pid)
     stats = app.live.aengine.engine.stats()
     assert stats["kda_slots"]["used"] == 0 and stats["mla_blocks"]["used"] == 0
+
+
+def test_a_worker_that_grew_is_replaced_by_a_fresh_one(app):
+    """A body that leaves the worker's resident set more than RETIRE_GROWTH above its start (a
+    25 MiB description: the parsed text stays in its arenas) retires that worker after the answer;
+    a fresh one is started at once, and the next large body is answered by it."""
+    import time
+
+    from openk3.server.screen import RETIRE_GROWTH
+
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "description": "x" * (25 << 20)}}]})
+    with httpx.Client(base_url=app.base, timeout=120, headers={"content-type": "application/json"}) as http:
+        assert http.post("/v1/chat/completions", content=body[:300_000] + "x").status_code == 400  # a worker runs
+        first = app.screen.pid
+        with open(f"/proc/{first}/status") as f:
+            start_rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+        assert http.post("/v1/chat/completions", content=body).status_code == 400
+        deadline = time.monotonic() + 60
+        while app.screen.pid in (None, first):
+            assert time.monotonic() < deadline, "no fresh worker"
+            time.sleep(0.05)
+        with open(f"/proc/{app.screen.pid}/status") as f:
+            rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+        assert rss < start_rss + RETIRE_GROWTH
+        r = http.post("/v1/chat/completions", content=body)
+        assert r.status_code == 400 and "exceeded model token limit" in r.json()["error"]["message"]
