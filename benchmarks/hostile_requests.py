@@ -113,6 +113,11 @@ def main_rss_mb(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{pid}/status").read()).group(1)) / 1024
 
 
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+
+
 def measure(port: int, path: str, body: bytes, quiet_s: float = 2.0) -> dict:
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
@@ -138,7 +143,8 @@ def measure(port: int, path: str, body: bytes, quiet_s: float = 2.0) -> dict:
     ms = lambda xs, f: round(1000 * f(xs), 1) if xs else None  # noqa: E731
     return {"status": status, "seconds": round(seconds, 3), "answer": text[:160],
             "health_quiet_p50_ms": ms(quiet, statistics.median), "health_quiet_max_ms": ms(quiet, max),
-            "health_busy_p50_ms": ms(busy, statistics.median), "health_busy_max_ms": ms(busy, max),
+            "health_busy_p50_ms": ms(busy, statistics.median), "health_busy_p99_ms": ms(busy, _p99),
+            "health_busy_max_ms": ms(busy, max),
             "health_busy_n": len(busy), "ttft_quiet_s": round(quiet_ttft, 3), "ttft_busy_s": round(busy_ttft, 3)}
 
 
@@ -177,10 +183,19 @@ def main() -> int:
     print(f"RSS (server + workers) before / after: {results['rss_before_mb']:.0f} / {results['rss_after_mb']:.0f} MB "
           f"(main process {results['main_rss_before_mb']:.0f} / {results['main_rss_after_mb']:.0f} MB); "
           f"exit {results['exit_code']}")
+    # the acceptance: answered (200 / 4xx) within 2 s, /health under 100 ms meanwhile, RSS back within 10 %
+    rows = results["rows"]
+    results["rss_ratio"] = round(results["rss_after_mb"] / results["rss_before_mb"], 3)
+    results["pass"] = (all(r["status"] < 500 and r["seconds"] <= 2.0 and (r["health_busy_max_ms"] or 0) < 100
+                           for r in rows) and results["rss_ratio"] <= 1.10)
+    print(f"worst answer {max(r['seconds'] for r in rows):.2f} s, worst /health max "
+          f"{max(r['health_busy_max_ms'] or 0 for r in rows):.0f} ms / p99 "
+          f"{max(r['health_busy_p99_ms'] or 0 for r in rows):.0f} ms, RSS after/before {results['rss_ratio']:.3f}: "
+          + ("pass" if results["pass"] else "FAIL"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    return 0
+    return 0 if results["pass"] else 1
 
 
 if __name__ == "__main__":
