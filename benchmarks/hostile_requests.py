@@ -57,8 +57,12 @@ def _poll(port: int, stop, out) -> None:
     samples = []
     while not stop.is_set():
         t0 = time.monotonic()
-        conn.request("GET", "/health")
-        conn.getresponse().read()
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+        except OSError:  # not answered within the timeout: recorded as such, on a new connection
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         samples.append((t0, time.monotonic() - t0))
         time.sleep(0.01)
     out.send(samples)
