@@ -47,6 +47,7 @@ import math
 import random
 import re
 import sys
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -422,15 +423,31 @@ class ServerModel:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
+    def _open(self, req: urllib.request.Request) -> Any:
+        """``urlopen(req)``. Raises ValueError naming the URL and the server's own error message
+        for an HTTP error status, OSError naming the URL when the server cannot be reached."""
+        try:
+            return urllib.request.urlopen(req, timeout=self.timeout)
+        except urllib.error.HTTPError as e:
+            try:
+                err = json.loads(e.read()).get("error")
+                message = err.get("message") if isinstance(err, dict) else None
+            except (ValueError, AttributeError, OSError):
+                message = None
+            raise ValueError(f"{req.full_url}: HTTP {e.code}: {message or e.reason}") from None
+        except urllib.error.URLError as e:
+            raise OSError(f"cannot reach {self.url}: {getattr(e.reason, 'strerror', None) or e.reason} "
+                          "(is the server running there?)") from None
+
     def _get(self, path: str) -> dict:
         req = urllib.request.Request(self.url + path, headers=self._headers())
-        with urllib.request.urlopen(req, timeout=self.timeout) as r:
+        with self._open(req) as r:
             return json.loads(r.read())
 
     def _post(self, i: int, body: dict, progress: Any = None) -> tuple[dict, bool]:
         data = json.dumps(dict(body, model=self.model, temperature=0, seed=i, max_tokens=self.max_tokens)).encode()
         req = urllib.request.Request(self.url + "/v1/chat/completions", data=data, headers=self._headers())
-        with urllib.request.urlopen(req, timeout=self.timeout) as r:
+        with self._open(req) as r:
             greedy = (r.headers.get("x-openk3-decoding") or "").lower() == "greedy"
             msg = json.loads(r.read())["choices"][0]["message"]
         if progress is not None:

@@ -36,7 +36,9 @@ import dataclasses
 import hmac
 import logging
 import os
+import errno
 import signal
+import socket
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -568,6 +570,25 @@ def _available_memory() -> int | None:
     return None
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening TCP socket, bound to ``(host, port)`` before the model loads, so a
+    busy port is reported at once instead of after the load. Bound as uvicorn binds it
+    (``SO_REUSEADDR``; IPv6 when `host` contains ``:``); uvicorn starts listening on it.
+
+    Raises:
+        OSError: the address cannot be bound (``errno.EADDRINUSE``: another process holds it).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def main(args: Any) -> int:
     """``openk3 serve``: load MODEL (or the shipped default), start the engine and serve HTTP until
     SIGINT / SIGTERM. Prints one startup line with the URL and model id, one access line per
@@ -590,7 +611,20 @@ def main(args: Any) -> int:
         return 2
     api_key = args.api_key or os.environ.get("OPENK3_API_KEY") or None
     try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as e:
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            why += " (another server? --port N picks another port, --port 0 a free one)"
+        print(f"openk3 serve: cannot listen on {args.host}:{args.port}: {why}", file=sys.stderr)
+        return 2
+    try:
         device, dtype = setup(args)
+    except ValueError as e:  # --device / --dtype / --threads: the flag's own message
+        sock.close()
+        print(f"openk3 serve: {e}", file=sys.stderr)
+        return 2
+    try:
         serving, async_engine = build_serving(
             path, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
             cache_memory=args.cache_memory, enable_prefix_cache=not args.no_prefix_cache,
@@ -598,6 +632,7 @@ def main(args: Any) -> int:
             max_request_memory=getattr(args, "max_request_memory", None), device=device, dtype=dtype,
             greedy=bool(getattr(args, "greedy", False)))
     except (FileNotFoundError, ValueError) as e:
+        sock.close()
         print(f"openk3 serve: cannot start with {path!r}: {e}", file=sys.stderr)
         return 2
     quiet = getattr(args, "quiet", False)
@@ -654,5 +689,5 @@ def main(args: Any) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=getattr(args, "drain_timeout", None) or 600)
-    _Server(config).run()
+    _Server(config).run(sockets=[sock])
     return 0

@@ -10,7 +10,7 @@ import signal
 
 import httpx
 
-from tests.server.conftest import MODEL, ServerProcess, user
+from tests.server.conftest import API_KEY, MODEL, REPO, ServerProcess, user
 
 ACCESS = re.compile(r"^\d\d:\d\d:\d\d (GET|POST) (\S+) (\d{3})(?: prompt=(\d+) cached=(\d+) completion=(\d+))? "
                     r"(\d+\.\d{3})s$", re.M)
@@ -71,3 +71,58 @@ def test_quiet_server_logs_no_requests(checkpoint, tmp_path):
         srv.stop()
     assert not ACCESS.search(srv.output()), srv.output()
     assert "openk3 serve: SIGTERM, stopping (no request in flight)" in srv.output()
+
+
+def _serve_fails(*args: str) -> tuple[int, str]:
+    """``openk3 serve ARGS`` expected to refuse before serving: (exit status, its output)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "openk3.cli", "serve", *args], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=REPO)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_busy_port_is_one_line_before_the_model_loads():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out = _serve_fails("--port", str(port))
+    assert code == 2
+    # one line, and no thread announcement: the port was refused before anything was loaded
+    assert out == (f"openk3 serve: cannot listen on 127.0.0.1:{port}: Address already in use "
+                   "(another server? --port N picks another port, --port 0 a free one)\n"), out
+
+
+def test_bad_runtime_flag_names_the_flag_not_the_model():
+    code, out = _serve_fails("--port", "0", "--device", "tpu")
+    assert code == 2
+    assert out.startswith("openk3 serve: --device: 'tpu' is not a device") and out.count("\n") == 1, out
+    assert "cannot load" not in out and "cannot start" not in out
+
+
+def test_eval_against_a_server_names_its_error_and_an_unreachable_url(server):
+    import socket
+
+    import pytest
+
+    from openk3.eval import ServerModel, run_eval
+
+    m = ServerModel(server.base, model="no-such-model", api_key=API_KEY, max_tokens=4)
+    with pytest.raises(ValueError) as e:
+        run_eval(m, n=1, suites=("echo",))
+    assert str(e.value) == (f"{server.base}/v1/chat/completions: HTTP 404: "
+                            "Not found the model no-such-model or Permission denied")
+    with pytest.raises(ValueError, match=r"/v1/models: HTTP 401: "):
+        ServerModel(server.base)  # no key
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(OSError) as e:
+        ServerModel(closed)
+    assert str(e.value) == f"cannot reach {closed}: Connection refused (is the server running there?)"
