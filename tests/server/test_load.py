@@ -70,14 +70,24 @@ def small_server(checkpoint, tmp_path_factory):
     assert "Traceback" not in srv.output(), srv.output()
 
 
-def _stream_in_background(url: str, max_tokens: int, stop: threading.Event | None = None
-                          ) -> tuple[threading.Thread, dict]:
-    """A streaming request in a thread; with `stop`, the client hangs up once it is set."""
+# A JSON answer whose one string must be longer than any budget used here: the grammar keeps the end
+# of the answer out of reach, so such a request holds its slot until its budget or its client ends it
+# (a free-running reply may stop early, which would free the slot at a moment the test does not choose).
+ENDLESS = {"thinking": {"type": "disabled"}, "response_format": {"type": "json_schema", "json_schema": {
+    "name": "long", "schema": {"type": "object", "properties": {"text": {"type": "string", "minLength": 4000}},
+                               "required": ["text"], "additionalProperties": False}}}}
+
+
+def _stream_in_background(url: str, max_tokens: int, stop: threading.Event | None = None, *,
+                          endless: bool = False) -> tuple[threading.Thread, dict]:
+    """A streaming request in a thread; with `stop`, the client hangs up once it is set; `endless`:
+    the reply cannot finish before `max_tokens` (see ENDLESS)."""
     box: dict = {"lines": []}
 
     def run():
         with httpx.stream("POST", url + "/chat/completions", timeout=120, json={
-                "model": MODEL, "messages": user(), "max_completion_tokens": max_tokens, "stream": True}) as r:
+                "model": MODEL, "messages": user(), "max_completion_tokens": max_tokens, "stream": True,
+                **(ENDLESS if endless else {})}) as r:
             box["status"] = r.status_code
             for line in r.iter_lines():
                 if line:
@@ -112,7 +122,7 @@ def test_overload_429_and_sdk_retry(small_server):
     refused, waits, and gets through once the queue has room (made here by the long stream's client
     hanging up, so that the test does not depend on how fast the machine generates)."""
     hang_up = threading.Event()
-    threads = [_stream_in_background(small_server.url, 300, hang_up)]
+    threads = [_stream_in_background(small_server.url, 300, hang_up, endless=True)]
     _busy(small_server, 1, 0)
     threads.append(_stream_in_background(small_server.url, 60))
     _busy(small_server, 1, 1)
