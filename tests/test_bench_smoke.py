@@ -161,3 +161,31 @@ def test_prefill_flops_of_the_shipped_config_by_hand():
     assert f["attention"] == 2 * 4 * 2 * (32 + 16 + 32) * pairs
     assert f["kda_state"] == 6 * 4 * 7 * 32 * 32 * T and f["lm_head"] == 2 * 128 * 8192
     assert f["total"] == sum(v for k, v in f.items() if k not in ("total", "per_token"))
+
+
+def test_decode_profile_quick_counts_calls_and_host_syncs():
+    from openk3.bench.decode_profile import _Counter, _ModuleStack
+
+    r = run_benchmark("decode-profile", quick=True)
+    _targets_are_numbers(r)
+    for row in r["batches"].values():
+        assert row["aten_calls_per_step"] == sum(m["aten_calls"] for m in row["by_module"].values()) > 0
+        assert row["host_syncs_per_step"] == sum(row["sync_sites"].values())
+        assert all(site.startswith("openk3/") for site in row["sync_sites"])
+        assert row["gemv_floor_ms"] > 0 and row["step_ms"] > 0
+        assert {"self_attn (KimiDeltaAttention)", "self_attn (GatedMLA)", "lm_head"} <= set(row["by_module"])
+
+    # the counter sees each kind of sync once, with or without autograd keys
+    lin = torch.nn.Linear(2, 2)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        stack = _ModuleStack(lin)
+        counter = _Counter(stack)
+        x = torch.arange(4.0)
+        with ctx(), counter:
+            bool((x > 1).any())  # _local_scalar_dense / is_nonzero
+            int(x.max())  # item
+            x[x > 1]  # boolean-mask indexing
+            lin(x[:2])  # no sync
+        stack.remove()
+        assert sum(counter.syncs.values()) == 3, (ctx, counter.ops)
+        assert counter.calls["engine"] > 0 and counter.calls.total() >= 7

@@ -20,6 +20,8 @@ BENCHMARKS = {
     "attn-res": ("openk3.bench.attn_res", "decode/prefill time with vs without Block AttnRes"),
     "memory": ("openk3.bench.memory", "cache bytes per sequence vs planner, hybrid vs all-MLA"),
     "server": ("openk3.bench.server", "openk3 serve streaming overhead vs in-process AsyncEngine"),
+    "decode-profile": ("openk3.bench.decode_profile",
+                       "one decode step: aten calls, host syncs and op time by module, vs its weight-product floor"),
     "long-prefill": ("openk3.bench.long_prefill",
                      "24K-token agent prompt: prefill vs matmul rate, turn 2 via prefix cache, vs transformers"),
 }
