@@ -102,7 +102,7 @@ def test_server_quick():
 
 def test_registry_and_bad_input():
     assert set(BENCHMARKS) == {"vs-transformers", "prefix-cache", "batching", "kda", "attn-res", "memory", "server",
-                               "long-prefill"}
+                               "long-prefill", "decode-profile"}
     with pytest.raises(ValueError, match="unknown"):
         run_benchmark("nope")
     with pytest.raises(ValueError, match="unknown settings"):
