@@ -13,7 +13,6 @@ without it (Kimi Linear) the layers use a plain pre-norm residual stream.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +27,7 @@ from openk3.layers.mla import GatedMLA
 from openk3.layers.mlp import MLP
 from openk3.layers.moe import LatentMoE
 from openk3.layers.norm import RMSNorm
+from openk3.weight_init import init_module
 
 
 @dataclass
@@ -210,11 +210,28 @@ class K3ForCausalLM(nn.Module):
     """
 
     def __init__(self, config: K3Config) -> None:
+        """Build the modules on the meta device, materialise them on the current default device and
+        initialise every weight once (:meth:`init_weights`, drawing from the default generator):
+        ``torch.manual_seed(s); K3ForCausalLM(config)`` equals ``build_model(config, seed=s)``.
+        Under ``torch.device("meta")`` the model stays on meta (loading, parameter counts)."""
         super().__init__()
         self.config = config
-        self.model = K3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        device = torch.get_default_device()
+        with torch.device("meta"):  # no memory and no per-module init: init_weights is the one init
+            self._build_modules()
+        self.to_empty(device=device)
+        self.init_weights()
+        self.tie_weights()
+
+    def _build_modules(self) -> None:
+        """Create the submodules (subclasses add theirs after calling this)."""
+        self.model = K3Model(self.config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with the embedding when ``tie_word_embeddings`` (again after
+        ``to_empty``, which gives every parameter its own storage)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
@@ -297,39 +314,14 @@ class K3ForCausalLM(nn.Module):
             )
         write_checkpoint(path, tensors, config, max_shard_bytes or DEFAULT_SHARD_BYTES)
 
-    @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """The one explicit init of every parameter (safe after meta-device construction).
+        """Initialise every parameter by :mod:`openk3.weight_init`'s name-driven rules (safe after
+        meta-device construction + ``to_empty``; meta tensors are left alone).
 
-        * Linear / embedding / stacked experts / router: N(0, ``initializer_range``).
-        * RMSNorm weights: ones. AttnRes pseudo-queries (``*_res_proj``): zeros (uniform depth
-          average at step 0, AttnRes paper §5).
-        * KDA ``A_log``: 0 for K3 (report §2.2), log U[1, 16] for Kimi Linear; ``dt_bias``:
-          inverse-softplus of dt ~ exp(U[ln 1e-3, ln 1e-1]) clamped >= 1e-4 (architecture.md §3.3).
-        * ``e_score_correction_bias``: zeros (Quantile Balancing moves it).
-        * Short convs: N(0, ``initializer_range``).
+        Args:
+            generator: random source; None draws from the default generator.
         """
-        std = self.config.initializer_range
-        for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith(("_res_proj.weight",)):
-                p.zero_()
-            elif name.endswith("A_log"):
-                if self.config.is_k3:
-                    p.zero_()
-                else:
-                    p.copy_(torch.empty_like(p).uniform_(1, 16, generator=generator).log())
-            elif name.endswith("dt_bias"):
-                dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
-                dt = dt.clamp_min(1e-4)
-                p.copy_(dt + torch.log(-torch.expm1(-dt)))
-            elif p.ndim == 1 and leaf == "weight":
-                p.fill_(1.0)  # RMSNorm scales
-            else:
-                p.normal_(0.0, std, generator=generator)
-        for name, b in self.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.zero_()
+        init_module(self, self.config.initializer_range, is_k3=self.config.is_k3, generator=generator)
 
 
 def _keeps_fp32(name: str) -> bool:

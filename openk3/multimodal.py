@@ -66,11 +66,14 @@ class K3ForConditionalGeneration(K3ForCausalLM):
     """
 
     def __init__(self, config: K3Config) -> None:
-        vc = vision_config_of(config)
-        if vc is None:
+        if vision_config_of(config) is None:
             raise ValueError("config: K3ForConditionalGeneration needs a kimi_k3 wrapper with a vision_config")
         super().__init__(config)
-        self.vision_config = vc
+
+    def _build_modules(self) -> None:
+        """The text modules, then ``vision_tower`` and ``mm_projector`` (initialised with the rest)."""
+        super()._build_modules()
+        self.vision_config = vc = vision_config_of(self.config)
         self.vision_tower = MoonViT(vc)
         self.mm_projector = PatchMergerV2(vc)
 

@@ -20,7 +20,8 @@ from openk3.model import K3ForCausalLM
 
 def build_model(config: K3Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int | None = 0) -> K3ForCausalLM:
-    """A freshly initialised model (``K3ForCausalLM.init_weights``) on ``device`` in ``dtype``:
+    """A freshly initialised model (``K3ForCausalLM.init_weights``, :mod:`openk3.weight_init`) on
+    ``device`` in ``dtype``, drawn from a generator seeded with ``seed`` (None: the default generator):
     :class:`~openk3.multimodal.K3ForConditionalGeneration` when the config has a ``vision_config``
     (its tower and projector get the same init rules), else the text-only ``K3ForCausalLM``."""
     from openk3.multimodal import model_class_for
@@ -30,8 +31,7 @@ def build_model(config: K3Config, *, device: str | torch.device = "cpu", dtype: 
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     model.init_weights(generator=gen)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty() unties shared params
+    model.tie_weights()  # to_empty() unties shared params
     return cast_model_(model, dtype)
 
 

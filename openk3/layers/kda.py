@@ -17,8 +17,6 @@ fixtures/k3-ref-tiny-a/README.md "Conventions the reference fixes"; transformers
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -34,6 +32,7 @@ from openk3.ops.kda_reference import (
     unpack_documents,
 )
 from openk3.ops.short_conv import short_conv, short_conv_step
+from openk3.weight_init import init_module
 
 
 class KimiDeltaAttention(nn.Module):
@@ -91,34 +90,12 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(P, D, bias=False)
         self.init_weights()
 
-    @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Initialise every parameter (safe after meta-device construction + ``to_empty``).
-
-        * A_log: 0 for K3 [R]; log U[1, 16] for Kimi Linear.
-        * dt_bias: inverse softplus of dt ~ exp(U[ln 1e-3, ln 1e-1]) clamped >= 1e-4.
-        * Linear weights: normal(0, initializer_range) [P: not public].
-        * conv weights: PyTorch's Conv1d default, U(+-1/sqrt(W)) (fan-in of a depthwise kernel is W).
-        * o_norm weight: ones.
-        Source: architecture.md §3.3.
-        """
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, self.initializer_range, generator=generator)
-            elif isinstance(m, nn.Conv1d):
-                bound = 1.0 / math.sqrt(self.conv_size)
-                nn.init.uniform_(m.weight, -bound, bound, generator=generator)
-        if self.gate_lower_bound is not None:
-            nn.init.zeros_(self.A_log)
-        else:
-            a = torch.empty_like(self.A_log)
-            nn.init.uniform_(a, 1.0, 16.0, generator=generator)
-            self.A_log.copy_(a.log())
-        u = torch.empty_like(self.dt_bias)
-        nn.init.uniform_(u, math.log(1e-3), math.log(1e-1), generator=generator)
-        dt = u.exp().clamp_min(1e-4)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) == dt
-        nn.init.ones_(self.o_norm.weight)
+        """Initialise every parameter by :mod:`openk3.weight_init` (the rules the whole model uses:
+        ``A_log`` 0 for K3 / log U[1, 16] for Kimi Linear, ``dt_bias`` inverse softplus of
+        dt ~ exp(U[ln 1e-3, ln 1e-1]), ``o_norm`` ones, linears and short-conv kernels
+        N(0, ``initializer_range``); architecture.md §3.3). Safe after meta-device construction."""
+        init_module(self, self.initializer_range, is_k3=self.gate_lower_bound is not None, generator=generator)
 
     # ------------------------------------------------------------------ forward
     def forward(

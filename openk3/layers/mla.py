@@ -28,6 +28,7 @@ from openk3.cache import MLALayerCache, PagedMLACache
 from openk3.config import K3Config
 from openk3.layers.norm import RMSNorm
 from openk3.ops.attention import causal_attention, latent_attention
+from openk3.weight_init import init_module
 
 # eps of q_a_layernorm / kv_a_layernorm: the reference's RMSNorm default, not config.rms_norm_eps.
 MLA_LATENT_NORM_EPS = 1e-6
@@ -74,15 +75,11 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * V, D, bias=False)
         self.init_weights()
 
-    def init_weights(self) -> None:
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Linear weights ~ normal(0, ``initializer_range``), norm weights = 1 (not public for K3,
-        architecture.md §16; DeepSeek/transformers default). Safe after meta-device construction."""
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.normal_(0.0, self.initializer_range)
-                elif isinstance(module, RMSNorm):
-                    module.weight.fill_(1.0)
+        architecture.md §16; DeepSeek/transformers default), by :mod:`openk3.weight_init`. Safe
+        after meta-device construction."""
+        init_module(self, self.initializer_range, is_k3=True, generator=generator)
 
     # ------------------------------------------------------------------ projections
     def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

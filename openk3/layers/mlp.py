@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import K3Config
+from openk3.weight_init import init_module
 
 GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -125,12 +126,10 @@ class MLP(nn.Module):
             self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """All three projections ~ N(0, ``initializer_range``) (meta-device safe)."""
-        for lin in (self.gate_proj, self.up_proj, self.down_proj):
-            if lin.weight.numel():
-                nn.init.normal_(lin.weight, mean=0.0, std=self.initializer_range)
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """All three projections ~ N(0, ``initializer_range``) by :mod:`openk3.weight_init`
+        (meta-device safe)."""
+        init_module(self, self.initializer_range, is_k3=True, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [*, D] -> [*, D] (dtype of the weights' matmul with x)."""

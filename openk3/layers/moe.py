@@ -23,6 +23,7 @@ from openk3.config import K3Config
 from openk3.layers.mlp import MLP, glu_activation
 from openk3.layers.norm import RMSNorm
 from openk3.ops.grouped_mm import routed_experts
+from openk3.weight_init import init_module, init_tensor
 
 # Renormalisation guard of the reference (``sum + 1e-20``), not a tunable.
 _RENORM_EPS = 1e-20
@@ -120,11 +121,10 @@ class Router(nn.Module):
         )
         self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """``weight`` ~ N(0, ``initializer_range``), ``e_score_correction_bias`` = 0."""
-        nn.init.normal_(self.weight, mean=0.0, std=self.initializer_range)
-        self.e_score_correction_bias.zero_()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """``weight`` ~ N(0, ``initializer_range``), ``e_score_correction_bias`` = 0
+        (:mod:`openk3.weight_init`)."""
+        init_module(self, self.initializer_range, is_k3=True, generator=generator)
 
     def forward(self, x: torch.Tensor, force_topk_idx: torch.Tensor | None = None) -> RouterOutput:
         """Route N tokens.
@@ -193,11 +193,11 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, l, f))
         self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """``w1``, ``w2``, ``w3`` ~ N(0, ``initializer_range``)."""
-        for w in (self.w1, self.w2, self.w3):
-            nn.init.normal_(w, mean=0.0, std=self.initializer_range)
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """``w1``, ``w2``, ``w3`` ~ N(0, ``initializer_range``) (:mod:`openk3.weight_init`), drawn
+        in that order: the expert-parallel module draws its full-size tensors the same way."""
+        for name in ("w1", "w2", "w3"):
+            init_tensor(name, getattr(self, name), self.initializer_range, is_k3=True, generator=generator)
 
     def forward(
         self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, backend: str | None = None
@@ -254,20 +254,19 @@ class LatentMoE(nn.Module):
             )
         self.init_weights(recurse=False)
 
-    @torch.no_grad()
-    def init_weights(self, recurse: bool = True) -> None:
+    def init_weights(self, recurse: bool = True, generator: torch.Generator | None = None) -> None:
         """Latent projections ~ N(0, ``initializer_range``), norm weight = 1; with ``recurse`` also
-        the router, experts and shared experts (each of which initialises itself on construction)."""
-        for name in ("routed_expert_down_proj", "routed_expert_up_proj"):
+        the router, experts and shared experts (each of which initialises itself on construction).
+        Rules: :mod:`openk3.weight_init`."""
+        for name in ("routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj"):
             if hasattr(self, name):
-                nn.init.normal_(getattr(self, name).weight, mean=0.0, std=self.initializer_range)
-        if hasattr(self, "routed_expert_norm"):
-            nn.init.ones_(self.routed_expert_norm.weight)
+                init_tensor(f"{name}.weight", getattr(self, name).weight, self.initializer_range, is_k3=True,
+                            generator=generator)
         if recurse:
-            self.gate.init_weights()
-            self.experts.init_weights()
+            self.gate.init_weights(generator)
+            self.experts.init_weights(generator)
             if hasattr(self, "shared_experts"):
-                self.shared_experts.init_weights()
+                self.shared_experts.init_weights(generator)
 
     def forward(
         self,
