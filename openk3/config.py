@@ -29,12 +29,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from openk3.config_fields import LAYER_FIELDS, MISSING, REFUSED, TEXT_FIELDS, WRAPPER_FIELDS, Field
-
-KDA = "linear_attention"
-MLA = "full_attention"
-DENSE = "dense"
-SPARSE = "sparse"
+from openk3.config_fields import (  # noqa: F401 - the layer-type values are part of the config API
+    DENSE,
+    KDA,
+    LAYER_FIELDS,
+    MISSING,
+    MLA,
+    REFUSED,
+    SPARSE,
+    TEXT_FIELDS,
+    WRAPPER_FIELDS,
+    Field,
+)
+from openk3.presets import PRESETS
 
 #: ``hidden_act`` values openk3 implements (``swiglu`` is read as ``silu``).
 ACTIVATIONS = ("situ", "silu", "gelu", "gelu_pytorch_tanh")
@@ -660,6 +667,23 @@ def _from_hf_text(t: dict[str, Any], *, wrapper: dict[str, Any] | None = None,
     return cfg
 
 
-# Presets live in openk3/presets.py; re-exported here because they are part of the config API
-# (``K3Config.from_pretrained("kimi-k3")``). Imported last: presets build K3Config objects.
-from openk3.presets import PRESETS, preset  # noqa: E402
+def preset(name: str) -> K3Config:
+    """Build a named preset (:data:`openk3.presets.PRESETS`).
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    try:
+        spec = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+    cfg = K3Config(**copy.deepcopy(spec.fields))
+    if spec.wrapper is not None:
+        cfg = cfg.as_k3_wrapper()
+        for key, value in spec.wrapper.items():
+            if key == "vision_config":
+                from openk3.vision.config import vision_preset
+
+                value = vision_preset(value).to_dict()
+            cfg.wrapper[key] = value
+    return cfg

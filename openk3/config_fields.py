@@ -29,6 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Values of ``layer_types`` / ``mlp_layer_types`` (re-exported by openk3.config).
+KDA = "linear_attention"
+MLA = "full_attention"
+DENSE = "dense"
+SPARSE = "sparse"
+
 HONOURED = "honoured"
 IGNORED = "ignored"
 

@@ -1,27 +1,42 @@
 """Named architecture presets: the released Kimi K3, the project's default model, and small
 configurations for tests (one that hits every branch of the code) and for Kimi Linear parity.
 
-Each preset is a plain function that spells out every dimension; :data:`PRESETS` maps names to
-them and :func:`preset` builds one.
+Each preset is data: a :class:`Preset` holds the ``K3Config`` keyword arguments that spell out
+every dimension (unset fields keep the released K3's defaults) and, for a multimodal preset, the
+``kimi_k3`` wrapper entries. :data:`PRESETS` maps names to them and :func:`openk3.config.preset`
+builds one (this module imports nothing from :mod:`openk3.config`, which builds from it).
 """
 
 from __future__ import annotations
 
-from openk3.config import KDA, MLA, K3Config
+from dataclasses import dataclass, field
+from typing import Any
 
-def _kimi_k3() -> K3Config:
-    """The released Kimi K3 (``../shared/k3/config.json``): text backbone + MoonViT-V2 config."""
-    from openk3.vision.config import vision_preset
-
-    cfg = K3Config(media_placeholder_token_id=163605).as_k3_wrapper()
-    cfg.wrapper["vision_config"] = vision_preset("kimi-k3").to_dict()
-    cfg.wrapper["dtype"] = "bfloat16"
-    return cfg
+from openk3.config_fields import KDA, MLA
 
 
-def _k3_test_tiny() -> K3Config:
+@dataclass(frozen=True)
+class Preset:
+    """One named configuration.
+
+    Attributes:
+        fields: ``K3Config(**fields)`` keyword arguments.
+        wrapper: None (text-only ``kimi_linear`` config) or entries set on the ``kimi_k3`` wrapper
+            after :meth:`~openk3.config.K3Config.as_k3_wrapper`; ``vision_config`` names a
+            :func:`openk3.vision.config.vision_preset`.
+    """
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    wrapper: dict[str, Any] | None = None
+
+
+#: The released Kimi K3 (``../shared/k3/config.json``): text backbone + MoonViT-V2 config.
+KIMI_K3 = Preset({"media_placeholder_token_id": 163605}, wrapper={"vision_config": "kimi-k3", "dtype": "bfloat16"})
+
+
+def _k3_test_tiny() -> dict[str, Any]:
     """Hits every branch: KDA + MLA (q_lora set), dense + MoE FFNs, three AttnRes blocks."""
-    return K3Config(
+    return dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -34,15 +49,10 @@ def _k3_test_tiny() -> K3Config:
     )
 
 
-def _k3_test_tiny_noqlora() -> K3Config:
-    """Same as ``k3-test-tiny`` with ``q_lora_rank=None`` (MLA ``q_proj`` path)."""
-    return _k3_test_tiny().replace(q_lora_rank=None)
-
-
-def _kimi_linear_tiny() -> K3Config:
+def _kimi_linear_tiny() -> dict[str, Any]:
     """A tiny Kimi Linear (the K3 predecessor): softplus gate, low-rank output gate, SwiGLU,
     no AttnRes, full-width experts, MLA without output gate."""
-    return K3Config(
+    return dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, hidden_act="silu",
         q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -56,7 +66,7 @@ def _kimi_linear_tiny() -> K3Config:
     )
 
 
-def _openk3_tiny() -> K3Config:
+def _openk3_tiny() -> dict[str, Any]:
     """The shipped default model (issue 8): every K3 component live at CPU-trainable size.
 
     8 layers in the K3 pattern (layers 4 and 8 gated MLA, the rest KDA with the lower-bounded
@@ -67,7 +77,7 @@ def _openk3_tiny() -> K3Config:
     special block at 7936..8191: [BOS] 7936, [EOS] 7937, [PAD] 8191, <|media_pad|> 7957).
     Parameter counts and training speed: :func:`openk3.train.default_model.default_model`.
     """
-    return K3Config(
+    return dict(
         vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
@@ -81,22 +91,11 @@ def _openk3_tiny() -> K3Config:
     )
 
 
-PRESETS = {
-    "kimi-k3": _kimi_k3,
-    "openk3-tiny": _openk3_tiny,
-    "k3-test-tiny": _k3_test_tiny,
-    "k3-test-tiny-noqlora": _k3_test_tiny_noqlora,
-    "kimi-linear-tiny": _kimi_linear_tiny,
+PRESETS: dict[str, Preset] = {
+    "kimi-k3": KIMI_K3,
+    "openk3-tiny": Preset(_openk3_tiny()),
+    "k3-test-tiny": Preset(_k3_test_tiny()),
+    # k3-test-tiny with q_lora_rank=None (the MLA q_proj path)
+    "k3-test-tiny-noqlora": Preset({**_k3_test_tiny(), "q_lora_rank": None}),
+    "kimi-linear-tiny": Preset(_kimi_linear_tiny()),
 }
-
-
-def preset(name: str) -> K3Config:
-    """Build a named preset.
-
-    Raises:
-        ValueError: unknown name (the message lists the known ones).
-    """
-    try:
-        return PRESETS[name]()
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None

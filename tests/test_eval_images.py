@@ -65,7 +65,7 @@ def test_in_process_vision_checkpoint_returns_per_type_table(tmp_path):
     assert row["n"] == 6 and list(row["by_type"]) == list(QUESTION_TYPES)
     assert 0.0 <= row["accuracy"]["rate"] <= 1.0
     # the same LM without a vision_config: a text-only model skips the suite
-    from openk3.presets import preset
+    from openk3.config import preset
 
     build_model(preset("openk3-tiny").replace(**lm), seed=0).save_pretrained(str(tmp_path / "text"))
     load_tokenizer(TOK).save_pretrained(tmp_path / "text")

@@ -121,17 +121,11 @@ def resolve_scheme(quantization: str | QuantScheme | None | bool) -> QuantScheme
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
-    import sys
-
-    from openk3.layers.moe import Experts
-    from openk3.quant.packed import PackedExperts
-
-    kinds: tuple = (Experts, PackedExperts)
-    # Expert-parallel experts exist only once their module is imported; no import cost otherwise.
-    ep = sys.modules.get("openk3.train.expert_parallel")
-    if ep is not None:
-        kinds += (ep.ExpertParallelExperts,)
-    return [m for m in model.modules() if isinstance(m, kinds)]
+    """The routed-expert modules of ``model``: those that declare a ``qat`` scheme slot next to their
+    ``w1`` / ``w3`` / ``w2`` weights (dense ``Experts``, ``PackedExperts``, expert-parallel experts).
+    Found by that interface, not by class, so this module imports none of the expert classes (they
+    import the schemes from here)."""
+    return [m for m in model.modules() if hasattr(m, "qat") and hasattr(m, "w1")]
 
 
 def model_qat(model: nn.Module, mode: str | QuantScheme | None) -> int:
