@@ -108,6 +108,9 @@ class ChatServing:
         if max_token_bytes is not None:
             self._max_token_bytes = max_token_bytes
         self._make_constraint = make_constraint
+        # Whether prompt counts here are the platform's (the Kimi BPE): only then is a completion
+        # budget that overshoots the context by a few tokens the platform's 400 (see prepare).
+        self.platform_counts = getattr(tokenizer, "backend", None) == "tiktoken"
 
     # ------------------------------------------------------------------ validation
     def check_model(self, model: Any) -> None:
@@ -249,7 +252,7 @@ class ChatServing:
         ctx, asked = self.model.context_length, req.max_tokens
 
         def check(n_ids: int, grids: list) -> None:  # runs before any image is decoded
-            if n_ids >= ctx or (asked is not None and n_ids + asked > ctx):
+            if n_ids >= ctx or (asked is not None and n_ids + asked > ctx and not self._clamps(asked)):
                 err = bad_request(f"Your request exceeded model token limit: {ctx} "
                                   f"(requested: {show_int(n_ids + (asked or 1))})")
                 # Anthropic's wording: Claude Code and other Anthropic clients parse these numbers
@@ -263,7 +266,7 @@ class ChatServing:
 
         expanded = self._expand(prompt, pixels=True, check=check)
         n_ids = len(expanded.token_ids)
-        max_tokens = asked if asked is not None else min(self.limits.default_max_tokens, ctx - n_ids)
+        max_tokens = min(asked if asked is not None else self.limits.default_max_tokens, ctx - n_ids)
         constraint = self._constraint(req, tools, prompt)
         params = req.to_sampling_params(max_tokens=max_tokens, stop_token_ids=self.tokenizer.stop_token_ids)
         if self.greedy:
@@ -275,6 +278,23 @@ class ChatServing:
                         tools_enabled=bool(tools) and req.options.tool_choice != "none", stops=list(req.stop),
                         stream=req.stream, include_usage=req.include_usage, prompt_ids=expanded.token_ids,
                         mm_inputs=expanded.mm_inputs or None)
+
+    def _clamps(self, asked: int) -> bool:
+        """Whether a completion budget ``asked`` that, with the prompt, overshoots the context is
+        served as "at most what is left" instead of the platform's 400.
+
+        The platform refuses ``prompt_tokens + max_completion_tokens > context_length``
+        (``../shared/spec/api.md`` §1.4), counting the prompt with the Kimi BPE. Clients derive the
+        budget from that count: Kimi CLI sends the context minus its own estimate of the prompt
+        (about four characters a token) minus a 1,024-token margin, which the Kimi BPE never
+        exceeds on its prompts. A model with its own tokenizer (the shipped one's ~1k-id BPE)
+        counts more tokens for the same text, so the same request would overshoot here while it
+        fits on the platform. Hence: with the Kimi BPE, the platform's rule exactly; with another
+        tokenizer, a budget below the context is capped at what the prompt leaves (the reply ends
+        with ``finish_reason: "length"`` there). A budget of the whole context or more cannot fit
+        any prompt on the platform either and stays a 400.
+        """
+        return not self.platform_counts and asked < self.model.context_length
 
     def _constraint(self, req: ChatRequest, tools: list[dict], prompt: Any) -> Any:
         """The output constraint, on every request: the K3 output grammar with the response as

@@ -106,6 +106,52 @@ def test_context_length(http, tokenizer):
     assert "token limit" in _error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": huge}), 400)
 
 
+def test_budget_overshoot_with_own_tokenizer_is_capped(http, tokenizer):
+    """The served checkpoint has its own BPE (not the platform's Kimi BPE): a completion budget
+    below the context that overshoots it with the prompt is served capped at what is left, on all
+    three surfaces; a budget of the whole context stays the platform's 400."""
+    n_prompt = len(encode_request({"messages": user()}, tokenizer).token_ids)
+    left = 4096 - n_prompt
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user(), "max_completion_tokens": left + 7})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= left, r.json()["usage"]
+    msg = _error(http.post("/v1/chat/completions", json=dict(BASE, max_completion_tokens=4096)), 400)
+    assert msg == f"Your request exceeded model token limit: 4096 (requested: {n_prompt + 4096})"
+    r = http.post("/anthropic/v1/messages", json={"model": MODEL, "max_tokens": 4000, "messages": user()})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] <= left, r.text
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "Hello there", "max_output_tokens": 4095})
+    assert r.status_code == 200, r.text
+
+    from openk3.server import ChatServing, ModelInfo
+    from openk3.server.metrics import Metrics
+
+    serving = ChatServing(None, tokenizer, ModelInfo(MODEL, 4096), Metrics(), make_constraint=lambda *a, **k: None)
+    assert not serving.platform_counts
+    prep = serving.prepare(serving.parse({"model": MODEL, "messages": user(), "max_completion_tokens": left + 7}))
+    assert prep.params.max_tokens == left and len(prep.prompt_ids) == n_prompt
+
+
+def test_budget_overshoot_with_kimi_bpe_is_the_platform_400():
+    """With the Kimi BPE the prompt count is the platform's, and so is its rule: prompt +
+    max_completion_tokens > context_length is a 400, one token over; exactly the context fits."""
+    from openk3.server import ChatServing, ModelInfo
+    from openk3.server.metrics import Metrics
+    from openk3.server.protocol import APIError
+    from tests.conftest import kimi_tokenizer
+
+    tok = kimi_tokenizer()
+    serving = ChatServing(None, tok, ModelInfo(MODEL, 4096), Metrics(), make_constraint=lambda *a, **k: None)
+    assert serving.platform_counts
+    n_prompt = len(encode_request({"messages": user()}, tok).token_ids)
+    body = {"model": MODEL, "messages": user(), "max_completion_tokens": 4096 - n_prompt + 1}
+    with pytest.raises(APIError) as e:
+        serving.prepare(serving.parse(body))
+    assert e.value.status == 400
+    assert e.value.message == "Your request exceeded model token limit: 4096 (requested: 4097)"
+    prep = serving.prepare(serving.parse(dict(body, max_completion_tokens=4096 - n_prompt)))
+    assert prep.params.max_tokens == 4096 - n_prompt and len(prep.prompt_ids) == n_prompt
+
+
 def test_image_inputs(http):
     def body(url):
         return dict(BASE, messages=[{"role": "user", "content": [
