@@ -231,3 +231,53 @@ def test_instructor_tools_and_json_schema(shipped, only_2xx):
         assert isinstance(w, Weather) and completion.choices[0].finish_reason == "stop"
         sent = json.loads(completion.choices[0].message.content)  # pydantic's schema allows extra keys
         assert {k: sent[k] for k in ("city", "celsius")} == w.model_dump()
+
+
+# ----------------------------------------------------------------------------------------- kosong
+def _kosong_records() -> list[dict]:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "data" / "kosong" / "requests.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_kosong_recorded_requests(shipped, only_2xx):
+    """kosong 0.56's recorded bodies (``tests/data/kosong``; it needs Python >= 3.13, so they are
+    replayed, not re-sent by kosong): every one a 200 with a well-formed reply."""
+    import httpx
+
+    records = _kosong_records()
+    assert {r["scenario"] for r in records} >= {"no_tools_stream", "no_tools_non_stream", "thinking_off",
+                                                 "thinking_high_budget", "tool_loop_turn1", "tool_loop_turn2"}
+    assert all(r["body"]["tools"] == [] for r in records if r["scenario"].startswith(("no_tools", "thinking")))
+    with httpx.Client(base_url=shipped.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as http:
+        for rec in records:
+            body = rec["body"]
+            assert rec["path"] == "/v1/chat/completions" and body["model"] == MODEL, rec
+            r = http.post(rec["path"], json=body)
+            assert r.status_code == 200, (rec["scenario"], r.text)
+            if not rec["stream"]:
+                reply = r.json()
+                choice = reply["choices"][0]
+                assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+                assert reply["usage"]["prompt_tokens"] > 0
+                continue
+            lines = [line for line in r.text.split("\n") if line]
+            assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]", rec["scenario"]
+            chunks = [json.loads(line[6:]) for line in lines[:-1]]
+            assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0  # include_usage
+            finish = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
+            assert len(finish) == 1, (rec["scenario"], finish)
+            if "max_completion_tokens" in body:
+                assert chunks[-1]["usage"]["completion_tokens"] <= body["max_completion_tokens"]
+            deltas = [ch["delta"] for c in chunks for ch in c["choices"]]
+            if rec["scenario"].startswith("thinking_off"):
+                assert not any(d.get("reasoning_content") for d in deltas)
+            calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+            if finish[0] == "tool_calls":
+                assert calls and all(tc["function"]["name"] == "get_weather" for tc in calls if "id" in tc)
+                args = "".join(tc["function"].get("arguments", "") for tc in calls)
+                assert isinstance(json.loads(args)["city"], str)
+            else:
+                assert not calls
