@@ -89,3 +89,25 @@ def test_oversized_text_is_refused_before_tokenizing(monkeypatch):
                                         counting=True))
     assert ok.json() == {"data": {"total_tokens": exact}}
     assert ok.json()["data"]["total_tokens"] > ctx  # over the context yet below the sound bound: still counted
+
+
+# The vendor verifier's two response_format bodies (MoonshotAI/Kimi-Vendor-Verifier
+# tests/k3_features/test_response_format.py): Moonshot's tokenism counts 36 prompt tokens without
+# the schema and 119 with it.
+_VERIFIER_QUESTION = "请用 JSON 格式回答：北京是中国的首都吗？答案需要包含键 capital。"
+_VERIFIER_SCHEMA = {"type": "json_schema", "json_schema": {
+    "name": "capital_answer",
+    "schema": {"type": "object", "properties": {"capital": {"type": "boolean"}}, "required": ["capital"],
+               "additionalProperties": False}}}
+
+
+def test_verifier_response_format_groundtruths_with_the_kimi_bpe():
+    """``usage.prompt_tokens`` (what :meth:`ChatServing.prepare` counts) for the verifier's two
+    response_format requests equals Moonshot's counts with the Kimi BPE: 36 and 119 (the live verifier
+    run on the shipped model, which has its own BPE, cannot check these)."""
+    serving = ChatServing(None, kimi_tokenizer(), ModelInfo("kimi-k3", 1_048_576), Metrics(),
+                          make_constraint=lambda *a, **k: None)
+    base = {"model": "kimi-k3", "messages": [{"role": "user", "content": _VERIFIER_QUESTION}],
+            "thinking": {"type": "disabled"}}
+    for body, want in ((base, 36), (dict(base, response_format=_VERIFIER_SCHEMA), 119)):
+        assert serving.prepare(serving.parse(body)).prompt_tokens == want
