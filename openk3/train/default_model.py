@@ -58,6 +58,8 @@ DEFAULTS: dict = {
     "pretrain_seq_len": 1024,
     "pretrain_lr": 1e-2,
     "pretrain_eval_every": 400,
+    "pretrain_schedule": "wsd",         # "wsd" (peak LR until the decay) or "cosine" (the shipped weights' run)
+    "pretrain_decay_fraction": 0.2,     # WSD: share of pretraining steps in the final decay
     "sft_seed": 1,
     "sft_items": 20000,
     "sft_eval_items": 16,               # per eval suite, for the SFT run's periodic eval loss
@@ -66,7 +68,7 @@ DEFAULTS: dict = {
     "tokenizer_split_digits": True,     # numbers pre-tokenized into single digits
     "tokenizer_sft_items": 12000,       # synthetic conversations (seed 77) added to the tokenizer's corpus
     "pretrain_sft_share": 0.0,          # share of pretraining rows that are SFT conversations, in [0, 1)
-    "pretrain_induction_share": 0.0,    # share of pretraining rows that are induction documents, in [0, 1)
+    "pretrain_induction_share": 0.3,    # share of pretraining rows that are induction documents, in [0, 1)
     "induction_items": 20000,           # induction documents drawn (seed sft_seed + 200)
     "long_share": 0.0,                  # share of SFT train rows that are long harness-prompt rows, in [0, 1)
     "long_seq_len": 8192,               # tokens per long row (one conversation behind a harness prompt)
@@ -88,6 +90,13 @@ def settings(run: RunConfig) -> dict:
     if x["pretrain_sft_share"] + x["pretrain_induction_share"] >= 1:
         raise ValueError(f"extra.pretrain_sft_share + extra.pretrain_induction_share = "
                          f"{x['pretrain_sft_share'] + x['pretrain_induction_share']!r}: must be < 1 (the rest is corpus)")
+    from openk3.train.optim import SCHEDULES
+
+    if x["pretrain_schedule"] not in SCHEDULES:
+        raise ValueError(f"extra.pretrain_schedule={x['pretrain_schedule']!r}: must be one of {', '.join(SCHEDULES)}")
+    v = x["pretrain_decay_fraction"]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+        raise ValueError(f"extra.pretrain_decay_fraction={v!r}: must be a number in [0, 1]")
     for key in ("pretrain_steps", "long_seq_len", "long_items", "sft_items", "induction_items"):
         v = x[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "pretrain_steps" else 1):
@@ -288,7 +297,8 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
     pre_dir = os.path.join(out_dir, "pretrain")
     pre = run.replace(name=f"{run.name}-pretrain", model=cfg, data=pretrain_data, total_steps=x["pretrain_steps"],
                       seq_len=x["pretrain_seq_len"], lr=x["pretrain_lr"], qat=None, init_from=None, prepare=None,
-                      eval_every=x["pretrain_eval_every"], warmup_steps=None)
+                      eval_every=x["pretrain_eval_every"], warmup_steps=None, schedule=x["pretrain_schedule"],
+                      decay_fraction=x["pretrain_decay_fraction"])
     done = Path(pre_dir) / "DONE"
     if not done.is_file():
         log(f"stage 3/4: pretraining {pre.total_steps} steps into {pre_dir}")

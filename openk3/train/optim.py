@@ -4,7 +4,9 @@ Shape legend: E experts, F expert FFN width, L latent width, D hidden, H heads, 
 
 Sources: architecture.md §9 (Muon for matrices, AdamW with betas (0.9, 0.95), eps 1e-8 for
 embeddings, head, norms and vectors; cosine schedule with 1 % linear warmup; weight decay 0.1),
-the K3 report §3.3 (training recipe). Parameter names are the official checkpoint names
+the K3 report §3.3 (training recipe). The warmup-stable-decay schedule (:func:`wsd_with_warmup`) is
+the one the Kimi K2 technical report used for K2's pretraining (a constant LR for most of the
+tokens, then a decay to a tenth); architecture.md §9 lists cosine for K3, so cosine stays the default. Parameter names are the official checkpoint names
 (``model.layers.{l}.self_attn.q_proj.weight``, ``...block_sparse_moe.experts.w1`` [E, F, L], ...).
 """
 
@@ -188,6 +190,52 @@ def cosine_with_warmup(step: int, total: int, warmup: int, min_ratio: float = 0.
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def wsd_with_warmup(step: int, total: int, warmup: int, decay: int, min_ratio: float = 0.0) -> float:
+    """LR multiplier, warmup-stable-decay: linear warmup, a constant phase at the peak, then a
+    cosine decay to ``min_ratio`` over the last ``decay`` steps.
+
+    ``(step + 1) / warmup`` for ``step < warmup``; 1.0 up to ``total - decay``; then
+    ``min_ratio + (1 - min_ratio) * (1 + cos(pi * p)) / 2`` with
+    ``p = (step - (total - decay)) / decay`` clipped to [0, 1]; ``min_ratio`` from ``total`` on
+    (and at once when ``decay`` is 0). Why beside cosine: a small model learns to copy (an
+    induction circuit) only after a long loss plateau; cosine has already lowered the LR when the
+    plateau ends, WSD keeps the peak LR until the last ``decay`` steps.
+
+    Raises:
+        ValueError: ``total`` < 1, ``warmup`` outside [0, total], ``decay`` outside
+            [0, total - warmup], ``min_ratio`` outside [0, 1] or ``step`` < 0.
+    """
+    cosine_with_warmup(0, total, warmup, min_ratio)  # the shared checks of total, warmup, min_ratio
+    if isinstance(decay, bool) or not isinstance(decay, int) or not 0 <= decay <= total - warmup:
+        raise ValueError(f"decay={decay!r}: must be an integer in [0, total - warmup = {total - warmup}]")
+    if step < 0:
+        raise ValueError(f"step={step!r}: must be >= 0")
+    if step < warmup:
+        return (step + 1) / warmup
+    start = total - decay
+    if step < start:
+        return 1.0
+    if decay == 0:
+        return min_ratio
+    progress = min(1.0, (step - start) / decay)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+SCHEDULES = ("cosine", "wsd")
+"""LR schedule names (``RunConfig.schedule``): :func:`cosine_with_warmup`, :func:`wsd_with_warmup`."""
+
+
+def decay_steps(total: int, warmup: int, fraction: float) -> int:
+    """The WSD decay length: ``fraction`` of ``total`` steps, rounded, at most ``total - warmup``.
+
+    Raises:
+        ValueError: ``fraction`` not a number in [0, 1].
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"decay_fraction={fraction!r}: must be a number in [0, 1]")
+    return max(0, min(total - warmup, round(fraction * total)))
 
 
 def default_warmup(total: int, fraction: float = 0.01) -> int:

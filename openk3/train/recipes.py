@@ -100,7 +100,12 @@ class RunConfig:
         name: recipe name. model: preset name or :class:`K3Config`. data: data factory.
         seq_len: tokens per packed row. batch_size: rows per micro-batch (the data source packs
             them into one row with ``cu_seqlens``). grad_accum: micro-batches per step.
-        total_steps, warmup_steps (None: 1 %), min_lr_ratio: the cosine schedule.
+        total_steps, warmup_steps (None: 1 %), min_lr_ratio: the LR schedule's length, warmup
+            and final LR (a fraction of the peak).
+        schedule: ``"cosine"`` (architecture.md §9, the default) or ``"wsd"``
+            (warmup-stable-decay: the peak LR until the last ``decay_fraction`` of the steps,
+            then a cosine decay to ``min_lr_ratio``; :func:`openk3.train.optim.wsd_with_warmup`).
+        decay_fraction: WSD's decay share of ``total_steps``, in [0, 1].
         lr: peak LR of both Muon and AdamW (Muon's RMS matching makes them comparable);
             adamw_lr overrides it for the AdamW group. weight_decay: Muon groups (K3: 0.1).
         grad_clip: global norm clip. qk_clip_tau: QK-Clip threshold (None: off).
@@ -136,6 +141,8 @@ class RunConfig:
     grad_accum: int = 1
     warmup_steps: int | None = None
     min_lr_ratio: float = 0.1
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
     lr: float = 1e-2
     adamw_lr: float | None = None
     weight_decay: float = 0.1
@@ -191,8 +198,9 @@ class RunConfig:
     _INTS = ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins", "ep_size",
              "eval_every", "eval_batches", "seed")
     _OPT_INTS = ("warmup_steps", "keep_checkpoints", "threads")
-    _FLOATS = ("min_lr_ratio", "lr", "weight_decay")
+    _FLOATS = ("min_lr_ratio", "decay_fraction", "lr", "weight_decay")
     _OPT_FLOATS = ("adamw_lr", "grad_clip", "qk_clip_tau", "qb_ema")
+    _STRS = ("schedule",)
     _OPT_STRS = ("qat", "init_from")
 
     def _check_types(self) -> None:
@@ -213,6 +221,7 @@ class RunConfig:
 
         checks = ((self._INTS, False, is_int, "an integer"), (self._OPT_INTS, True, is_int, "an integer"),
                   (self._FLOATS, False, is_num, "a finite number"), (self._OPT_FLOATS, True, is_num, "a finite number"),
+                  (self._STRS, False, lambda v: isinstance(v, str), "a string"),
                   (self._OPT_STRS, True, lambda v: isinstance(v, str), "a string"))
         for names, optional, ok, want in checks:
             for n in names:
@@ -248,8 +257,20 @@ class RunConfig:
         return preset(self.model) if isinstance(self.model, str) else self.model
 
     def step_config(self) -> StepConfig:
-        return StepConfig(total_steps=self.total_steps, warmup_steps=self.warmup_steps,
-                          min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip, qk_clip_tau=self.qk_clip_tau)
+        """The step settings; the schedule's errors name the ``RunConfig`` field.
+
+        Raises:
+            ValueError: a bad ``schedule`` / ``decay_fraction`` / warmup / clip value.
+        """
+        try:
+            return StepConfig(total_steps=self.total_steps, warmup_steps=self.warmup_steps,
+                              min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip, qk_clip_tau=self.qk_clip_tau,
+                              schedule=self.schedule, decay_fraction=self.decay_fraction)
+        except ValueError as e:
+            msg = str(e)
+            if msg.startswith(("schedule=", "decay_fraction=")):
+                raise ValueError(f"RunConfig.{msg}") from None
+            raise
 
     def build(self, device: str | torch.device = "cpu"):
         """Fresh ``(model, optimizer, balancers)`` for this run: the model initialised from

@@ -14,7 +14,7 @@ One step (:func:`train_step`)::
         forward -> loss, routing (per MoE layer), per-head max logits (per MLA layer)
         QB observe(scores, b)           # counts only, no communication
         (loss_mb * n_mb / N).backward() # N = labelled tokens of the whole step
-    clip grads; lr = initial_lr * cosine_with_warmup(step); optimizer.step()
+    clip grads; lr = initial_lr * cfg.lr_multiplier(step) (cosine or WSD); optimizer.step()
     QK-Clip(max logits of the step)     # after the update (K2)
     all-reduce QB counts; b <- QB(b)    # routes the next step only
 
@@ -41,7 +41,7 @@ from torch import nn
 from openk3.config import MLA, K3Config
 from openk3.train.balance import QuantileBalancer, all_reduce_balancers_
 from openk3.train.muon import qk_clip_
-from openk3.train.optim import cosine_with_warmup, default_warmup
+from openk3.train.optim import SCHEDULES, cosine_with_warmup, decay_steps, default_warmup, wsd_with_warmup
 
 _BATCH_KEYS = ("input_ids", "labels", "cu_seqlens", "lengths", "pixel_values", "grid_thws")
 _IMAGE_KEYS = ("pixel_values", "grid_thws")  # image rows only (K3ForConditionalGeneration)
@@ -74,9 +74,13 @@ class StepConfig:
     """What :func:`train_step` needs besides the model, data and optimizer.
 
     Attributes:
-        total_steps: schedule length (the cosine reaches ``min_lr_ratio`` there).
+        total_steps: schedule length (the LR reaches ``min_lr_ratio`` there).
         warmup_steps: linear warmup; None = 1 % of ``total_steps`` (architecture.md §9).
         min_lr_ratio: final LR as a fraction of the peak.
+        schedule: ``"cosine"`` (:func:`~openk3.train.optim.cosine_with_warmup`, architecture.md
+            §9) or ``"wsd"`` (:func:`~openk3.train.optim.wsd_with_warmup`: constant after the
+            warmup, cosine decay over the last ``decay_fraction`` of ``total_steps``).
+        decay_fraction: WSD's decay share of ``total_steps`` in [0, 1] (ignored by cosine).
         grad_clip: max global L2 norm of the gradient; None = no clipping (norm still logged).
         qk_clip_tau: QK-Clip threshold tau (K2: 100); None disables QK-Clip.
     Raises:
@@ -88,18 +92,25 @@ class StepConfig:
     min_lr_ratio: float = 0.0
     grad_clip: float | None = 1.0
     qk_clip_tau: float | None = 100.0
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
 
     def __post_init__(self) -> None:
         if self.warmup_steps is None:
             self.warmup_steps = default_warmup(self.total_steps) if isinstance(self.total_steps, int) else 0
         cosine_with_warmup(0, self.total_steps, self.warmup_steps, self.min_lr_ratio)  # validates
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: must be one of {', '.join(SCHEDULES)}")
+        self._decay = decay_steps(self.total_steps, self.warmup_steps, self.decay_fraction)  # validates
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip!r}: must be > 0 or None")
         if self.qk_clip_tau is not None and not self.qk_clip_tau > 0:
             raise ValueError(f"qk_clip_tau={self.qk_clip_tau!r}: must be > 0 or None")
 
     def lr_multiplier(self, step: int) -> float:
-        """Cosine-with-warmup multiplier of the 0-based ``step``."""
+        """The schedule's LR multiplier of the 0-based ``step``."""
+        if self.schedule == "wsd":
+            return wsd_with_warmup(step, self.total_steps, self.warmup_steps, self._decay, self.min_lr_ratio)
         return cosine_with_warmup(step, self.total_steps, self.warmup_steps, self.min_lr_ratio)
 
 

@@ -51,7 +51,7 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
                             "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                             "v_head_dim": 16, "linear_head_dim": 16},
         "pretrain_steps": 2, "pretrain_seq_len": 64, "pretrain_eval_every": 2, "sft_items": 12,
-        "sft_eval_items": 1, "tokenizer_sft_items": 30, "pretrain_sft_share": 0.5,
+        "sft_eval_items": 1, "tokenizer_sft_items": 30, "pretrain_sft_share": 0.5, "induction_items": 20,
     }
     run = get_recipe("default-model", total_steps=2, seq_len=256, eval_every=2, eval_batches=1, ckpt_every=1,
                      extra=extra)
@@ -68,6 +68,8 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
     assert [r["step"] for r in pre if r["kind"] == "train"] == [1, 2]
     assert any(r["kind"] == "eval" for r in pre)
     assert (out / "pretrain" / "DONE").is_file()
+    pre_state = json.load(open(os.path.join((out / "pretrain" / "DONE").read_text().strip(), "trainer_state.json")))
+    assert (pre_state["run"]["schedule"], pre_state["run"]["decay_fraction"]) == ("wsd", 0.2)  # the recipe's default
     # Resume: the finished stages are reused (pretraining untouched), SFT continues at step 2.
     mtime = os.path.getmtime(out / "pretrain" / "metrics.jsonl")
     second = train(run, out, resume=True, progress=False)
@@ -126,7 +128,8 @@ def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
     assert set(rows) == {512, 6000} and 0.1 < rows.count(6000) / 80 < 0.45
     again = default_model.sft_data(run, "train")
     assert [again.next_batch()["input_ids"].shape[1] for _ in range(80)] == rows
-    pre = default_model.pretrain_data(run.replace(extra={"sft_items": 30, "pretrain_sft_share": 0.5}), "train")
+    pre = default_model.pretrain_data(run.replace(extra={"sft_items": 30, "pretrain_sft_share": 0.5,
+                                                        "pretrain_induction_share": 0.0}), "train")
     ids = [pre.next_batch()["input_ids"] for _ in range(40)]
     corpus_rows = sum(bool((x >= 9000).all()) for x in ids)
     assert 8 < corpus_rows < 32  # about half corpus, half SFT conversations
@@ -134,3 +137,7 @@ def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
         default_model.settings(run.replace(extra={"long_share": 1.5}))
     with pytest.raises(ValueError, match="extra.long_seq_len"):
         default_model.settings(run.replace(extra={"long_seq_len": 0}))
+    with pytest.raises(ValueError, match="extra.pretrain_schedule='step': must be one of cosine, wsd"):
+        default_model.settings(run.replace(extra={"pretrain_schedule": "step"}))
+    with pytest.raises(ValueError, match="extra.pretrain_decay_fraction=1.5"):
+        default_model.settings(run.replace(extra={"pretrain_decay_fraction": 1.5}))

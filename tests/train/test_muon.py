@@ -10,7 +10,8 @@ from torch import nn
 
 from openk3.config import preset
 from openk3.train.muon import Muon, qk_clip_, qk_clip_weights_, zeropower_newton_schulz
-from openk3.train.optim import build_optimizer, classify_parameter, cosine_scheduler, cosine_with_warmup
+from openk3.train.optim import (build_optimizer, classify_parameter, cosine_scheduler, cosine_with_warmup, decay_steps,
+                                wsd_with_warmup)
 from tests.conftest import assert_close
 
 A, B, C = 3.4445, -4.7750, 2.0315
@@ -226,6 +227,31 @@ def test_cosine_with_warmup():
         cosine_with_warmup(0, 10, 11)
     with pytest.raises(ValueError, match="min_ratio"):
         cosine_with_warmup(0, 10, 1, 1.5)
+
+
+def test_wsd_with_warmup_exact_values():
+    total, warmup, decay, lo = 100, 10, 20, 0.1
+    f = [wsd_with_warmup(s, total, warmup, decay, lo) for s in range(total + 3)]
+    assert f[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])  # linear warmup, as cosine's
+    assert f[10:81] == [1.0] * 71  # stable: exactly the peak until the decay starts at step 80
+    assert f[80] == 1.0 and f[90] == pytest.approx(lo + (1 - lo) * 0.5)  # half-way through the decay
+    assert f[85] == pytest.approx(lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert all(a >= b for a, b in zip(f[80:], f[81:])) and f[100] == f[102] == pytest.approx(lo)
+    # decay over the whole post-warmup span is the cosine schedule itself; decay 0 drops at the end
+    assert [wsd_with_warmup(s, total, warmup, total - warmup, lo) for s in range(total)] == pytest.approx(
+        [cosine_with_warmup(s, total, warmup, lo) for s in range(total)])
+    assert wsd_with_warmup(99, total, warmup, 0, lo) == 1.0 and wsd_with_warmup(100, total, warmup, 0, lo) == lo
+    assert decay_steps(2400, 24, 0.2) == 480 and decay_steps(100, 90, 0.5) == 10 and decay_steps(10, 1, 0.0) == 0
+    with pytest.raises(ValueError, match="decay=91"):
+        wsd_with_warmup(0, 100, 10, 91)
+    with pytest.raises(ValueError, match="decay="):
+        wsd_with_warmup(0, 100, 10, True)
+    with pytest.raises(ValueError, match="warmup"):
+        wsd_with_warmup(0, 10, 11, 0)
+    with pytest.raises(ValueError, match="step=-1"):
+        wsd_with_warmup(-1, 10, 1, 2)
+    with pytest.raises(ValueError, match="decay_fraction=1.5"):
+        decay_steps(10, 1, 1.5)
 
 
 # ------------------------------------------------------------------------------- QK-Clip

@@ -169,6 +169,18 @@ def test_train_step_rejects_bad_batches():
         StepConfig(total_steps=3, grad_clip=0.0)
     with pytest.raises(ValueError, match="warmup"):
         StepConfig(total_steps=3, warmup_steps=5)
+    with pytest.raises(ValueError, match="schedule='linear'"):
+        StepConfig(total_steps=3, schedule="linear")
+    with pytest.raises(ValueError, match="decay_fraction=-0.1"):
+        StepConfig(total_steps=3, schedule="wsd", decay_fraction=-0.1)
+
+
+def test_step_config_wsd_multipliers():
+    cfg = StepConfig(total_steps=50, warmup_steps=5, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
+    assert [cfg.lr_multiplier(s) for s in (0, 4, 5, 39, 40)] == pytest.approx([0.2, 1.0, 1.0, 1.0, 1.0])
+    assert cfg.lr_multiplier(45) == pytest.approx(0.55) and cfg.lr_multiplier(50) == pytest.approx(0.1)
+    assert StepConfig(total_steps=50, warmup_steps=5).lr_multiplier(25) == pytest.approx(
+        cosine_with_warmup(25, 50, 5))  # cosine stays the default
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -393,13 +405,18 @@ def test_cli_lists_recipes_and_rejects_bad_input(capsys):
                              ('data="x"', "RunConfig.data='x': must be a data factory"),
                              ('device="tpu"', "RunConfig.device='tpu'"),
                              ("threads=0", "RunConfig.threads=0: must be a positive integer"),
-                             ("adamw_lr=0", "RunConfig.adamw_lr=0: must be > 0")):
+                             ("adamw_lr=0", "RunConfig.adamw_lr=0: must be > 0"),
+                             ('schedule="linear"', "RunConfig.schedule='linear': must be one of cosine, wsd"),
+                             ("schedule=1", "RunConfig.schedule=1: must be a string"),
+                             ("decay_fraction=2", "RunConfig.decay_fraction=2: must be a number in [0, 1]")):
         assert main(["train", "--recipe", "smoke", "--set", setting]) == 2, setting
         assert message in capsys.readouterr().err, setting
     # a row longer than the model's context is refused up front (instead of exhausting memory)
     assert main(["train", "--recipe", "smoke", "--set", "seq_len=100000"]) == 2
     assert "RunConfig.seq_len=100000: exceeds the model's max_position_embeddings=4096" in capsys.readouterr().err
     assert get_recipe("smoke", seq_len=4096).seq_len == 4096
+    wsd = get_recipe("smoke", schedule="wsd", decay_fraction=0.5).step_config()  # 300 steps, warmup 15
+    assert [wsd.lr_multiplier(s) for s in (14, 149, 150, 225)] == pytest.approx([1.0, 1.0, 1.0, 0.1 + 0.9 * 0.5])
 
 
 def test_metrics_log_truncates_on_resume_and_plots(tmp_path):
