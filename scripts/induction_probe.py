@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=100, help="items per span length (default 100)")
     ap.add_argument("--watch", action="store_true", help="PATHS[0] is a checkpoints folder: probe each new step-*")
     ap.add_argument("--out", help="append the JSON lines here too")
+    ap.add_argument("--every", type=int, default=1, help="--watch: only steps that are multiples of this")
     ap.add_argument("--poll", type=float, default=30.0)
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     while True:  # stopped by the caller (kill PID) or when the run writes DONE beside its checkpoints
         for d in sorted(root.glob("step-*")):
             if d.name in seen or not (d / "config.json").is_file():
+                continue
+            if int(d.name.split("-")[1]) % args.every:
+                seen.add(d.name)
                 continue
             time.sleep(5)  # let the writer finish the directory
             try:
