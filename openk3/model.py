@@ -27,6 +27,7 @@ from openk3.layers.mla import GatedMLA
 from openk3.layers.mlp import MLP
 from openk3.layers.moe import LatentMoE
 from openk3.layers.norm import RMSNorm
+from openk3.ops.varlen import check_lengths
 from openk3.weight_init import init_module
 
 
@@ -154,8 +155,7 @@ class K3Model(nn.Module):
         B, T = x.shape[:2]
         if lengths is not None:
             lengths = lengths.to(device=x.device, dtype=torch.long)
-            if lengths.shape != (B,) or bool((lengths < 0).any()) or bool((lengths > T).any()):
-                raise ValueError(f"lengths: expected [B={B}] values in [0, T={T}], got {lengths.tolist()}")
+            check_lengths(lengths, B, T)
         if cache is not None:
             if cache.batch_size != B:
                 raise ValueError(f"cache: holds {cache.batch_size} rows, input has B={B}")

@@ -24,14 +24,9 @@ from openk3.cache import KDALayerState
 from openk3.config import KDA, K3Config
 from openk3.layers.norm import GatedRMSNorm
 from openk3.ops.kda import MODES, kda
-from openk3.ops.kda_reference import (
-    kda_gate_lower_bound,
-    kda_gate_softplus,
-    l2_normalize,
-    pack_documents,
-    unpack_documents,
-)
+from openk3.ops.kda_gate import kda_gate_lower_bound, kda_gate_softplus, l2_normalize
 from openk3.ops.short_conv import short_conv, short_conv_step
+from openk3.ops.varlen import check_lengths, pack_documents, unpack_documents
 from openk3.weight_init import init_module
 
 
@@ -133,7 +128,7 @@ class KimiDeltaAttention(nn.Module):
             return self._forward_rows(x, cache, lengths, mode)
         if lengths is not None:
             raise ValueError("lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)")
-        # The reference path runs packed documents as padded rows; a varlen kernel can skip this.
+        # Packed documents run as padded rows; a varlen kernel can skip this.
         rows, doc_lengths = unpack_documents(x, cu_seqlens)
         return pack_documents(self._forward_rows(rows, cache, doc_lengths, mode), doc_lengths)
 
@@ -154,10 +149,7 @@ class KimiDeltaAttention(nn.Module):
             conv0, rec0 = cache.conv, cache.recurrent
             self._check_state(conv0, rec0, B)
         if lengths is not None:
-            if lengths.shape != (B,):
-                raise ValueError(f"lengths: expected shape [B={B}], got {tuple(lengths.shape)}")
-            if bool(((lengths < 0) | (lengths > T)).any()):
-                raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
+            check_lengths(lengths, B, T)
 
         tails = conv0.unbind(1) if cache is not None else (None, None, None)
         mixed, new_tails = [], []

@@ -28,6 +28,7 @@ from openk3.cache import MLALayerCache, PagedMLACache
 from openk3.config import K3Config
 from openk3.layers.norm import RMSNorm
 from openk3.ops.attention import causal_attention, latent_attention
+from openk3.ops.varlen import check_lengths
 from openk3.weight_init import init_module
 
 # eps of q_a_layernorm / kv_a_layernorm: the reference's RMSNorm default, not config.rms_norm_eps.
@@ -186,8 +187,7 @@ class GatedMLA(nn.Module):
             raise ValueError(f"cache: holds {cache.batch_size} rows, x has B={B}")
         lens = torch.full((B,), T, dtype=torch.long, device=dev) if lengths is None else lengths.to(dev, torch.long)
         past = torch.zeros(B, dtype=torch.long, device=dev) if past_lengths is None else past_lengths.to(dev, torch.long)
-        if lens.shape != (B,) or bool(((lens < 0) | (lens > T)).any()):
-            raise ValueError(f"lengths: expected [B={B}] values in [0, T={T}], got {lens.tolist()}")
+        check_lengths(lens, B, T)
         if past.shape != (B,) or bool((past < 0).any()):
             raise ValueError(f"past_lengths: expected [B={B}] non-negative values, got {past.tolist()}")
         end = past + lens

@@ -10,8 +10,8 @@ Two entry points, one per MLA form (architecture.md §4):
   without a cache). Rows may be right-padded (``lengths``) or hold packed documents
   (``cu_seqlens``, block-diagonal causal mask). Dispatches to
   ``torch.nn.functional.scaled_dot_product_attention`` (``"sdpa"``) or to the plain softmax
-  :func:`causal_attention_reference` (``"reference"``); the choice is made here only, see
-  :func:`attention_backend`.
+  :func:`causal_attention_reference` (``"reference"``); the choice is made here only, overridden
+  through :mod:`openk3.ops.backends` (``use_backend("attention", name)``, ``OPENK3_ATTENTION_BACKEND``).
 * :func:`latent_attention` — the absorbed form: queries already multiplied into the latent space
   (q̃_h = W_UK,hᵀ q^C_h) attend over the cached normalised latent ĉ and shared key k^R. Query t of
   row b sees cache positions ``< past_lengths[b] + t + 1``, which serves single-token decode and
@@ -28,45 +28,28 @@ Padded query positions (``t >= lengths[b]``) produce zeros.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 
+from openk3.ops import backends
 from openk3.ops.latent_blocked import latent_attention_blocked
+from openk3.ops.varlen import check_lengths
 
-BACKENDS = ("sdpa", "reference")
-_backend = "sdpa"
+BACKENDS = tuple(backends.BACKENDS["attention"])
 
 # Query rows per block when the SDPA path computes max logits separately (bounds memory).
 _MAX_LOGIT_CHUNK = 512
 
 
 def get_attention_backend() -> str:
-    """The backend :func:`causal_attention` uses when none is passed: ``"sdpa"`` or ``"reference"``."""
-    return _backend
-
-
-@contextlib.contextmanager
-def attention_backend(name: str) -> Iterator[None]:
-    """Temporarily switch the default backend of :func:`causal_attention` (test override).
-
-    Raises:
-        ValueError: ``name`` not in :data:`BACKENDS`.
-    """
-    global _backend
-    _check_backend(name)
-    old, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = old
+    """The backend :func:`causal_attention` uses when none is passed: ``"sdpa"`` or ``"reference"``
+    (an override of :mod:`openk3.ops.backends`: ``use_backend("attention", name)`` or
+    ``OPENK3_ATTENTION_BACKEND``; else ``"sdpa"``)."""
+    return backends.forced_backend("attention") or "sdpa"
 
 
 def _check_backend(name: str) -> None:
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r}: must be one of {BACKENDS}")
+    backends.check_backend("attention", name)
 
 
 # ------------------------------------------------------------------------------- masks
@@ -82,8 +65,7 @@ def _check_full_args(
     if lengths is not None and cu_seqlens is not None:
         raise ValueError("lengths and cu_seqlens: pass at most one (padded rows or packed documents)")
     if lengths is not None:
-        if lengths.shape != (B,) or bool(((lengths < 0) | (lengths > T)).any()):
-            raise ValueError(f"lengths: expected [B={B}] values in [0, T={T}], got {lengths.tolist()}")
+        check_lengths(lengths, B, T)
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens: packed documents need a single row (B=1), got B={B}")
@@ -216,7 +198,7 @@ def causal_attention(
     Raises:
         ValueError: bad shapes, lengths, cu_seqlens or backend (named).
     """
-    backend = backend or _backend
+    backend = backend or get_attention_backend()
     _check_backend(backend)
     if backend == "reference":
         return causal_attention_reference(
@@ -264,7 +246,7 @@ def latent_attention(
     [B, H, T, S] logits, inference only), everything else the dense form (a decode step's logits
     are [B, H, 1, S]; training through a cache differentiates the dense form).
     """
-    backend = backend or _backend
+    backend = backend or get_attention_backend()
     _check_backend(backend)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_latent, q_rope, latent, k_rope))
     if backend != "reference" and max_logits_out is None and q_latent.shape[1] > 1 and not grad:

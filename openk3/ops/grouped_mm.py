@@ -15,7 +15,8 @@ Backends (chosen in :func:`_select_backend`, the only place that decides):
   * ``"bmm"``: rows scattered into a zero-padded [E, M, L] buffer and one ``torch.bmm`` per
     projection. Works for any dtype/shape; costs a host sync for M and E·M·L memory.
   * ``"loop"``: :func:`routed_experts_reference`, a plain loop over experts. Tests only.
-Tests force a backend with ``backend=`` or the :func:`force_backend` context manager.
+Tests force a backend with ``backend=``, ``openk3.ops.backends.use_backend("grouped_mm", name)`` or
+``OPENK3_GROUPED_MM_BACKEND``.
 
 QAT (architecture.md §10) passes ``input_quant`` (MXFP8 fake-quant of every expert GEMM input) and
 fake-quantized weights; packed MXFP4 weights run through :mod:`openk3.quant.packed`, which reuses
@@ -24,10 +25,11 @@ fake-quantized weights; packed MXFP4 weights run through :mod:`openk3.quant.pack
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
+
+from openk3.ops import backends
 
 GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Fake-quantizer applied to each expert GEMM's input rows (QAT: MXFP8 along K), or None.
@@ -35,27 +37,9 @@ InputQuant = Callable[[torch.Tensor], torch.Tensor] | None
 # ``(xs [A, L] rows sorted by expert, expert_sorted [A], counts [E]) -> ys [A, L]``.
 ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-BACKENDS = ("grouped_mm", "bmm", "loop")
-_forced_backend: str | None = None
+BACKENDS = tuple(backends.BACKENDS["grouped_mm"])
 # CUTLASS grouped GEMM on CUDA handles fewer than this many groups (torch's own dispatch notes).
 _CUDA_MAX_GROUPS = 1024
-
-
-@contextlib.contextmanager
-def force_backend(name: str | None) -> Iterator[None]:
-    """Within the block, every :func:`routed_experts` call without ``backend=`` uses ``name``.
-
-    Raises:
-        ValueError: ``name`` not in :data:`BACKENDS` (None restores automatic choice).
-    """
-    global _forced_backend
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"backend={name!r}: must be one of {BACKENDS} or None")
-    previous, _forced_backend = _forced_backend, name
-    try:
-        yield
-    finally:
-        _forced_backend = previous
 
 
 def _check_inputs(x, topk_idx, topk_weight, w1, w3, w2) -> None:
@@ -99,11 +83,12 @@ def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor) -> bool:
 
 
 def _select_backend(x: torch.Tensor, w1: torch.Tensor, backend: str | None) -> str:
-    """The one place a backend is chosen: explicit argument > :func:`force_backend` > automatic."""
-    name = backend if backend is not None else _forced_backend
+    """The one place a backend is chosen: explicit argument > the override of
+    :mod:`openk3.ops.backends` (``use_backend("grouped_mm", name)``, ``OPENK3_GROUPED_MM_BACKEND``)
+    > automatic."""
+    name = backend if backend is not None else backends.forced_backend("grouped_mm")
     if name is not None:
-        if name not in BACKENDS:
-            raise ValueError(f"backend={name!r}: must be one of {BACKENDS}")
+        backends.check_backend("grouped_mm", name)
         if name == "grouped_mm" and not _grouped_mm_fits(x, w1):
             raise ValueError(
                 f"backend='grouped_mm' does not support dtype={x.dtype}, device={x.device.type}, "

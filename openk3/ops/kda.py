@@ -1,24 +1,24 @@
-"""The one entry point for Kimi Delta Attention: backend choice lives here and nowhere else.
+"""The one entry point for Kimi Delta Attention: which backend runs is decided here and nowhere else.
 
 Shape legend: B batch rows, T tokens, H heads, K key dim, V value dim, N packed documents,
 NC number of chunks.
 
 Backends: ``"batched"`` (default: :func:`openk3.ops.kda_chunk.kda_chunk_batched` for the chunk
-mode, the reference token loop for the recurrent mode) and ``"reference"`` (the readable fp32
-references in :mod:`openk3.ops.kda_reference`, both modes). A kernel fast path (FLA ``chunk_kda``
-/ ``fused_recurrent_kda``, FlashKDA) plugs in by registering a backend with the same semantic signature (pre-activated gate, sigmoid beta, state [B, H, K, V]) and being chosen
-in :func:`_select_backend`; callers never change. Tests force a backend with :func:`use_backend`.
+mode; the recurrent mode, one decode token per call, runs the token loop of
+:mod:`openk3.ops.kda_reference`) and ``"reference"`` (the readable fp32 references, both modes).
+A kernel fast path (FLA ``chunk_kda`` / ``fused_recurrent_kda``, FlashKDA) plugs in with
+:func:`register_backend` (same semantic signature: pre-activated gate, sigmoid beta, state
+[B, H, K, V]); callers never change. Overrides go through the one switch of
+:mod:`openk3.ops.backends`: ``use_backend("kda", name)`` or ``OPENK3_KDA_BACKEND``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-from openk3.ops import kda_reference
+from openk3.ops import backends, kda_reference
 from openk3.ops.kda_chunk import kda_chunk_batched
 
 MODES = ("chunk", "recurrent")
@@ -28,47 +28,23 @@ _BACKENDS: dict[str, dict[str, Callable]] = {
     "reference": {"chunk": kda_reference.kda_chunk, "recurrent": kda_reference.kda_recurrent},
     "batched": {"chunk": kda_chunk_batched, "recurrent": kda_reference.kda_recurrent},
 }
-_forced: str | None = None
 
 
 def register_backend(name: str, chunk: Callable, recurrent: Callable) -> None:
     """Add a backend; both callables take the :func:`kda` arguments (minus ``mode``/``backend``)."""
     _BACKENDS[name] = {"chunk": chunk, "recurrent": recurrent}
-
-
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Force ``name`` for every :func:`kda` call inside the ``with`` block (test override).
-
-    Raises:
-        ValueError: unknown backend name.
-    """
-    global _forced
-    if name not in _BACKENDS:
-        raise ValueError(f"backend={name!r}: unknown; known: {sorted(_BACKENDS)}")
-    previous, _forced = _forced, name
-    try:
-        yield
-    finally:
-        _forced = previous
+    backends.register_backend("kda", name)
 
 
 def _select_backend(q: torch.Tensor) -> str:
     """Automatic choice: ``"batched"`` (eager PyTorch, any device); a kernel backend would be
-    picked here when importable and ``q`` lives on a supported device. ``use_backend`` wins, then
-    the ``OPENK3_KDA_BACKEND`` environment variable (reaches torchrun workers and servers).
+    picked here when importable and ``q`` lives on a supported device. An override of
+    :mod:`openk3.ops.backends` (``use_backend``, then ``OPENK3_KDA_BACKEND``) wins.
 
     Raises:
         ValueError: ``OPENK3_KDA_BACKEND`` names an unknown backend.
     """
-    if _forced:
-        return _forced
-    env = os.environ.get("OPENK3_KDA_BACKEND")
-    if env:
-        if env not in _BACKENDS:
-            raise ValueError(f"OPENK3_KDA_BACKEND={env!r}: unknown; known: {sorted(_BACKENDS)}")
-        return env
-    return "batched"
+    return backends.forced_backend("kda") or "batched"
 
 
 def kda(
@@ -109,8 +85,7 @@ def kda(
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: must be one of {MODES}")
     name = backend or _select_backend(q)
-    if name not in _BACKENDS:
-        raise ValueError(f"backend={name!r}: unknown; known: {sorted(_BACKENDS)}")
+    backends.check_backend("kda", name)
     fn = _BACKENDS[name][mode]
     return fn(q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens,
               chunk_size=chunk_size, output_chunk_states=output_chunk_states)

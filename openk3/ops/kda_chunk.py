@@ -4,7 +4,8 @@ Shape legend: B batch rows, T tokens, H heads, K key dim, V value dim, C chunk s
 NC number of chunks (ceil(T / C)), n sub-tiles per chunk (C / tile), L tile length.
 
 Same function and signature as :func:`openk3.ops.kda_reference.kda_chunk` (which stays the readable
-reference and the test oracle). What differs:
+reference and the test oracle; this module imports nothing from it, only the shared argument checks
+of :mod:`openk3.ops.kda_inputs` and the packing of :mod:`openk3.ops.varlen`). What differs:
 
 * under the gate bound (every per-step log-decay >= -:data:`MATMUL_GATE_BOUND`, always true for
   K3's gate, and for the unbounded Kimi-Linear gate while its decays stay moderate) the work runs on
@@ -12,7 +13,7 @@ reference and the test oracle). What differs:
   its middle position (exponents within +-40, no overflow), with no cross-tile terms, and the
   intra-chunk FLOPs shrink with the chunk length; snapshots are still taken every ``chunk_size``;
 * otherwise :func:`decayed_scores` evaluates the ``chunk_size`` chunks' scores with batched sub-tile
-  ops (exact pairwise form, same numerics as the reference);
+  ops (exact pairwise form, the same numerics as the reference's tile loop);
 * the state-independent stage (G, ``A_kk``, the triangular solve for W and U, ``A_qk``, decayed q
   and k) is computed for all sub-chunks at once (the exact form: chunk by chunk, so its pairwise
   tensors stay cache-sized), then :func:`openk3.ops.kda_scan.kda_state_pass` runs
@@ -27,10 +28,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from openk3.ops import kda_reference as _ref
+from openk3.ops.kda_inputs import finish_output, prepare_inputs
 from openk3.ops.kda_scan import kda_state_pass
+from openk3.ops.varlen import run_packed
 
-TILE = _ref._TILE
+# Sub-tile length of the exact pairwise scores (pairwise decays formed exactly only inside a tile).
+TILE = 16
 # Sub-chunk length used under the gate bound when it divides chunk_size (see _chunk_rows).
 SUB = 16
 # Largest per-step |log-decay| for which the sub-chunk matmul factorisation (_intra_bounded) is used
@@ -46,8 +49,8 @@ def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bo
 
     Args:
         a, b, G: [..., C, K] fp32; G non-increasing along C (cumulative log-decay).
-        strict: exclude the diagonal. tile: sub-tile length L (C must be a multiple of it;
-            otherwise the reference's loop is used).
+        strict: exclude the diagonal. tile: sub-tile length L (a C that is not a multiple of
+            it, or a single tile, is padded to whole tiles: zero ``a`` / ``b`` rows add nothing).
     Returns:
         [..., C, C].
     Numerics: as the reference, no exponent is ever positive. Inside a tile the pairwise
@@ -57,7 +60,11 @@ def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bo
     """
     C, K = G.shape[-2:]
     if C % tile or C <= tile:
-        return _ref._decayed_scores(a, b, G, strict)
+        # Repeating G's last row keeps it non-increasing; the padded rows and columns are cut off.
+        pad = max(2, -(-C // tile)) * tile - C
+        a_p, b_p = (F.pad(t, (0, 0, 0, pad)) for t in (a, b))
+        G_p = torch.cat([G, G[..., -1:, :].expand(*G.shape[:-2], pad, K)], dim=-2)
+        return decayed_scores(a_p, b_p, G_p, strict, tile)[..., :C, :C]
     n = C // tile
     lead = G.shape[:-2]
     Gt, at, bt = (t.reshape(*lead, n, tile, K) for t in (G, a, b))
@@ -125,12 +132,12 @@ def _intra_general(q, k, v, g, beta):
 
 def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False):
     dtype = v.dtype
-    q, k, v, g, beta, S, valid = _ref._prepare(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
+    q, k, v, g, beta, S, valid = prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
     NC = -(-T // chunk_size)
     if NC == 0:
-        res = (_ref._finish(v.new_zeros(B, 0, H, V), valid, dtype), S)
+        res = (finish_output(v.new_zeros(B, 0, H, V), valid, dtype), S)
         return res + ((S.new_zeros(B, 0, *S.shape[1:]),) if output_chunk_states else ())
     pad = NC * chunk_size - T
     # One host sync per call; padding is g = 0, which never disqualifies.
@@ -150,7 +157,7 @@ def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, 
     every = chunk_size // C if output_chunk_states else None
     o, states = kda_state_pass(*parts, S, every=every)
     o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
-    res = (_ref._finish(o, valid, dtype), states[:, :, -1])
+    res = (finish_output(o, valid, dtype), states[:, :, -1])
     if output_chunk_states:
         res += (states.transpose(1, 2),)
     return res
@@ -167,5 +174,5 @@ def kda_chunk_batched(
     fp32 rounding; tests/ops/test_kda_ops.py checks values and gradients against it).
     Source: architecture.md §3.4.
     """
-    return _ref._dispatch_varlen(_chunk_rows, q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens,
-                                 chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+    return run_packed(_chunk_rows, (q, k, v, g, beta), lengths, cu_seqlens, scale, initial_state,
+                      chunk_size=chunk_size, output_chunk_states=output_chunk_states)

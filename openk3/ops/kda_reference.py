@@ -14,16 +14,23 @@ Conventions (kept semantic on purpose, see spec/style.md "flags that change what
 * Packed documents: with ``cu_seqlens`` [N+1] (B must be 1) the state starts afresh at every
   document (zeros, or ``initial_state[n]``) and the final state is returned per document.
 
+The oracle stands on its own: it imports no fast path (:mod:`openk3.ops.kda_chunk`,
+:mod:`openk3.ops.kda_scan`) and no fast path imports it; the gates and L2 norm here are the oracle
+forms of the production :mod:`openk3.ops.kda_gate`. Argument checks, padding handling
+(:mod:`openk3.ops.kda_inputs`) and document packing (:mod:`openk3.ops.varlen`) are shared, so every
+implementation refuses the same inputs the same way.
+
 Source: architecture.md §3.2 (token recurrence), §3.4 (chunkwise form, numerics), §3.5 (decode);
 k3-release-notes.md §1.4 (gate forms, A_log per head); oracle ``fla/ops/kda/naive.py``.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
+
+from openk3.ops.kda_inputs import finish_output, prepare_inputs
+from openk3.ops.varlen import run_packed
 
 # Sub-tile length inside a chunk: pairwise decays are formed exactly only inside a tile; across
 # tiles they factor through a reference position so that no exponent is positive (no overflow for
@@ -31,7 +38,7 @@ import torch.nn.functional as F
 _TILE = 16
 
 
-# ----------------------------------------------------------------------------- gates and norms
+# ----------------------------------------------------------------------------- gates and norms (oracle forms)
 def _per_head(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate and return (z + dt_bias [..., H, K] fp32, exp(A_log) [H, 1] fp32)."""
     if z.dim() < 2:
@@ -88,108 +95,10 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
 
 
-# ----------------------------------------------------------------------------- packed documents
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
-    """Validate ``cu_seqlens`` [N+1]: integer, starts at 0, non-decreasing, ends at ``total``.
-
-    Raises:
-        ValueError: naming ``cu_seqlens`` and its value.
-    """
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N+1] with N >= 1, got {cu_seqlens!r}")
-    c = cu_seqlens.tolist()
-    if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
-        raise ValueError(f"cu_seqlens={c}: must start at 0, be non-decreasing and end at T={total}")
-
-
-def unpack_documents(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed [1, T, *] -> right-padded [N, L, *] (L = longest document) and lengths [N].
-
-    Raises:
-        ValueError: B != 1 or malformed ``cu_seqlens``.
-    """
-    if x.shape[0] != 1:
-        raise ValueError(f"cu_seqlens given: the batch dim must be 1 (packed documents), got {x.shape[0]}")
-    check_cu_seqlens(cu_seqlens, x.shape[1])
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
-    lengths = cu[1:] - cu[:-1]
-    L = int(lengths.max())
-    pos = torch.arange(L, device=x.device)
-    valid = pos[None, :] < lengths[:, None]  # [N, L]
-    idx = (cu[:-1, None] + pos[None, :]).clamp(max=max(x.shape[1] - 1, 0))
-    out = x[0][idx] if L > 0 else x.new_zeros(len(lengths), 0, *x.shape[2:])
-    mask = valid.reshape(*valid.shape, *([1] * (x.dim() - 2)))
-    return torch.where(mask, out, torch.zeros((), dtype=x.dtype, device=x.device)), lengths
-
-
-def pack_documents(y: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Right-padded [N, L, *] with lengths [N] -> packed [1, sum(lengths), *] (document order)."""
-    valid = torch.arange(y.shape[1], device=y.device)[None, :] < lengths.to(y.device)[:, None]
-    return y[valid].unsqueeze(0)
-
-
-# ----------------------------------------------------------------------------- shared checks
-def _prepare(q, k, v, g, beta, scale, initial_state, lengths, chunk_size):
-    """Validate, cast to fp32 and neutralise padded positions. Returns (q, k, v, g, beta, S0, valid)."""
-    if q.dim() != 4:
-        raise ValueError(f"q: expected [B, T, H, K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k: expected shape {tuple(q.shape)} (as q), got {tuple(k.shape)}")
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v: expected [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
-    V = v.shape[3]
-    if g.shape != q.shape:
-        raise ValueError(f"g: expected per-channel log-decay {tuple(q.shape)}, got {tuple(g.shape)}")
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta: expected [B={B}, T={T}, H={H}], got {tuple(beta.shape)}")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale!r}: must be a positive finite number")
-    if not (isinstance(chunk_size, int) and chunk_size > 0):
-        raise ValueError(f"chunk_size={chunk_size!r}: must be a positive integer")
-    if initial_state is None:
-        S0 = q.new_zeros(B, H, K, V, dtype=torch.float32)
-    elif initial_state.shape != (B, H, K, V):
-        raise ValueError(f"initial_state: expected [B={B}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
-    else:
-        S0 = initial_state.float()
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    valid = None
-    if lengths is not None:
-        if lengths.shape != (B,):
-            raise ValueError(f"lengths: expected shape [B={B}], got {tuple(lengths.shape)}")
-        if bool(((lengths < 0) | (lengths > T)).any()):
-            raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
-        valid = torch.arange(T, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [B, T]
-        # where(), not a product: garbage (even NaN) in padding must not leak into the state.
-        m4 = valid[:, :, None, None]
-        q, k, v, g = (torch.where(m4, t, torch.zeros((), device=t.device)) for t in (q, k, v, g))
-        beta = torch.where(valid[:, :, None], beta, torch.zeros((), device=beta.device))
-    return q, k, v, g, beta, S0, valid
-
-
-def _finish(o, valid, dtype):
-    if valid is not None:
-        o = torch.where(valid[:, :, None, None], o, torch.zeros((), device=o.device))
-    return o.to(dtype)
-
-
-def _dispatch_varlen(core, q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens, **kw):
-    """Run ``core`` on right-padded rows; with ``cu_seqlens``, unpack documents first and repack."""
-    if cu_seqlens is None:
-        return core(q, k, v, g, beta, scale, initial_state, lengths, **kw)
-    if lengths is not None:
-        raise ValueError("lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)")
-    parts = [unpack_documents(t, cu_seqlens)[0] for t in (q, k, v, g, beta)]
-    doc_lengths = unpack_documents(beta, cu_seqlens)[1]
-    out = core(*parts, scale, initial_state, doc_lengths, **kw)
-    return (pack_documents(out[0], doc_lengths),) + tuple(out[1:])
-
-
 # ----------------------------------------------------------------------------- token recurrence
 def _recurrent_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False):
     dtype = v.dtype
-    q, k, v, g, beta, S, valid = _prepare(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
+    q, k, v, g, beta, S, valid = prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
     T = q.shape[1]
     outs, snaps = [], []
     for t in range(T):
@@ -200,7 +109,7 @@ def _recurrent_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=
         if output_chunk_states and ((t + 1) % chunk_size == 0 or t == T - 1):
             snaps.append(S)
     o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
-    res = (_finish(o, valid, dtype), S)
+    res = (finish_output(o, valid, dtype), S)
     if output_chunk_states:
         res += (torch.stack(snaps, 1) if snaps else S.new_zeros(S.shape[0], 0, *S.shape[1:]),)
     return res
@@ -228,8 +137,8 @@ def kda_recurrent(
         ValueError: inconsistent shapes, bad lengths/cu_seqlens/scale.
     Source: architecture.md §3.2 (decay, delta-correct, read).
     """
-    return _dispatch_varlen(_recurrent_rows, q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens,
-                            chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+    return run_packed(_recurrent_rows, (q, k, v, g, beta), lengths, cu_seqlens, scale, initial_state,
+                      chunk_size=chunk_size, output_chunk_states=output_chunk_states)
 
 
 # ----------------------------------------------------------------------------- chunkwise form
@@ -260,7 +169,7 @@ def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: b
 
 def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False):
     dtype = v.dtype
-    q, k, v, g, beta, S, valid = _prepare(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
+    q, k, v, g, beta, S, valid = prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
     B, T, H, K = q.shape
     C = chunk_size
     NC = -(-T // C)
@@ -290,7 +199,7 @@ def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, 
         o = torch.cat(outs, dim=2)[:, :, :T].transpose(1, 2)
     else:
         o = v.new_zeros(B, 0, H, v.shape[-1])
-    res = (_finish(o, valid, dtype), S)
+    res = (finish_output(o, valid, dtype), S)
     if output_chunk_states:
         res += (torch.stack(snaps, 1) if snaps else S.new_zeros(B, 0, *S.shape[1:]),)
     return res
@@ -320,5 +229,5 @@ def kda_chunk(
         ValueError: inconsistent shapes, bad lengths/cu_seqlens/scale/chunk_size.
     Source: architecture.md §3.4; fla ``naive_chunk_kda``.
     """
-    return _dispatch_varlen(_chunk_rows, q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens,
-                            chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+    return run_packed(_chunk_rows, (q, k, v, g, beta), lengths, cu_seqlens, scale, initial_state,
+                      chunk_size=chunk_size, output_chunk_states=output_chunk_states)

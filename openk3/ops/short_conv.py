@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.varlen import check_lengths
+
 _ACTIVATIONS = {None: lambda y: y, "silu": F.silu}
 
 
@@ -48,10 +50,7 @@ def _check_args(x, weight, tail, lengths, activation) -> tuple[int, int, int, to
     if tail is not None and tuple(tail.shape) != (B, C, W - 1):
         raise ValueError(f"tail: expected [B={B}, C={C}, W-1={W - 1}], got {tuple(tail.shape)}")
     if lengths is not None:
-        if lengths.shape != (B,):
-            raise ValueError(f"lengths: expected shape [B={B}], got {tuple(lengths.shape)}")
-        if bool(((lengths < 0) | (lengths > T)).any()):
-            raise ValueError(f"lengths: values must lie in [0, T={T}], got {lengths.tolist()}")
+        check_lengths(lengths, B, T)
     return B, T, C, w
 
 

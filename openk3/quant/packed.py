@@ -20,7 +20,8 @@ Inference (issue 7 item 4): :class:`PackedExperts` is a drop-in for
   fp32 buffer and matmul its rows;
 
 both equal dequantize-then-matmul (:func:`packed_routed_experts_reference`) up to fp32 summation
-order. The choice is made in :func:`_select_impl` only. With QAT on (``qat`` scheme with MXFP8
+order. The choice is made in :func:`_select_impl` only (``impl=``, or the one backend switch of
+:mod:`openk3.ops.backends`: ``use_backend("mxfp4", name)`` / ``OPENK3_MXFP4_BACKEND``). With QAT on (``qat`` scheme with MXFP8
 inputs) the GEMM inputs are fake-quantized exactly as in :class:`~openk3.layers.moe.Experts`.
 """
 
@@ -30,12 +31,13 @@ import torch
 from torch import nn
 
 from openk3.config import K3Config
+from openk3.ops import backends
 from openk3.ops.grouped_mm import GluActivation, InputQuant, dispatch_combine, routed_experts_reference
 from openk3.quant import mxfp4_cpu
 from openk3.quant.mx import mxfp4_weight_from_packed, mxfp4_weight_to_packed
 from openk3.quant.qat import MX_BLOCK, SCHEMES, QuantScheme, resolve_scheme
 
-PACKED_IMPLS = ("native", "torch")
+PACKED_IMPLS = tuple(backends.BACKENDS["mxfp4"])
 PACKED_SUFFIXES = ("weight_packed", "weight_scale")
 
 
@@ -221,7 +223,10 @@ def _native_fits(x: torch.Tensor) -> bool:
 
 
 def _select_impl(x: torch.Tensor, impl: str | None) -> str:
-    """The one place the packed GEMM implementation is chosen: explicit > automatic."""
+    """The one place the packed GEMM implementation is chosen: explicit ``impl`` > the override of
+    :mod:`openk3.ops.backends` (``use_backend("mxfp4", name)``, ``OPENK3_MXFP4_BACKEND``) > automatic."""
+    if impl is None:
+        impl = backends.forced_backend("mxfp4")
     if impl is None:
         return "native" if _native_fits(x) else "torch"
     if impl not in PACKED_IMPLS:

@@ -11,7 +11,7 @@ import torch
 from openk3.cache import MLALayerCache
 from openk3.config import preset
 from openk3.layers.mla import GatedMLA
-from openk3.ops.attention import attention_backend
+from openk3.ops.backends import use_backend
 from tests.conftest import assert_close
 
 
@@ -197,7 +197,7 @@ def test_cu_seqlens_packed_equals_separate(backend):
     m = _layer("qlora+gate")
     cu = torch.tensor([0, 4, 9, 10, 15])
     x = torch.randn(1, 15, m.hidden_size)
-    with attention_backend(backend):
+    with use_backend("attention", backend):
         packed = m(x, cu_seqlens=cu)
         for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
             assert_close(packed[:, s:e], m(x[:, s:e]), atol=1e-5, what=f"{backend}: document [{s}, {e})")
@@ -209,7 +209,7 @@ def test_sdpa_and_reference_gradients_agree():
     grads = []
     for backend in ("sdpa", "reference"):
         m.zero_grad()
-        with attention_backend(backend):
+        with use_backend("attention", backend):
             m(x).pow(2).sum().backward()
         grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
     for n in grads[0]:

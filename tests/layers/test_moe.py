@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from openk3.config import K3Config, preset
 from openk3.layers.moe import Experts, LatentMoE, Router, RouterOutput, select_topk
 from openk3.layers.norm import rms_norm
-from openk3.ops.grouped_mm import force_backend
+from openk3.ops.backends import use_backend
 from tests.conftest import assert_close, shared_path
 
 # ----------------------------------------------------------------------------- reference
@@ -311,9 +311,9 @@ def test_backends_agree_inside_the_module():
     x = torch.randn(31, cfg.hidden_size)
     with torch.no_grad():
         fast = m(x)
-        with force_backend("loop"):
+        with use_backend("grouped_mm", "loop"):
             slow = m(x)
-        with force_backend("bmm"):
+        with use_backend("grouped_mm", "bmm"):
             padded = m(x)
     assert_close(fast, slow, atol=1e-5, rtol=1e-5, what="auto vs loop")
     assert_close(padded, slow, atol=1e-5, rtol=1e-5, what="bmm vs loop")

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from openk3.ops.attention import (
-    attention_backend,
     causal_attention,
     causal_attention_reference,
     get_attention_backend,
     latent_attention,
 )
+from openk3.ops.backends import use_backend
 from tests.conftest import assert_close
 
 BACKENDS = ("sdpa", "reference")
@@ -84,7 +84,7 @@ def test_sdpa_equals_reference_and_override():
     b = causal_attention_reference(q, k, v, scale=0.2)
     assert_close(a, b, atol=1e-6, what="sdpa vs reference")
     assert get_attention_backend() == "sdpa"
-    with attention_backend("reference"):
+    with use_backend("attention", "reference"):
         assert get_attention_backend() == "reference"
     assert get_attention_backend() == "sdpa"
 

@@ -9,7 +9,8 @@ import torch
 
 from openk3.layers.mlp import situ_glu, swiglu
 from openk3.ops import grouped_mm as gm
-from openk3.ops.grouped_mm import force_backend, routed_experts, routed_experts_reference
+from openk3.ops.backends import use_backend
+from openk3.ops.grouped_mm import routed_experts, routed_experts_reference
 from tests.conftest import assert_close
 
 SITU = functools.partial(situ_glu, beta1=4.0, beta2=25.0)
@@ -130,13 +131,13 @@ def test_force_backend_context_manager(monkeypatch):
     calls = []
     real = gm.routed_experts_reference
     monkeypatch.setattr(gm, "routed_experts_reference", lambda *a: calls.append(1) or real(*a))
-    with force_backend("loop"):
+    with use_backend("grouped_mm", "loop"):
         gm.routed_experts(x, idx, w, w1, w3, w2, SITU)
     assert calls == [1]
     gm.routed_experts(x, idx, w, w1, w3, w2, SITU)
     assert calls == [1], "the override must end with the block"
     with pytest.raises(ValueError, match="backend"):
-        with force_backend("cutlass"):
+        with use_backend("grouped_mm", "cutlass"):
             pass
 
 

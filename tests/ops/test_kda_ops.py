@@ -13,7 +13,8 @@ import torch
 
 from openk3.ops import kda_chunk as kc
 from openk3.ops import kda_reference as ref
-from openk3.ops.kda import kda, use_backend
+from openk3.ops.backends import use_backend
+from openk3.ops.kda import kda
 from openk3.ops.short_conv import _ShiftConv, short_conv, short_conv_reference, short_conv_step
 from tests.conftest import assert_close
 
@@ -160,14 +161,14 @@ def test_dispatch_modes_match_references():
         o, s = kda(q, k, v, g, beta, SCALE, S0, mode=mode)
         o_ref, s_ref = fn(q, k, v, g, beta, SCALE, S0)
         assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
-    with use_backend("reference"):
+    with use_backend("kda", "reference"):
         assert torch.equal(kda(q, k, v, g, beta, SCALE, S0)[0], ref.kda_chunk(q, k, v, g, beta, SCALE, S0)[0])
     with pytest.raises(ValueError, match="mode"):
         kda(q, k, v, g, beta, SCALE, mode="parallel")
     with pytest.raises(ValueError, match="backend"):
         kda(q, k, v, g, beta, SCALE, backend="nope")
     with pytest.raises(ValueError, match="backend"):
-        with use_backend("nope"):
+        with use_backend("kda", "nope"):
             pass
 
 
@@ -175,7 +176,7 @@ def test_backend_from_the_environment(monkeypatch):
     q, k, v, g, beta = make_inputs(1, 20)
     monkeypatch.setenv("OPENK3_KDA_BACKEND", "reference")
     assert torch.equal(kda(q, k, v, g, beta, SCALE)[0], ref.kda_chunk(q, k, v, g, beta, SCALE)[0])
-    with use_backend("batched"):  # the in-process override wins over the environment
+    with use_backend("kda", "batched"):  # the in-process override wins over the environment
         assert torch.equal(kda(q, k, v, g, beta, SCALE)[0], kc.kda_chunk_batched(q, k, v, g, beta, SCALE)[0])
     monkeypatch.setenv("OPENK3_KDA_BACKEND", "fla")
     with pytest.raises(ValueError, match="OPENK3_KDA_BACKEND='fla'"):

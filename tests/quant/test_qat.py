@@ -13,7 +13,7 @@ from openk3.config import preset
 from openk3.layers.mlp import situ_glu
 from openk3.layers.moe import Experts, LatentMoE
 from openk3.layers.norm import RMSNorm
-from openk3.ops.grouped_mm import force_backend
+from openk3.ops.backends import use_backend
 from openk3.pretrained import build_model
 from openk3.quant.mx import dequantize_mxfp4, dequantize_mxfp8, quantize_mxfp4, quantize_mxfp8
 from openk3.quant.qat import SCHEMES, QuantScheme, model_qat, qat_scheme, resolve_scheme
@@ -70,7 +70,7 @@ def test_qat_forward_equals_explicit_fake_quant(backend, scheme):
     z = torch.randn(n, 32) * 2
     idx = torch.rand(n, 6).argsort(-1)[:, :k]
     wts = torch.rand(n, k)
-    with force_backend(backend):
+    with use_backend("grouped_mm", backend):
         got = ex(z, idx, wts)
     want = _oracle(z, idx, wts, _dq4(ex.w1), _dq4(ex.w3), _dq4(ex.w2), ex.act, scheme == "mxfp4")
     assert_close(got, want, atol=1e-5, rtol=1e-5, what=f"QAT {scheme} forward ({backend})")

@@ -22,7 +22,7 @@ from openk3.config import preset
 from openk3.layers.moe import LatentMoE
 from openk3.model import K3ForCausalLM
 from openk3.ops.grouped_mm import routed_experts
-from openk3.ops.kda import use_backend
+from openk3.ops.backends import use_backend
 from openk3.train.dist_muon import DistMuon, qk_clip_sharded_
 from openk3.train.expert_parallel import LocalDispatcher, apply_expert_parallel
 from openk3.train.muon import Muon, qk_clip_
@@ -69,7 +69,7 @@ def reference():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the worker ranks run one thread each; also avoids oversubscription
     try:
-        with use_backend(KDA_BACKEND):
+        with use_backend("kda", KDA_BACKEND):
             return run_single()
     finally:
         torch.set_num_threads(threads)

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from openk3.ops.kda import use_backend
+from openk3.ops.backends import use_backend
 from openk3.pretrained import load_pretrained
 from openk3.train.distributed_run import DistributedRun, SingleProcess, distributed_requested
 from openk3.train.logging import read_metrics
@@ -78,7 +78,7 @@ def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single_train")
     threads = torch.get_num_threads()
     try:
-        with use_backend(KDA_BACKEND):
+        with use_backend("kda", KDA_BACKEND):
             for name, kw in (("plain", {}), ("qat", {"qat": "mxfp4"})):
                 train(tiny_recipe().replace(grad_accum=2, **kw), out / name, progress=False)
     finally:
@@ -176,7 +176,7 @@ def test_torchrun_checkpoint_resumes_in_one_process(dist_runs, single, tmp_path)
     shutil.copytree(out / "resume" / "checkpoints" / "step-0000002", tmp_path / "checkpoints" / "step-0000002")
     threads = torch.get_num_threads()
     try:
-        with use_backend(KDA_BACKEND):
+        with use_backend("kda", KDA_BACKEND):
             result = train(tiny_recipe().replace(grad_accum=2), tmp_path, resume=True, progress=False)
     finally:
         torch.set_num_threads(threads)
