@@ -67,3 +67,28 @@ def count_parameters(config: K3Config) -> dict:
     total = sum(v["total"] for v in by.values())
     active = sum(v["active"] for v in by.values())
     return {"total": total, "active": active, "by_component": by}
+
+
+def estimate_parameters(config: K3Config) -> int:
+    """The text model's parameter count (checkpoint buffers included, as :func:`count_parameters`
+    counts them) without building its layers: one decoder layer of each kind (mixer type x FFN
+    type) is built on the meta device and counted once per layer of that kind, plus the
+    embedding, the head (once when tied) and the final norms. Cost independent of depth, so a
+    config with ``num_hidden_layers: 1000000`` is counted in milliseconds. A vision tower is not
+    counted (a lower bound for such configs).
+    """
+    from openk3.model import DecoderLayer
+
+    V, D = config.vocab_size, config.hidden_size
+    total = V * D * (1 if config.tie_word_embeddings else 2) + D  # embedding, head, final norm
+    if config.use_attn_res:
+        total += 2 * D  # the output AttnRes site: norm + 1 x D projection
+    kinds: dict[tuple[str, str], list[int]] = {}
+    for i, key in enumerate(zip(config.layer_types, config.mlp_layer_types)):
+        kinds.setdefault(key, []).append(i)
+    for layers in kinds.values():
+        with torch.device("meta"):
+            layer = DecoderLayer(config, layers[0])
+        n = sum(t.numel() for t in layer.parameters()) + sum(t.numel() for t in layer.buffers())
+        total += n * len(layers)
+    return total

@@ -23,9 +23,15 @@ def build_model(config: K3Config, *, device: str | torch.device = "cpu", dtype: 
     """A freshly initialised model (``K3ForCausalLM.init_weights``, :mod:`openk3.weight_init`) on
     ``device`` in ``dtype``, drawn from a generator seeded with ``seed`` (None: the default generator):
     :class:`~openk3.multimodal.K3ForConditionalGeneration` when the config has a ``vision_config``
-    (its tower and projector get the same init rules), else the text-only ``K3ForCausalLM``."""
+    (its tower and projector get the same init rules), else the text-only ``K3ForCausalLM``.
+
+    Raises:
+        ValueError: the config's weights cannot fit the device's memory (:func:`check_fits_memory`),
+            before anything is built.
+    """
     from openk3.multimodal import model_class_for
 
+    check_fits_memory(config, device, dtype)
     with torch.device("meta"):
         model = model_class_for(config)(config)
     model = model.to_empty(device=device)
@@ -33,6 +39,53 @@ def build_model(config: K3Config, *, device: str | torch.device = "cpu", dtype: 
     model.init_weights(generator=gen)
     model.tie_weights()  # to_empty() unties shared params
     return cast_model_(model, dtype)
+
+
+def available_memory(device: str | torch.device) -> int | None:
+    """Bytes the weights could take on `device`: ``MemAvailable`` (/proc/meminfo) for the CPU,
+    the free memory of a CUDA device (``torch.cuda.mem_get_info``); None where it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_memory(config: K3Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      available: int | None = None) -> None:
+    """Refuse a config whose weights alone exceed the memory of `device`, before building: the
+    parameter count (:func:`openk3.params.estimate_parameters`, which does not build the layers)
+    times the bytes of `dtype` against `available` (default :func:`available_memory`; no check
+    where it is unknown). A config of 10^6 layers or a 10^9-token vocabulary otherwise allocates
+    (or builds a meta skeleton) for minutes and then dies of memory.
+
+    Raises:
+        ValueError: naming the parameter count, the bytes it needs and the memory available.
+    """
+    from openk3.params import estimate_parameters
+
+    if available is None:
+        available = available_memory(device)
+    if available is None:
+        return
+    n = estimate_parameters(config)
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    need = n * itemsize
+    if need > available:
+        raise ValueError(f"config: {n:,} parameters x {itemsize} bytes ({dtype}) = {need / 2**30:,.1f} GiB, more "
+                         f"than the {available / 2**30:,.1f} GiB of memory available on {torch.device(device)}; "
+                         "not built (check num_hidden_layers, hidden_size, vocab_size, n_routed_experts)")
 
 
 def cast_model_(model: K3ForCausalLM, dtype: torch.dtype) -> K3ForCausalLM:

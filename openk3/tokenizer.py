@@ -159,6 +159,22 @@ class Tokenizer:
             return list(hit)
         return self._b.encode_ordinary(text)
 
+    def iter_encode_text(self, text: str) -> Iterable[list[int]]:
+        """:meth:`encode_text`'s ids piece by piece (the pieces Moonshot's encoder cuts a long text
+        into, spec §1.2; their concatenation is ``encode_text(text)``), so that a count can stop
+        as soon as it passes a limit instead of encoding megabytes first.
+
+        Raises:
+            TypeError / RuntimeError: as :meth:`encode_text`.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode_text: text must be str, got {type(text).__name__}")
+        if len(text) <= _CACHE_MAX_CHARS:
+            if text:
+                yield self.encode_text(text)
+            return
+        yield from self._b.iter_encode(text)
+
     def special_id(self, token: str) -> int:
         """Id of a special-token string such as ``"<|open|>"``.
 

@@ -186,6 +186,36 @@ def test_parameter_counts_of_the_released_config():
     assert counts["active"] == 104_189_612_640
 
 
+def test_parameter_estimate_is_the_count_and_a_config_beyond_memory_is_refused_before_building(monkeypatch):
+    """``estimate_parameters`` (one layer per kind) equals the full meta-built count; a config
+    whose weights exceed the memory available (a million layers; a small limit for the tiny
+    one) is a ValueError naming the count and the memory, raised before any module is built."""
+    import time
+
+    import openk3.model
+    from openk3.params import estimate_parameters
+    from openk3.pretrained import check_fits_memory
+
+    for name in ("k3-test-tiny", "openk3-tiny", "kimi-k3"):
+        cfg = preset(name)
+        assert estimate_parameters(cfg) == count_parameters(cfg)["total"], name
+    tiny = preset("k3-test-tiny")
+    n = count_parameters(tiny)["total"]
+    check_fits_memory(tiny, available=4 * n)  # fp32: exactly 4 bytes each fit
+    with pytest.raises(ValueError) as e:
+        check_fits_memory(tiny, available=4 * n - 1)
+    assert f"config: {n:,} parameters x 4 bytes (torch.float32)" in str(e.value)
+    check_fits_memory(tiny, dtype=torch.bfloat16, available=2 * n)
+    deep = tiny.replace(num_hidden_layers=1_000_000, layer_types=tiny.layer_types[:1] * 1_000_000,
+                        mlp_layer_types=tiny.mlp_layer_types[-1:] * 1_000_000)
+    built = []
+    monkeypatch.setattr(openk3.model.K3Model, "__init__", lambda *a, **k: built.append(1))
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"config: [\d,]+ parameters x 4 bytes .* GiB of memory available on cpu"):
+        build_model(deep)
+    assert built == [] and time.monotonic() - t0 < 30
+
+
 def test_cli_info_json():
     out = subprocess.run([sys.executable, "-m", "openk3.cli", "info", "--config", "kimi-k3", "--json"],
                          capture_output=True, text=True, check=True)

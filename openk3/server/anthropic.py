@@ -373,8 +373,8 @@ def parse_sized(serving: ChatServing, body: Any, *, counting: bool = False) -> C
     if counting:
         serving.check_size(req, counting=True)
         return req
-    serving.check_text_size(req, thinking=False)  # before the checks whose work grows with the request
     try:
+        serving.check_text_size(req, thinking=False)  # before the checks whose work grows with the request
         serving.check_size(req)  # what serving.prepare checks first (history reasoning counted when thinking)
     except APIError as e:
         e.message = e.anthropic_message or anthropic_names(e.message)

@@ -298,7 +298,8 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     from openk3 import __version__
 
     screen = BodyScreen(ScreenSpec(serving.model.id, serving.model.context_length, serving.max_token_bytes(),
-                                    max_messages=serving.limits.max_messages))
+                                    max_messages=serving.limits.max_messages,
+                                    tokenizer_dir=getattr(serving, "tokenizer_dir", None)))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -554,7 +555,7 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     limits = dataclasses.replace(limits, max_request_memory=max_request_memory)
     serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits, image_config=image_config,
                           activation_bytes=activation_bytes,
-                          greedy=greedy)
+                          greedy=greedy, tokenizer_dir=str(model_path))
     return serving, async_engine
 
 

@@ -15,7 +15,13 @@ runs, in the server's order, the checks whose work grows with the body and that 
    request (the 400 naming the field), the message count and the size bound over every rendered
    field (:meth:`~openk3.server.serving.ChatServing.check_size`; history reasoning included when
    thinking is on), on every surface and the token-count endpoints (Anthropic and Responses:
-   their ``parse_sized``).
+   their ``parse_sized``);
+4. the context in tokens, exactly (:meth:`~openk3.server.serving.ChatServing.check_tokens`): the
+   request is rendered with the served tokenizer (loaded from ``ScreenSpec.tokenizer_dir``),
+   whose text is encoded piece by piece and stopped at the first piece that reaches the context,
+   so a body of tens of MiB costs about a context's worth of tokenizing, here, and a prompt that
+   cannot fit is refused (the route's 400, Anthropic's wording on that surface) without the
+   server tokenizing it.
 
 A body the worker refuses is answered from its verdict and never parsed by the server; one it
 accepts is parsed by the server as usual, at a cost bounded by those limits. The worker imports
@@ -36,6 +42,7 @@ import json
 import os
 import re
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +110,7 @@ class ScreenSpec:
     max_token_bytes: int
     max_json_values: int = MAX_JSON_VALUES
     max_messages: int = 10_000  # Limits.max_messages of the server
+    tokenizer_dir: str | None = None  # the served tokenizer's files: the worker counts tokens with it
 
 
 _serving: Any = None
@@ -116,23 +124,43 @@ def _init_worker(spec: ScreenSpec) -> None:
     from openk3.server.validation import Limits
 
     _spec = spec
-    _serving = ChatServing(None, None, ModelInfo(spec.model_id, spec.context_length), None,
+    tokenizer = None
+    if spec.tokenizer_dir is not None:
+        from openk3.tokenizer import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(spec.tokenizer_dir)
+        except (OSError, ValueError) as e:  # the server loaded it; without it the worker bounds characters only
+            print(f"openk3 serve: body screen: cannot load the tokenizer ({e}); bounding characters only",
+                  file=sys.stderr, flush=True)
+    _serving = ChatServing(None, tokenizer, ModelInfo(spec.model_id, spec.context_length), None,
                            Limits(max_messages=spec.max_messages), max_token_bytes=spec.max_token_bytes)
 
 
 def _check(serving: Any, path: str, body: Any) -> None:
     """The endpoint's first checks, as its route runs them (model, parse, message count, size
-    bound); raises the route's APIError."""
+    bound), then the context in tokens (``ChatServing.check_tokens``: the rendered text tokenized
+    piece by piece, stopped as soon as it reaches the context); raises the route's APIError."""
     from openk3.server import anthropic
 
+    counting = path in (COUNT, ANTHROPIC_COUNT)
     if path in (CHAT, COUNT):
-        serving.check_size(serving.parse(body, counting=path == COUNT), counting=path == COUNT)
+        req = serving.parse(body, counting=counting)
+        serving.check_size(req, counting=counting)
     elif path in (ANTHROPIC, ANTHROPIC_COUNT):
-        anthropic.parse_sized(serving, body, counting=path == ANTHROPIC_COUNT)
+        req = anthropic.parse_sized(serving, body, counting=counting)
     elif path == RESPONSES:
         from openk3.server import responses
 
-        responses.parse_sized(serving, body)
+        req, _ = responses.parse_sized(serving, body)
+    else:
+        return
+    try:
+        serving.check_tokens(req, counting=counting)  # the context in tokens, counted only up to it
+    except APIError as e:
+        if path == ANTHROPIC:
+            e.message = e.anthropic_message or e.message
+        raise
 
 
 def screen(path: str, raw: bytes, serving: Any = None, spec: ScreenSpec | None = None) -> tuple | None:
@@ -193,6 +221,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     spec = ScreenSpec(**json.loads((argv or sys.argv[1:])[0]))
     _init_worker(spec)
     trim = _malloc_trim()
+    trim()  # the baseline without what loading left freed (the tokenizer's parsed JSON)
     baseline = _rss_bytes()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:

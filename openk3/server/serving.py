@@ -92,14 +92,17 @@ class ChatServing:
             request above it is refused before its images are decoded.
         greedy: decode every request at temperature 0 (``openk3 serve --greedy``, an evaluation
             switch; the platform samples at its fixed temperature).
-        max_token_bytes: bytes of the tokenizer's longest token when already known (the body
-            screen's worker process has no tokenizer); default: computed from `tokenizer` on first use.
+        max_token_bytes: bytes of the tokenizer's longest token when already known; default:
+            computed from `tokenizer` on first use.
+        tokenizer_dir: the directory `tokenizer` was loaded from, when it was (the body screen's
+            worker process loads it from there to count tokens).
     """
 
     def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
                  *, make_constraint: Callable | None = None, image_config: Any = None,
                  activation_bytes: Callable | None = None, greedy: bool = False,
-                 max_token_bytes: int | None = None):
+                 max_token_bytes: int | None = None, tokenizer_dir: str | None = None):
+        self.tokenizer_dir = tokenizer_dir
         self.engine, self.tokenizer, self.model, self.metrics, self.limits = engine, tokenizer, model, metrics, limits
         # ``openk3 serve --greedy`` (evaluation only): temperature 0 instead of the platform's fixed sampling.
         self.greedy = greedy
@@ -165,14 +168,55 @@ class ChatServing:
         if over is None:
             return
         chars, at_least = over
+        raise self._too_long(at_least, counting, f"{chars} characters of messages, tools and schemas, ")
+
+    def _too_long(self, at_least: int, counting: bool, what: str = "") -> APIError:
+        """The 400 for a prompt of at least `at_least` tokens, over the context (api.md §6.1), with
+        Anthropic's wording for the Anthropic surface (clients parse its numbers to compact and
+        retry); for the token-count endpoints a ``request:`` message saying nothing was counted."""
+        ctx = self.model.context_length
         if counting:
-            raise bad_request(f"request: the text to render ({chars} characters of messages, tools and schemas, "
-                              f"at least {at_least} tokens) exceeds the model token limit of "
-                              f"{self.model.context_length}; not counted")
-        err = bad_request(f"Your request exceeded model token limit: {self.model.context_length} "
-                          f"(requested: at least {at_least})")
-        err.anthropic_message = f"prompt is too long: {at_least} tokens > {self.model.context_length - 1} maximum"
-        raise err
+            return bad_request(f"request: the text to render ({what}at least {at_least} tokens) exceeds the model "
+                               f"token limit of {ctx}; not counted")
+        return APIError(400, f"Your request exceeded model token limit: {ctx} (requested: at least {at_least})",
+                        anthropic_message=f"prompt is too long: {at_least} tokens > {ctx - 1} maximum")
+
+    def render_within_context(self, req: Any, *, counting: bool = False) -> Any:
+        """:meth:`render` with an exact token bound: the renderer's text is tokenized piece by
+        piece (the pieces of spec §1.2, :meth:`~openk3.tokenizer.Tokenizer.iter_encode_text`) and
+        rendering stops at the first piece that brings the prompt to the context (``n >=
+        context_length``, as :meth:`prepare` refuses it), so a prompt of any size costs at most
+        about the context's worth of tokenizing. Image slots count one token each here (their
+        expansion only adds).
+
+        Returns:
+            the rendered prompt, within the context.
+        Raises:
+            APIError: 400 :meth:`_too_long` (``at least N`` tokens, N >= context_length); the 400s of :meth:`render`.
+        """
+        try:
+            return self.render(req, _ContextBudget(self.tokenizer, self.model.context_length - 1))
+        except _OverContext as over:
+            raise self._too_long(over.tokens, counting) from None
+
+    def check_tokens(self, req: Any, *, counting: bool = False) -> None:
+        """The context bound in tokens (:meth:`render_within_context`) as a check: raises its 400
+        for a prompt that reaches the context and nothing else (what else rendering finds is left to
+        the route, in its order). Used by the body screen's worker process, after
+        :meth:`check_size`, so that a large body over the context is refused there, exactly,
+        without the server ever tokenizing it. A serving without a tokenizer checks nothing.
+
+        Raises:
+            APIError: 400 :meth:`_too_long`.
+        """
+        if self.tokenizer is None:
+            return
+        try:
+            render(req, _ContextBudget(self.tokenizer, self.model.context_length - 1))
+        except _OverContext as over:
+            raise self._too_long(over.tokens, counting) from None
+        except (ValueError, TypeError, RecursionError, KeyError, AttributeError):
+            return  # what else rendering finds is the route's to answer, in its order
 
     def check_memory(self, grids: list) -> None:
         """Refuse images whose vision-tower activations exceed ``limits.max_request_memory``.
@@ -215,15 +259,16 @@ class ChatServing:
         check_message_count(req, self.limits)
         self.check_text_size(req, counting=counting)
 
-    def render(self, req: ChatRequest) -> Any:
-        """Render the request (:func:`openk3.chat_format.render`) and check its image parts.
+    def render(self, req: ChatRequest, tokenizer: Any = None) -> Any:
+        """Render the request (:func:`openk3.chat_format.render`; with `tokenizer` instead of the
+        served one when given) and check its image parts.
 
         Raises:
             APIError: 400 for what only rendering finds (named by the renderer's message) and for
                 unsupported image input.
         """
         try:
-            prompt = render(req, self.tokenizer)
+            prompt = render(req, tokenizer or self.tokenizer)
         except (ValueError, TypeError, RecursionError) as e:
             raise bad_request(f"Invalid request: {e}") from None
         check_image_parts(prompt, self.model.supports_image_in)
@@ -373,15 +418,16 @@ class ChatServing:
 
         A request whose text to render (messages, tool calls, tools, schemas) certainly exceeds the
         served context (``context_length``, the engine's ``--max-model-len``; bound of
-        :meth:`_over_context`) is refused before anything is tokenized: no request that large can
-        be served, and counting megabytes would stall the server.
+        :meth:`_over_context`) is refused before anything is tokenized, and one whose tokens reach
+        the context is refused as soon as the count does (:meth:`render_within_context`): no
+        request that large can be served, and counting megabytes would stall the server.
 
         Raises:
             APIError: 400 ``request: ...`` for text over the context; the 400s of :meth:`render` and
                 of the image expansion otherwise.
         """
         self.check_size(req, counting=True)
-        return self._expand(self.render(req), pixels=False).prompt_tokens
+        return self._expand(self.render_within_context(req, counting=True), pixels=False).prompt_tokens
 
     # ------------------------------------------------------------------ OpenAI surface
     async def complete(self, prep: Prepared, gen: Generation) -> dict:
@@ -482,3 +528,33 @@ class ChatServing:
                                                  "created": prep.created, "model": prep.model, "choices": [],
                                                  "usage": ev.usage}) + "\n\n"
         yield "data: [DONE]\n\n"
+
+
+class _OverContext(Exception):
+    """Raised by :class:`_ContextBudget` once the tokens counted pass its limit."""
+
+    def __init__(self, tokens: int):
+        super().__init__(tokens)
+        self.tokens = tokens
+
+
+class _ContextBudget:
+    """A tokenizer for the renderer that counts the ids it encodes and raises
+    :class:`_OverContext` at the first piece that takes the count past `limit` (the rest of that
+    text is never tokenized); every other attribute is the wrapped tokenizer's. Markup ids the
+    renderer adds itself are not counted, so the count is a lower bound of the prompt's length."""
+
+    def __init__(self, tokenizer: Any, limit: int):
+        self._tok, self.limit, self.count = tokenizer, limit, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def encode_text(self, text: str) -> list[int]:
+        out: list[int] = []
+        for ids in self._tok.iter_encode_text(text):
+            out.extend(ids)
+            if self.count + len(out) > self.limit:
+                raise _OverContext(self.count + len(out))
+        self.count += len(out)
+        return out

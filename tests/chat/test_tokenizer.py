@@ -125,6 +125,44 @@ def test_split_runs_bounds_runs(s, max_run):
             assert run <= max_run
 
 
+def _split_runs_reference(s: str, max_run: int) -> list[str]:
+    """The cut written as a loop over characters (spec §1.2's rule, as Moonshot's encoder applies it)."""
+    out, start, run, in_space = [], 0, 0, s[:1].isspace()
+    for i, ch in enumerate(s):
+        if ch.isspace() != in_space:
+            run, in_space = 1, ch.isspace()
+        else:
+            run += 1
+            if run > max_run:
+                out.append(s[start:i])
+                start, run = i, 1
+    return out + [s[start:]]
+
+
+@HYP
+@given(st.text(st.sampled_from(" \t\nab\u00a0\u2003\x1c\x85"), max_size=80), st.integers(1, 6))
+def test_split_runs_cuts_where_the_character_loop_cuts(s, max_run):
+    """The regex scan cuts exactly where the per-character rule does (Unicode whitespace included)."""
+    assert list(_split_runs(s, max_run)) == _split_runs_reference(s, max_run)
+
+
+@pytest.mark.parametrize("which", ["kimi", "trained"])
+def test_encoding_piece_by_piece_is_the_encoding(which, request):
+    """Both backends encode a long text as Moonshot's encoder does (spec §1.2: 400,000-character
+    windows, runs cut at 25,000): the ids of ``iter_encode_text``'s pieces, joined, are
+    ``encode_text``'s, and each piece is the encoding of its own slice of the text."""
+    tok = request.getfixturevalue(which)
+    text = "Hello, world! " * 40_000 + "x" * 60_000 + " " * 30_000 + "déjà vu\n" * 3_000
+    pieces = list(tok.iter_encode_text(text))
+    assert len(pieces) > 3
+    joined = [i for p in pieces for i in p]
+    assert joined == tok.encode_text(text)
+    assert tok.decode(joined) == text
+    run = "y" * 80_000  # cut into 25,000-character pieces, the equal ones encoded once
+    assert [len(tok.decode(p)) for p in tok.iter_encode_text(run)] == [25_000, 25_000, 25_000, 5_000]
+    assert tok.encode_text(run) == tok.encode_text("y" * 25_000) * 3 + tok.encode_text("y" * 5_000)
+
+
 def test_long_whitespace_run_round_trips(kimi):
     s = "a" + " " * 30000 + "b" + "x" * 26000
     assert kimi.decode(kimi.encode_text(s)) == s

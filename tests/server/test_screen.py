@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import httpx
@@ -125,6 +126,62 @@ def test_screen_verdicts_are_the_servers_own_answers(tokenizer):
     deep = b"[" * 100_000 + b"]" * 100_000
     assert screen("/v1/chat/completions", deep, worker, spec) == (
         400, "Invalid request: body: JSON nested too deeply to parse")
+
+
+def test_the_worker_refuses_in_tokens_and_stops_at_the_context(tokenizer, monkeypatch):
+    """Text under the character bound whose tokens reach the context is refused by the worker's
+    token count (the route's 400; Anthropic's ``prompt is too long`` on its surface; ``not
+    counted`` on the count endpoints), the same status as the server's own path gives; the count
+    stops at the piece that reaches the context (of a 1.7M-character description's 68 pieces, only
+    those up to it are tokenized); a body within the context is left to the server."""
+    from openk3.server.metrics import Metrics
+    from openk3.server.screen import ScreenSpec, screen
+    from openk3.server.serving import ChatServing, ModelInfo
+
+    ctx = 131_072
+    serving = ChatServing(None, tokenizer, ModelInfo(MODEL, ctx), Metrics())
+    spec = ScreenSpec(MODEL, ctx, serving.max_token_bytes())
+    long = "x" * (68 * 25_000)  # 68 pieces of a 25,000-character run, under the character bound
+    assert len(long) <= ctx * serving.max_token_bytes()
+    per_piece = len(tokenizer.encode_text("x" * 25_000))
+    assert 68 * per_piece > ctx
+    pieces = []
+    real = tokenizer._b.iter_encode
+
+    def spy(text):
+        for ids in real(text):
+            if len(text) > 64:  # the description's text, not the markup around it
+                pieces.append(len(ids))
+            yield ids
+
+    monkeypatch.setattr(tokenizer._b, "iter_encode", spy)
+    bodies = _hostile(long)
+    for name in ("chat tool description", "count tool description", "anthropic tool description",
+                 "anthropic count", "responses tool description"):
+        path, body = bodies[name]
+        pieces.clear()
+        status, message = screen(path, json.dumps(body).encode(), serving, spec)
+        n = sum(pieces)
+        assert status == 400 and ctx <= n and len(pieces) == ctx // per_piece + 1, (name, pieces)
+        want = {"/v1/chat/completions": f"Your request exceeded model token limit: {ctx} (requested: at least ",
+                "/v1/responses": f"Your request exceeded model token limit: {ctx} (requested: at least ",
+                "/anthropic/v1/messages": "prompt is too long: ",
+                "/v1/tokenizers/estimate-token-count": "request: the text to render (at least ",
+                "/anthropic/v1/messages/count_tokens": "request: the text to render (at least "}[path]
+        assert message.startswith(want), (name, message)
+        reported = int(re.search(r"at least (\d+)|too long: (\d+)", message).group(1) or
+                       re.search(r"too long: (\d+)", message).group(1))
+        assert n <= reported < n + 100, (name, message)  # + the markup text around the description
+        if path == "/anthropic/v1/messages":
+            assert message == f"prompt is too long: {reported} tokens > {ctx - 1} maximum"
+    monkeypatch.setattr(tokenizer._b, "iter_encode", real)
+    small = ChatServing(None, tokenizer, ModelInfo(MODEL, 4096), Metrics())
+    short = "x" * 100_000  # the server's own path refuses it too, with its exact count
+    for name in ("chat tool description", "anthropic tool description", "count tool description"):
+        path, body = _hostile(short)[name]
+        assert _direct(small, path, body)[0] == 400
+    fine = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 30_000}]}
+    assert screen("/v1/chat/completions", json.dumps(fine).encode(), serving, spec) is None
 
 
 def _children(pid: int) -> list[int]:
@@ -245,9 +302,10 @@ def test_the_server_never_parses_a_body_it_refuses(app, monkeypatch):
 
 
 def test_a_worker_that_grew_is_replaced_by_a_fresh_one(app):
-    """A body that leaves the worker's resident set more than RETIRE_GROWTH above its start (a
-    25 MiB description: the parsed text stays in its arenas) retires that worker after the answer;
-    a fresh one is started at once, and the next large body is answered by it."""
+    """After a 25 MiB description the worker's resident set is back within RETIRE_GROWTH of its
+    start: either it stayed there (trim gave the pages back) or the worker retired after its
+    answer (what trim cannot give back goes with the process) and a fresh one was started at
+    once; the next large body is answered either way."""
     import time
 
     from openk3.server.screen import RETIRE_GROWTH
@@ -261,11 +319,15 @@ def test_a_worker_that_grew_is_replaced_by_a_fresh_one(app):
             start_rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
         assert http.post("/v1/chat/completions", content=body).status_code == 400
         deadline = time.monotonic() + 60
-        while app.screen.pid in (None, first):
-            assert time.monotonic() < deadline, "no fresh worker"
-            time.sleep(0.05)
-        with open(f"/proc/{app.screen.pid}/status") as f:
-            rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+        while True:
+            time.sleep(0.5)  # a retiring worker exits at once after its answer
+            pid = app.screen.pid
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+                break
+            except (OSError, TypeError):  # exited, being replaced
+                assert time.monotonic() < deadline, "no worker"
         assert rss < start_rss + RETIRE_GROWTH
         r = http.post("/v1/chat/completions", content=body)
         assert r.status_code == 400 and "exceeded model token limit" in r.json()["error"]["message"]
