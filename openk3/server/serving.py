@@ -215,7 +215,7 @@ class ChatServing:
             render(req, _ContextBudget(self.tokenizer, self.model.context_length - 1))
         except _OverContext as over:
             raise self._too_long(over.tokens, counting) from None
-        except (ValueError, TypeError, RecursionError, KeyError, AttributeError):
+        except (ValueError, TypeError, RecursionError, KeyError, AttributeError, RuntimeError):
             return  # what else rendering finds is the route's to answer, in its order
 
     def check_memory(self, grids: list) -> None:
