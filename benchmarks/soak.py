@@ -9,7 +9,11 @@ Traffic, per client (``--streams`` async clients, each looping until the time is
 * 75 %: a well-behaved streaming chat request (short prompt, 16 tokens); its TTFT is recorded;
 * 25 %: the same stream, disconnected after its first content chunk;
 * hostile run only, one extra client in four also sends, in turn: a 5 MiB tool description, a
-  200k-value enum, a 4,300-digit ``max_tokens``, an image over the context (16 x 7168 px headers),
+  200k-value enum, a 4,300-digit ``max_tokens``, 16 images of 7168 px (over the context at a small
+  ``--max-model-len``; at the shipped 1,048,576 tokens they fit it, 262k tokens, and are refused
+  from their headers by the server's ``--max-request-memory``, which the soak sets, default 1G:
+  their tower estimate is 9.1 GiB, and the server's own default, half the memory available at
+  start-up, admits them on an idle 23 GB machine),
   a 2464 px image (inside the context: answered 200 or 400), an Anthropic image with a string
   ``source``, a 31 MiB announced body to ``/health``.
 
@@ -183,11 +187,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="alternate baseline / hostile segments this many times (each minutes/rounds long), so "
                          "that load drift on a shared machine falls on both phases alike")
+    ap.add_argument("--max-request-memory", default="1G",
+                    help="the server's --max-request-memory (the 16 large images are refused by it)")
+    ap.add_argument("--without", default="",
+                    help="comma-separated names of hostile bodies to leave out (e.g. 'image 2464 px', to see "
+                         "the rest of the hostile traffic without the one request that holds the engine)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     log = open(os.devnull if not os.environ.get("SOAK_LOG") else os.environ["SOAK_LOG"], "w")
     proc = subprocess.Popen([sys.executable, "-m", "openk3.cli", "serve", "--port", "0", "--host", "127.0.0.1",
-                             "--max-num-seqs", "16"], stdout=subprocess.PIPE, stderr=log, text=True,
+                             "--max-num-seqs", "16", "--max-request-memory", args.max_request_memory], stdout=subprocess.PIPE, stderr=log, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     line = proc.stdout.readline()
     m = re.search(r"at (http://\S+)/v1", line)
@@ -197,7 +206,8 @@ def main() -> int:
     base = m.group(1)
     results = {}
     try:
-        bodies = hostile_bodies()
+        left_out = {n.strip() for n in args.without.split(",") if n.strip()}
+        bodies = [b for b in hostile_bodies() if b[0] not in left_out]
         phases = {"baseline": new_stats(), "hostile": new_stats()}
         for _ in range(args.rounds):
             for phase, hostile_traffic in (("baseline", None), ("hostile", bodies)):

@@ -27,7 +27,10 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
   its size beyond the parse (:meth:`ChatServing.check_text_size`; the bound covers every rendered
   field: messages, tool calls, tool and dynamic-tool declarations, the response schema); the
   token-count endpoints refuse it too, with a ``request:`` 400, instead of counting megabytes
-  (:meth:`ChatServing.count_tokens`).
+  (:meth:`ChatServing.count_tokens`). Under that bound the count in tokens is exact and stops at
+  the context (:meth:`ChatServing.render_within_context` / :meth:`ChatServing.check_tokens`,
+  which the body screen's worker process runs on large bodies, so the server never tokenizes a
+  body that cannot fit).
 * Every request is grammar-constrained (:meth:`ChatServing._constraint`): with no tool declared (or
   ``tool_choice: "none"``) the tools channel is unreachable, so the reply is content, never calls.
 """
