@@ -518,7 +518,7 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     import torch
 
     from openk3.engine import AsyncEngine, Engine, EngineConfig
-    from openk3.pretrained import load_pretrained
+    from openk3.pretrained import available_memory, load_pretrained
     from openk3.server.images import image_config_for
     from openk3.tokenizer import load_tokenizer
 
@@ -550,25 +550,13 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
             return tower_activation_bytes(vc, sum(t * h * w for t, h, w in grids), engine.dtype.itemsize)
 
     if max_request_memory is None:
-        avail = _available_memory()
+        avail = available_memory("cpu")  # host RAM (MemAvailable), as before
         max_request_memory = avail // 2 if avail else None
     limits = dataclasses.replace(limits, max_request_memory=max_request_memory)
     serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits, image_config=image_config,
                           activation_bytes=activation_bytes,
                           greedy=greedy, tokenizer_dir=str(model_path))
     return serving, async_engine
-
-
-def _available_memory() -> int | None:
-    """``MemAvailable`` of /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
