@@ -161,9 +161,9 @@ class Guard:
         async def send_tracked(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status_box[0] = message["status"]
-            await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                done()
+                done()  # before the last bytes leave: a client may act on them (SIGTERM) at once
+            await send(message)
 
         try:
             unanswered = await self._guarded(scope, receive, send_tracked, path)

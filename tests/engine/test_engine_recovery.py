@@ -135,11 +135,13 @@ def test_async_engine_recovers_and_reports_health(model):
         aeng = AsyncEngine(Engine(model, EngineConfig(block_size=4, max_num_seqs=4)))
         sched = aeng.engine.scheduler
         original = sched.schedule
-        state = {"left": 1}
+        # the three adds reach the engine thread in any grouping (one step may see only the
+        # first): planning fails while a request of this batch is queued, until all three failed
+        state = {"left": len(prompts)}
 
         def schedule():  # an exception outside the isolated work: everything in the engine fails
-            if state["left"] and sched.waiting:
-                state["left"] -= 1
+            if state["left"] > 0 and sched.waiting:
+                state["left"] -= len(sched.waiting) + len(sched.running)
                 raise RuntimeError("injected planning failure")
             return original()
 
