@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from openk3.config import KDA, K3Config
+from openk3.ops.cast import cast
 
 
 @dataclass
@@ -94,8 +95,8 @@ class SlotKDAState:
 
     def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Scatter conv [B, 3, P, W-1] and recurrent [B, H, K, V] into rows ``slots`` of the pools."""
-        self.conv_pool.index_copy_(0, self.slots, conv.to(self.conv_pool.dtype))
-        self.recurrent_pool.index_copy_(0, self.slots, recurrent.to(self.recurrent_pool.dtype))
+        self.conv_pool.index_copy_(0, self.slots, cast(conv, self.conv_pool.dtype))
+        self.recurrent_pool.index_copy_(0, self.slots, cast(recurrent, self.recurrent_pool.dtype))
 
 
 @dataclass
@@ -132,8 +133,8 @@ class MLALayerCache:
 
     def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Store latent [M, C] and k_rope [M, R] of M tokens at (row, position) pairs ``rows``/``cols`` [M]."""
-        self.latent[rows, cols] = latent.to(self.latent.dtype)
-        self.k_rope[rows, cols] = k_rope.to(self.k_rope.dtype)
+        self.latent[rows, cols] = cast(latent, self.latent.dtype)
+        self.k_rope[rows, cols] = cast(k_rope, self.k_rope.dtype)
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``[0, used)`` of every row: (latent [B, used, C], k_rope [B, used, R])."""
@@ -180,8 +181,8 @@ class PagedMLACache:
     def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Store latent [M, C] and k_rope [M, R] of M tokens at (row, position) pairs ``rows``/``cols`` [M]."""
         idx = self._flat_index(rows, cols)
-        self.latent_pool.view(-1, self.latent_pool.shape[-1])[idx] = latent.to(self.latent_pool.dtype)
-        self.k_rope_pool.view(-1, self.k_rope_pool.shape[-1])[idx] = k_rope.to(self.k_rope_pool.dtype)
+        self.latent_pool.view(-1, self.latent_pool.shape[-1])[idx] = cast(latent, self.latent_pool.dtype)
+        self.k_rope_pool.view(-1, self.k_rope_pool.shape[-1])[idx] = cast(k_rope, self.k_rope_pool.dtype)
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather positions ``[0, used)`` of every row: (latent [B, used, C], k_rope [B, used, R])."""

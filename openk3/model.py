@@ -70,14 +70,16 @@ class DecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
 
     def mixer(self, h: torch.Tensor, cache_entry, ctx: dict) -> torch.Tensor:
-        """[B, T, D] mixer input (before ``input_layernorm``) -> [B, T, D] mixer output."""
+        """[B, T, D] mixer input (before ``input_layernorm``) -> [B, T, D] mixer output; the
+        arguments in ``ctx`` were validated by :meth:`K3Model.forward` (or its caller)."""
         x = self.input_layernorm(h)
         if self.is_kda:
-            return self.self_attn(x, cache_entry, lengths=ctx["lengths"], cu_seqlens=ctx["cu_seqlens"], mode=ctx["mode"])
+            return self.self_attn(x, cache_entry, lengths=ctx["lengths"], cu_seqlens=ctx["cu_seqlens"], mode=ctx["mode"],
+                                  validate=False)
         max_logits = ctx["max_logits"].get(self.layer_idx) if ctx["max_logits"] is not None else None
         return self.self_attn(
             x, cache_entry, lengths=ctx["lengths"], past_lengths=ctx["past_lengths"],
-            cu_seqlens=ctx["cu_seqlens"], max_logits_out=max_logits,
+            cu_seqlens=ctx["cu_seqlens"], max_logits_out=max_logits, validate=False,
         )
 
     def ffn(self, h: torch.Tensor, routing_sink: list | None) -> torch.Tensor:
@@ -111,6 +113,52 @@ class K3Model(nn.Module):
         qs.append(pseudo_query(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight))
         return torch.stack(qs)
 
+    def check_inputs(
+        self,
+        input_ids: torch.Tensor | None,
+        cache: HybridCache | None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Validate the arguments of :meth:`forward` (the model's public boundary); reads tensor
+        values on the host (token range, lengths, cache room).
+
+        Returns:
+            ``lengths`` as int64 on the input's device (None stays None).
+        Raises:
+            ValueError: the first inconsistent argument, named; a call that would overflow the
+                cache is refused before any layer state changes.
+        """
+        cfg = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"input_ids: expected an int64 [B, T] tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+            if input_ids.numel():
+                lo, hi = (int(v) for v in torch.aminmax(input_ids))
+                if lo < 0 or hi >= cfg.vocab_size:
+                    raise ValueError(f"input_ids: values must be in [0, vocab_size={cfg.vocab_size}), got [{lo}, {hi}]")
+        x = input_ids if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+        if lengths is not None:
+            lengths = lengths.to(device=x.device, dtype=torch.long)
+            check_lengths(lengths, B, T)
+        if cache is not None:
+            if cache.batch_size != B:
+                raise ValueError(f"cache: holds {cache.batch_size} rows, input has B={B}")
+            if bool((cache.lengths < 0).any()):
+                raise ValueError(f"past_lengths: expected [B={B}] non-negative values, got {cache.lengths.tolist()}")
+            # Checked before any layer runs: a failed call must leave every layer's state untouched.
+            cache.check_room(lengths if lengths is not None else torch.full((B,), T, dtype=torch.long))
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: packed documents are a training input; not supported with a cache")
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"cu_seqlens: needs a single packed row (B=1), got B={B}")
+        return lengths
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -122,6 +170,7 @@ class K3Model(nn.Module):
         routing_sink: list | None = None,
         max_logits: dict | None = None,
         hidden_sink: dict | None = None,
+        validate: bool = True,
     ) -> torch.Tensor:
         """Run the backbone.
 
@@ -135,36 +184,24 @@ class K3Model(nn.Module):
             max_logits: {layer_idx: [H] tensor} for MLA layers, filled with per-head max logits
                 (QK-Clip).
             hidden_sink: if a dict, receives per-layer intermediate values for parity tests.
+            validate: check the arguments (the default; what a user call needs). False trusts
+                them and reads no tensor value on the host (no device->host sync), for a caller
+                that has validated them once at its own boundary — the engine: token ids checked
+                by ``Engine.add_request`` or sampled from the V logits, ``lengths`` int64 on the
+                model's device with every row >= 1, cache room allocated by the scheduler.
         Returns:
             [B, T, D] output of the final norm.
         Raises:
-            ValueError: inconsistent arguments (named).
+            ValueError: inconsistent arguments (named); only shape errors when ``validate=False``.
         """
+        if validate:
+            lengths = self.check_inputs(input_ids, cache, inputs_embeds=inputs_embeds, lengths=lengths,
+                                        cu_seqlens=cu_seqlens)
         cfg = self.config
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if input_ids is not None:
-            if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"input_ids: expected an int64 [B, T] tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
-                raise ValueError(
-                    f"input_ids: values must be in [0, vocab_size={cfg.vocab_size}), got "
-                    f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-                )
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        B, T = x.shape[:2]
-        if lengths is not None:
-            lengths = lengths.to(device=x.device, dtype=torch.long)
-            check_lengths(lengths, B, T)
-        if cache is not None:
-            if cache.batch_size != B:
-                raise ValueError(f"cache: holds {cache.batch_size} rows, input has B={B}")
-            # Checked before any layer runs: a failed call must leave every layer's state untouched.
-            cache.check_room(lengths if lengths is not None else torch.full((B,), T, dtype=torch.long))
-            if cu_seqlens is not None:
-                raise ValueError("cu_seqlens: packed documents are a training input; not supported with a cache")
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"cu_seqlens: needs a single packed row (B=1), got B={B}")
+        T = x.shape[1]
+        # Every layer trusts what was checked here (or by the caller, validate=False): the layers'
+        # own value checks would each cost a device->host sync per layer per step.
         ctx = {
             "lengths": lengths,
             "past_lengths": cache.lengths if cache is not None else None,

@@ -23,6 +23,7 @@ from torch import nn
 from openk3.cache import KDALayerState
 from openk3.config import KDA, K3Config
 from openk3.layers.norm import GatedRMSNorm
+from openk3.ops.cast import cast, fp32
 from openk3.ops.kda import MODES, kda
 from openk3.ops.kda_gate import kda_gate_lower_bound, kda_gate_softplus, l2_normalize
 from openk3.ops.short_conv import short_conv, short_conv_step
@@ -101,6 +102,7 @@ class KimiDeltaAttention(nn.Module):
         lengths: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         mode: str = "chunk",
+        validate: bool = True,
     ) -> torch.Tensor:
         """Mix tokens of the (already RMSNorm'd) layer input.
 
@@ -115,6 +117,8 @@ class KimiDeltaAttention(nn.Module):
             cu_seqlens: [N+1] packed document offsets with B == 1 (excludes ``lengths``); every
                 document starts from its own state (zeros, or ``cache`` row n).
             mode: ``"chunk"`` (prefill/training) or ``"recurrent"`` (token loop; decode). Same result.
+            validate: check the values of ``lengths`` (a host read); False when the caller has
+                (:meth:`K3Model.forward`). Shapes are always checked.
         Returns:
             [B, T, D] in x's dtype.
         Raises:
@@ -125,7 +129,7 @@ class KimiDeltaAttention(nn.Module):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {MODES}")
         if cu_seqlens is None:
-            return self._forward_rows(x, cache, lengths, mode)
+            return self._forward_rows(x, cache, lengths, mode, validate)
         if lengths is not None:
             raise ValueError("lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)")
         # Packed documents run as padded rows; a varlen kernel can skip this.
@@ -140,7 +144,7 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(recurrent.shape)}")
 
     def _forward_rows(self, x: torch.Tensor, cache: KDALayerState | None, lengths: torch.Tensor | None,
-                      mode: str) -> torch.Tensor:
+                      mode: str, validate: bool = True) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         conv0 = rec0 = None
@@ -148,7 +152,7 @@ class KimiDeltaAttention(nn.Module):
             # Read once: a pooled state (SlotKDAState) gathers on every access.
             conv0, rec0 = cache.conv, cache.recurrent
             self._check_state(conv0, rec0, B)
-        if lengths is not None:
+        if lengths is not None and validate:
             check_lengths(lengths, B, T)
 
         tails = conv0.unbind(1) if cache is not None else (None, None, None)
@@ -158,22 +162,22 @@ class KimiDeltaAttention(nn.Module):
             inp = proj(x)  # [B, T, P]
             if tail is not None and T == 1 and mode == "recurrent":
                 valid = None if lengths is None else lengths > 0
-                out, new_tail = short_conv_step(inp[:, 0], conv.weight, tail.to(inp.dtype), valid, activation="silu")
+                out, new_tail = short_conv_step(inp[:, 0], conv.weight, cast(tail, inp.dtype), valid, activation="silu")
                 out = out[:, None]
             else:
-                out, new_tail = short_conv(inp, conv.weight, None if tail is None else tail.to(inp.dtype),
+                out, new_tail = short_conv(inp, conv.weight, None if tail is None else cast(tail, inp.dtype),
                                            lengths, activation="silu")
             mixed.append(out.reshape(B, T, H, K))
             new_tails.append(new_tail)
         q, k = l2_normalize(mixed[0]), l2_normalize(mixed[1])
-        v = mixed[2].float()
+        v = fp32(mixed[2])
 
         z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)
         if self.gate_lower_bound is not None:
             g = kda_gate_lower_bound(z, self.A_log, self.dt_bias, self.gate_lower_bound)
         else:
             g = kda_gate_softplus(z, self.A_log, self.dt_bias)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        beta = torch.sigmoid(fp32(self.b_proj(x)))  # [B, T, H]
 
         o, state = kda(q, k, v, g, beta, K ** -0.5, rec0,
                        lengths, mode=mode)
@@ -182,4 +186,4 @@ class KimiDeltaAttention(nn.Module):
 
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         out = self.o_norm(o, gate.reshape(B, T, H, K))  # fp32 [B, T, H, K]
-        return self.o_proj(out.reshape(B, T, self.proj_dim).to(x.dtype))
+        return self.o_proj(cast(out.reshape(B, T, self.proj_dim), x.dtype))

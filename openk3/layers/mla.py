@@ -119,6 +119,7 @@ class GatedMLA(nn.Module):
         past_lengths: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_logits_out: torch.Tensor | None = None,
+        validate: bool = True,
     ) -> torch.Tensor:
         """Attend causally over this call's tokens (and the cached history, if a cache is given).
 
@@ -136,11 +137,14 @@ class GatedMLA(nn.Module):
                 block-diagonal causal.
             max_logits_out: [H] float, updated in place with the per-head max of the scaled
                 pre-softmax logits over valid pairs (QK-Clip input, architecture.md §9).
+            validate: check the values of ``lengths`` / ``past_lengths`` and the cache room
+                (host reads). False when the caller checked them (:meth:`K3Model.forward`): then
+                ``lengths`` / ``past_lengths`` must be int64 on x's device.
         Returns:
             [B, T, D] in x.dtype.
         Raises:
             ValueError: bad shapes/lengths, cu_seqlens with a cache, past_lengths without one,
-                or a write past the cache capacity (named).
+                or a write past the cache capacity (named); shapes only when ``validate=False``.
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected [B, T, D={self.hidden_size}], got {tuple(x.shape)}")
@@ -150,7 +154,7 @@ class GatedMLA(nn.Module):
             return self._forward_full(x, lengths, cu_seqlens, max_logits_out)
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens: packed documents are not supported with a cache")
-        return self._forward_cached(x, cache, lengths, past_lengths, max_logits_out)
+        return self._forward_cached(x, cache, lengths, past_lengths, max_logits_out, validate)
 
     def _forward_full(
         self,
@@ -180,41 +184,56 @@ class GatedMLA(nn.Module):
         lengths: torch.Tensor | None,
         past_lengths: torch.Tensor | None,
         max_logits_out: torch.Tensor | None,
+        validate: bool = True,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         dev = x.device
         if cache.batch_size != B:
             raise ValueError(f"cache: holds {cache.batch_size} rows, x has B={B}")
-        lens = torch.full((B,), T, dtype=torch.long, device=dev) if lengths is None else lengths.to(dev, torch.long)
-        past = torch.zeros(B, dtype=torch.long, device=dev) if past_lengths is None else past_lengths.to(dev, torch.long)
-        check_lengths(lens, B, T)
-        if past.shape != (B,) or bool((past < 0).any()):
-            raise ValueError(f"past_lengths: expected [B={B}] non-negative values, got {past.tolist()}")
-        end = past + lens
-        used = int(end.max()) if B else 0
-        if used > cache.capacity:
-            raise ValueError(
-                f"cache overflow: past_lengths + lengths = {end.tolist()} exceeds capacity {cache.capacity}"
-            )
+        if validate:
+            lengths, past_lengths = (None if v is None else v.to(dev, torch.long) for v in (lengths, past_lengths))
+        past = torch.zeros(B, dtype=torch.long, device=dev) if past_lengths is None else past_lengths
+        if validate:
+            self._check_room(cache, lengths, past, T)
 
         q_nope, q_rope = self._queries(x)
         latent, k_rope = self._latent(x)
         t = torch.arange(T, device=dev)
-        valid = t[None, :] < lens[:, None]  # [B, T]
-        rows = torch.arange(B, device=dev)[:, None].expand(B, T)[valid]
-        cols = (past[:, None] + t[None, :])[valid]
-        cache.write(rows, cols, latent[valid], k_rope[valid])
+        cols = past[:, None] + t[None, :]  # [B, T] cache position of every new token
+        if lengths is None:  # every position is a real token: a fixed-size write, no mask
+            rows = torch.arange(B, device=dev)[:, None].expand(B, T)
+            cache.write(rows.reshape(-1), cols.reshape(-1), latent.reshape(B * T, -1), k_rope.reshape(B * T, -1))
+        else:  # right padding: write the valid tokens only (a boolean gather, whose size the host reads)
+            valid = t[None, :] < lengths[:, None]  # [B, T]
+            rows = torch.arange(B, device=dev)[:, None].expand(B, T)[valid]
+            cache.write(rows, cols[valid], latent[valid], k_rope[valid])
 
         w_uk, w_uv = self._kv_b_heads()
         q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
-        # Nothing beyond the furthest write is visible to any query, so read only that prefix.
-        cached_latent, cached_k_rope = cache.read(used)
+        # The whole capacity, positions past each row's end masked by the attention: a read sized
+        # by the furthest write would need that end on the host (a sync) and change shape every
+        # step. The engine's block tables end at its rows' last block, so little is masked; a
+        # caller-owned dense cache should be sized to what it will hold.
+        cached_latent, cached_k_rope = cache.read(cache.capacity)
         ctx = latent_attention(
             q_latent, q_rope, cached_latent, cached_k_rope, past,
-            scale=self.scaling, lengths=lens, max_logits_out=max_logits_out,
+            scale=self.scaling, lengths=lengths, max_logits_out=max_logits_out, validate=False,
         )
-        o = torch.einsum("bthc,hvc->bthv", ctx, w_uv.to(ctx.dtype))
+        o = torch.einsum("bthc,hvc->bthv", ctx, w_uv)
         return self._output(x, o.reshape(B, T, self.num_heads * self.v_head_dim))
+
+    @staticmethod
+    def _check_room(cache, lengths: torch.Tensor | None, past: torch.Tensor, T: int) -> None:
+        """Raise unless ``lengths`` [B] lie in [0, T], ``past`` [B] is non-negative and every
+        row's end fits the cache (three host reads)."""
+        B = cache.batch_size
+        lens = torch.full((B,), T, dtype=torch.long, device=past.device) if lengths is None else lengths
+        check_lengths(lens, B, T)
+        if past.shape != (B,) or bool((past < 0).any()):
+            raise ValueError(f"past_lengths: expected [B={B}] non-negative values, got {past.tolist()}")
+        end = past + lens
+        if B and int(end.max()) > cache.capacity:
+            raise ValueError(f"cache overflow: past_lengths + lengths = {end.tolist()} exceeds capacity {cache.capacity}")
 
     def extra_repr(self) -> str:
         return (

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import K3Config
+from openk3.ops.cast import cast
 from openk3.weight_init import init_module
 
 GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -25,7 +26,7 @@ GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     """fp32, or float64 when given float64 (so float64 test references stay exact)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float | None) -> torch.Tensor:
@@ -46,7 +47,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float | 
     g, u = _upcast(gate), _upcast(up)
     capped_up = u if beta2 is None else beta2 * torch.tanh(u / beta2)
     out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * capped_up
-    return out.to(gate.dtype)
+    return cast(out, gate.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Args:
         gate, up: [*, I]. Returns: [*, I] in ``gate.dtype``.
     """
-    return (F.silu(_upcast(gate)) * _upcast(up)).to(gate.dtype)
+    return cast(F.silu(_upcast(gate)) * _upcast(up), gate.dtype)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -65,7 +66,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> to
     Args:
         gate, up: [*, I]. Returns: [*, I] in ``gate.dtype``.
     """
-    return (F.gelu(_upcast(gate), approximate=approximate) * _upcast(up)).to(gate.dtype)
+    return cast(F.gelu(_upcast(gate), approximate=approximate) * _upcast(up), gate.dtype)
 
 
 def glu_activation(config: K3Config) -> GluActivation:

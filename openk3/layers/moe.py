@@ -22,6 +22,7 @@ from torch import nn
 from openk3.config import K3Config
 from openk3.layers.mlp import MLP, glu_activation
 from openk3.layers.norm import RMSNorm
+from openk3.ops.cast import cast, fp32
 from openk3.ops.grouped_mm import routed_experts
 from openk3.weight_init import init_module, init_tensor
 
@@ -140,11 +141,11 @@ class Router(nn.Module):
         """
         if x.dim() != 2 or x.shape[1] != self.weight.shape[1]:
             raise ValueError(f"x: expected [N, D={self.weight.shape[1]}], got {tuple(x.shape)}")
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(fp32(x), fp32(self.weight))
         scores = torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=-1)
         if force_topk_idx is None:
             with torch.no_grad():
-                biased = scores + self.e_score_correction_bias.float()
+                biased = scores + fp32(self.e_score_correction_bias)
                 topk_idx = select_topk(biased, self.top_k, self.n_group, self.topk_group)
         else:
             topk_idx = self._check_forced(force_topk_idx, x.shape[0])
@@ -295,7 +296,7 @@ class LatentMoE(nn.Module):
         u = self.experts(z, route.topk_idx, route.topk_weight)  # [N, L] fp32
         if hasattr(self, "routed_expert_norm"):
             u = self.routed_expert_norm(u)
-        y = u.to(x.dtype)
+        y = cast(u, x.dtype)
         if self.is_latent:
             y = self.routed_expert_up_proj(y)
         if hasattr(self, "shared_experts"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from openk3.ops.cast import cast, fp32
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, in fp32.
@@ -18,11 +20,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     Returns:
         [*, D] in ``x.dtype``.
     """
-    xf = x.float()
+    xf = fp32(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+        y = y * fp32(weight)
+    return cast(y, x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -48,4 +50,4 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """x, gate: [*, D] -> [*, D] (x.dtype)."""
-        return (rms_norm(x, self.weight, self.eps).float() * torch.sigmoid(gate.float())).to(x.dtype)
+        return cast(fp32(rms_norm(x, self.weight, self.eps)) * torch.sigmoid(fp32(gate)), x.dtype)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops import backends
+from openk3.ops.cast import cast, fp32
 from openk3.ops.latent_blocked import latent_attention_blocked
 from openk3.ops.varlen import check_lengths
 
@@ -236,10 +237,12 @@ def latent_attention(
     lengths: torch.Tensor | None = None,
     max_logits_out: torch.Tensor | None = None,
     backend: str | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Absorbed MLA attention of new queries over a latent cache (architecture.md §4).
 
-    Arguments, result and errors as :func:`latent_attention_reference`; ``backend``: ``"reference"``
+    Arguments, result and errors as :func:`latent_attention_reference` (``validate=False``: the
+    caller has checked that the cache covers every query's visible prefix, as the MLA layer does); ``backend``: ``"reference"``
     forces the dense form, None = :func:`get_attention_backend` (``"reference"`` there forces it as
     well). Otherwise a call with more than one query token, no ``max_logits_out`` and no gradient
     runs the tiled form (:func:`~openk3.ops.latent_blocked.latent_attention_blocked`: no
@@ -252,7 +255,7 @@ def latent_attention(
     if backend != "reference" and max_logits_out is None and q_latent.shape[1] > 1 and not grad:
         return latent_attention_blocked(q_latent, q_rope, latent, k_rope, past_lengths, scale=scale, lengths=lengths)
     return latent_attention_reference(q_latent, q_rope, latent, k_rope, past_lengths, scale=scale, lengths=lengths,
-                                      max_logits_out=max_logits_out)
+                                      max_logits_out=max_logits_out, validate=validate)
 
 
 def latent_attention_reference(
@@ -265,6 +268,7 @@ def latent_attention_reference(
     scale: float,
     lengths: torch.Tensor | None = None,
     max_logits_out: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Absorbed MLA attention of new queries over a latent cache, dense (the readable form).
 
@@ -280,6 +284,8 @@ def latent_attention_reference(
         scale: multiplies the logit.
         lengths: [B] int64 valid new tokens per row, or None (all T).
         max_logits_out: [H] float, updated in place with the max scaled logit over visible pairs.
+        validate: check that no query sees beyond the cache (a host read); False when the
+            caller has (shapes are always checked).
     Returns:
         [B, T, H, C] in ``q_latent.dtype``: Σ_j p_j latent[b, j] per head (zero for padded queries).
     Raises:
@@ -296,21 +302,26 @@ def latent_attention_reference(
         raise ValueError(f"past_lengths: expected shape [B={B}], got {tuple(past_lengths.shape)}")
     dev = q_latent.device
     t = torch.arange(T, device=dev)
-    lens = torch.full((B,), T, device=dev, dtype=torch.long) if lengths is None else lengths.to(dev)
-    qvalid = t[None, :] < lens[:, None]  # [B, T]
     limit = past_lengths.to(dev)[:, None] + t[None, :] + 1  # [B, T] visible prefix length
-    if bool((limit.masked_fill(~qvalid, 0) > S).any()):
-        raise ValueError(f"past_lengths + lengths exceed the cache length S={S}: {(past_lengths + lens).tolist()}")
-    visible = (torch.arange(S, device=dev)[None, None, :] < limit[:, :, None]) & qvalid[:, :, None]  # [B, T, S]
+    qvalid = None if lengths is None else t[None, :] < lengths.to(dev)[:, None]  # [B, T]; None: all valid
+    if validate:
+        over = limit > S if qvalid is None else limit.masked_fill(~qvalid, 0) > S
+        if bool(over.any()):
+            lens = torch.full((B,), T, device=dev, dtype=torch.long) if lengths is None else lengths.to(dev)
+            raise ValueError(f"past_lengths + lengths exceed the cache length S={S}: {(past_lengths + lens).tolist()}")
+    visible = torch.arange(S, device=dev)[None, None, :] < limit[:, :, None]  # [B, T, S]
+    if qvalid is not None:  # padded queries see nothing
+        visible = visible & qvalid[:, :, None]
     visible = visible[:, None]  # [B, 1, T, S]
 
-    logits = (
-        torch.einsum("bthc,bsc->bhts", q_latent, latent.to(q_latent.dtype))
-        + torch.einsum("bthr,bsr->bhts", q_rope, k_rope.to(q_rope.dtype))
-    ).float() * scale
+    latent = cast(latent, q_latent.dtype)
+    logits = fp32(
+        torch.einsum("bthc,bsc->bhts", q_latent, latent)
+        + torch.einsum("bthr,bsr->bhts", q_rope, cast(k_rope, q_rope.dtype))
+    ) * scale
     logits = logits.masked_fill(~visible, float("-inf"))
     if max_logits_out is not None:
         _update_max(max_logits_out, logits.amax(dim=(0, 2, 3)))
     # Rows with nothing visible (padded queries) would be all -inf -> NaN; they output zero.
     probs = torch.softmax(logits, dim=-1).masked_fill(~visible, 0.0)
-    return torch.einsum("bhts,bsc->bthc", probs.to(q_latent.dtype), latent.to(q_latent.dtype))
+    return torch.einsum("bhts,bsc->bthc", cast(probs, q_latent.dtype), latent)

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from openk3.ops import backends
+from openk3.ops.cast import cast
 
 GluActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Fake-quantizer applied to each expert GEMM's input rows (QAT: MXFP8 along K), or None.
@@ -100,7 +101,7 @@ def _select_backend(x: torch.Tensor, w1: torch.Tensor, backend: str | None) -> s
 
 def _sort_by_expert(topk_idx: torch.Tensor, num_experts: int):
     """Sorted order of the A assignments, their experts, per-expert counts (no host sync)."""
-    flat = topk_idx.reshape(-1).long()
+    flat = cast(topk_idx.reshape(-1), torch.int64)
     order = torch.argsort(flat, stable=True)  # [A]: assignment index at each sorted position
     expert_sorted = flat[order]
     # index_add_ rather than bincount: fixed output size (no sync), and an out-of-range id raises.
@@ -152,8 +153,8 @@ def dispatch_combine(
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     acc = _accum_dtype(x)
-    per_slot = ys[inverse].to(acc).view(n, k, ys.shape[1])  # back to (token, slot) order
-    return (per_slot * topk_weight.to(acc).unsqueeze(-1)).sum(1)
+    per_slot = cast(ys[inverse], acc).view(n, k, ys.shape[1])  # back to (token, slot) order
+    return (per_slot * cast(topk_weight, acc).unsqueeze(-1)).sum(1)
 
 
 def routed_experts(

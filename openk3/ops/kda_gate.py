@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.cast import fp32
+
 
 def _biased_logits(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate and return (z + dt_bias [..., H, K] fp32, exp(A_log) [H, 1] fp32)."""
@@ -23,7 +25,7 @@ def _biased_logits(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) 
         raise ValueError(f"A_log: expected one value per head [H={H}], got {tuple(A_log.shape)}")
     if dt_bias.numel() != H * K:
         raise ValueError(f"dt_bias: expected H*K={H * K} values ([H*K] or [H, K]), got {tuple(dt_bias.shape)}")
-    return z.float() + dt_bias.float().reshape(H, K), A_log.float().exp()[:, None]
+    return fp32(z) + fp32(dt_bias).reshape(H, K), fp32(A_log).exp()[:, None]
 
 
 def kda_gate_lower_bound(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
@@ -52,5 +54,5 @@ def kda_gate_softplus(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tenso
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """[..., K] any float dtype -> [..., K] fp32 ``x * rsqrt(sum(x^2) + eps)`` over the last dim."""
-    xf = x.float()
+    xf = fp32(x)
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)

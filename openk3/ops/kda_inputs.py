@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from openk3.ops.cast import cast, fp32
 from openk3.ops.varlen import check_lengths
 
 
@@ -46,8 +47,8 @@ def prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size):
     elif initial_state.shape != (B, H, K, V):
         raise ValueError(f"initial_state: expected [B={B}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
     else:
-        S0 = initial_state.float()
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+        S0 = fp32(initial_state)
+    q, k, v, g, beta = (fp32(t) for t in (q, k, v, g, beta))
     valid = None
     if lengths is not None:
         check_lengths(lengths, B, T)
@@ -63,4 +64,4 @@ def finish_output(o: torch.Tensor, valid: torch.Tensor | None, dtype: torch.dtyp
     """o [B, T, H, V] with padded positions zeroed, cast to ``dtype`` (v's dtype)."""
     if valid is not None:
         o = torch.where(valid[:, :, None, None], o, torch.zeros((), device=o.device))
-    return o.to(dtype)
+    return cast(o, dtype)

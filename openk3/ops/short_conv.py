@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.cast import cast, fp32
 from openk3.ops.varlen import check_lengths
 
 _ACTIVATIONS = {None: lambda y: y, "silu": F.silu}
@@ -31,7 +32,7 @@ def _check_weight(weight: torch.Tensor, channels: int) -> torch.Tensor:
         weight = weight[:, 0]
     if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
         raise ValueError(f"weight: expected [C={channels}, 1, W] or [C, W], got {tuple(weight.shape)}")
-    return weight.float()
+    return fp32(weight)
 
 
 def _check_activation(activation: str | None) -> None:
@@ -223,9 +224,9 @@ def short_conv_step(
     if valid is not None and valid.shape != (B,):
         raise ValueError(f"valid: expected shape [B={B}], got {tuple(valid.shape)}")
 
-    window = torch.cat([tail.float(), x.float().unsqueeze(2)], dim=2)  # [B, C, W]
-    y = _ACTIVATIONS[activation]((window * w).sum(-1)).to(x.dtype)
+    window = torch.cat([fp32(tail), fp32(x).unsqueeze(2)], dim=2)  # [B, C, W]
+    y = cast(_ACTIVATIONS[activation]((window * w).sum(-1)), x.dtype)
     new_tail = window[:, :, 1:]
     if valid is not None:
-        new_tail = torch.where(valid[:, None, None], new_tail, tail.float())
-    return y, new_tail.to(x.dtype)
+        new_tail = torch.where(valid[:, None, None], new_tail, fp32(tail))
+    return y, cast(new_tail, x.dtype)
