@@ -70,6 +70,9 @@ DEFAULTS: dict = {
     "pretrain_sft_share": 0.0,          # share of pretraining rows that are SFT conversations, in [0, 1)
     "pretrain_induction_share": 0.3,    # share of pretraining rows that are induction documents, in [0, 1)
     "induction_items": 20000,           # induction documents drawn (seed sft_seed + 200)
+    "pretrain_copy_steps": 0,           # first pretraining steps on random-span copy documents only
+    "pretrain_copy_span": [4, 20],      # span lengths (inclusive) of those documents
+    "pretrain_copy_items": 100000,      # copy documents drawn (seed sft_seed + 300)
     "long_share": 0.0,                  # share of SFT train rows that are long harness-prompt rows, in [0, 1)
     "long_seq_len": 8192,               # tokens per long row (one conversation behind a harness prompt)
     "long_items": 1000,                 # long conversations drawn (seed sft_seed + 100)
@@ -97,10 +100,15 @@ def settings(run: RunConfig) -> dict:
     v = x["pretrain_decay_fraction"]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
         raise ValueError(f"extra.pretrain_decay_fraction={v!r}: must be a number in [0, 1]")
-    for key in ("pretrain_steps", "long_seq_len", "long_items", "sft_items", "induction_items"):
-        v = x[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "pretrain_steps" else 1):
-            raise ValueError(f"extra.{key}={v!r}: must be an integer >= {0 if key == 'pretrain_steps' else 1}")
+    for key in ("pretrain_steps", "long_seq_len", "long_items", "sft_items", "induction_items",
+                "pretrain_copy_steps", "pretrain_copy_items"):
+        v, lo = x[key], (0 if key in ("pretrain_steps", "pretrain_copy_steps") else 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"extra.{key}={v!r}: must be an integer >= {lo}")
+    v = x["pretrain_copy_span"]
+    if (not isinstance(v, (list, tuple)) or len(v) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in v)
+            or not 1 <= v[0] <= v[1]):
+        raise ValueError(f"extra.pretrain_copy_span={v!r}: must be [lo, hi] integers with 1 <= lo <= hi")
     return x
 
 
@@ -203,10 +211,13 @@ def pretrain_data(run: RunConfig, split: str):
     """Pretraining data: the corpus (:func:`corpus_data`) with ``pretrain_sft_share`` of the train
     rows SFT conversations (another data seed, ``sft_seed`` + 50) and ``pretrain_induction_share``
     induction documents (:mod:`openk3.train.induction`, seed ``sft_seed`` + 200, every token a
-    target), so the skills' formats and the copying they need are trained from the first steps."""
+    target), so the skills' formats and the copying they need are trained from the first steps.
+    With ``pretrain_copy_steps`` N > 0 the first N train batches are random-span copy documents
+    only (:func:`~openk3.train.induction.span_store`, seed ``sft_seed`` + 300): a curriculum in
+    which copying is the only way to lower the loss, before the mixture."""
     from openk3.train.data import PackedLoader
-    from openk3.train.induction import induction_store
-    from openk3.train.mixed_data import MixedLoader
+    from openk3.train.induction import induction_store, span_store
+    from openk3.train.mixed_data import CurriculumLoader, MixedLoader
 
     x = settings(run)
     data = corpus_data(run, split)
@@ -220,6 +231,10 @@ def pretrain_data(run: RunConfig, split: str):
         ind = PackedLoader(induction_store(x["sft_seed"] + 200, x["induction_items"], tok), run.seq_len, run.batch_size,
                            seed=run.seed, pad_id=run.model_config().pad_token_id)
         data = MixedLoader(data, ind, p_ind, seed=run.seed + 3)
+    if x["pretrain_copy_steps"] > 0:
+        spans = span_store(x["sft_seed"] + 300, x["pretrain_copy_items"], tok, tuple(x["pretrain_copy_span"]))
+        copy = PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=run.model_config().pad_token_id)
+        data = CurriculumLoader(copy, data, x["pretrain_copy_steps"])
     return data
 
 

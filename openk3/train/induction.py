@@ -84,6 +84,42 @@ def induction_text(seed: int, index: int, kind: str | None = None) -> str:
     raise ValueError(f"kind={kind!r}: must be one of {KINDS}")
 
 
+def span_ids(seed: int, index: int, ordinary: int, lengths: tuple[int, int] = (4, 20)) -> list[int]:
+    """Random-span copy document ``index`` of seed ``seed``: a span of ``L`` ids drawn uniformly
+    from ``[256, ordinary)`` (the BPE's merged tokens: byte ids excluded, as in the induction
+    probe), ``L`` uniform in ``lengths`` (inclusive), written twice: ``span + span``.
+
+    Why: in a ``repeat`` document of pool values the second copy is also predictable from the
+    values' own statistics (the model learns them: 6.9 -> 3.2 nats without copying); in a random
+    span only the first copy predicts the second, so copying is the one way to lower the loss.
+    Deterministic in ``(seed, index)``.
+
+    Raises:
+        ValueError: ``ordinary`` <= 257, or ``lengths`` not ``1 <= lo <= hi``, naming the value.
+    """
+    lo, hi = lengths
+    if not 1 <= lo <= hi:
+        raise ValueError(f"lengths={lengths!r}: must be (lo, hi) with 1 <= lo <= hi")
+    if ordinary <= 257:
+        raise ValueError(f"ordinary={ordinary!r}: must be > 257 (ids 256..ordinary-1 are drawn)")
+    rng = random.Random(seed * 1_000_003 + index)
+    span = [rng.randrange(256, ordinary) for _ in range(rng.randint(lo, hi))]
+    return span + span
+
+
+def span_store(seed: int, n: int, tokenizer, lengths: tuple[int, int] = (4, 20)):
+    """A :class:`~openk3.train.data.DocumentStore` of ``n`` random-span copy documents
+    (:func:`span_ids`; ``[BOS] span span [EOS]``, every next token a target) over the tokenizer's
+    ordinary ids (``256 .. min(special_ids) - 1``)."""
+    from openk3.train.data import DocumentStore, document_from_ids
+
+    ordinary = min(tokenizer.special_ids) if tokenizer.special_ids else tokenizer.vocab_size
+    head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    return DocumentStore.from_documents(document_from_ids(head + span_ids(seed, i, ordinary, lengths) + tail)
+                                        for i in range(n))
+
+
 def induction_store(seed: int, n: int, tokenizer):
     """A :class:`~openk3.train.data.DocumentStore` of ``n`` documents (BOS, text, EOS; every
     next token a target)."""
@@ -92,4 +128,4 @@ def induction_store(seed: int, n: int, tokenizer):
     return DocumentStore.from_documents(text_document(induction_text(seed, i), tokenizer) for i in range(n))
 
 
-__all__ = ["KINDS", "induction_text", "induction_store"]
+__all__ = ["KINDS", "induction_text", "induction_store", "span_ids", "span_store"]

@@ -88,4 +88,57 @@ class MixedLoader:
         self.batches, self.served_secondary = int(state["batches"]), int(state["served_secondary"])
 
 
-__all__ = ["MIXED_STATE_VERSION", "MixedLoader"]
+class CurriculumLoader:
+    """Serves the first ``steps`` micro-batches from ``first``, every later one from ``then``
+    (``default-model`` ``extra.pretrain_copy_steps``: copy documents before the corpus mixture).
+
+    Same DataSource protocol and resume guarantee as :class:`MixedLoader`; each source advances
+    only when it serves a batch, so ``then`` starts at its own first batch.
+
+    Args:
+        first: the DataSource of the first ``steps`` batches.
+        then: the DataSource of the rest.
+        steps: batches taken from ``first``; 0 = exactly ``then``'s batches.
+    Raises:
+        ValueError: ``steps`` not an integer >= 0.
+    """
+
+    def __init__(self, first: Any, then: Any, steps: int):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps={steps!r}: must be an integer >= 0")
+        self.first, self.then, self.steps = first, then, steps
+        self.batches = 0
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The next batch: from ``first`` while fewer than ``steps`` were served, else ``then``.
+
+        Raises:
+            StopIteration: the serving source ended (single-pass sources only).
+        """
+        batch = (self.first if self.batches < self.steps else self.then).next_batch()
+        self.batches += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position: batches served, ``steps``, and both sources' states."""
+        return {"version": MIXED_STATE_VERSION, "kind": "curriculum", "batches": self.batches, "steps": self.steps,
+                "first": self.first.state_dict(), "then": self.then.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`.
+
+        Raises:
+            ValueError: another state version or kind, a different ``steps`` (named), or a
+                source's own mismatch.
+        """
+        if not isinstance(state, dict) or state.get("version") != MIXED_STATE_VERSION or state.get("kind") != "curriculum":
+            got = (state.get("version"), state.get("kind")) if isinstance(state, dict) else state
+            raise ValueError(f"state.version/kind: expected ({MIXED_STATE_VERSION}, 'curriculum'), got {got!r}")
+        if state.get("steps") != self.steps:
+            raise ValueError(f"state.steps: saved {state.get('steps')!r}, this loader has {self.steps!r}")
+        self.first.load_state_dict(state["first"])
+        self.then.load_state_dict(state["then"])
+        self.batches = int(state["batches"])
+
+
+__all__ = ["MIXED_STATE_VERSION", "MixedLoader", "CurriculumLoader"]

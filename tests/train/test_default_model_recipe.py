@@ -135,6 +135,20 @@ def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
     assert 8 < corpus_rows < 32  # about half corpus, half SFT conversations
     with pytest.raises(ValueError, match="extra.long_share"):
         default_model.settings(run.replace(extra={"long_share": 1.5}))
+    from openk3.train.mixed_data import CurriculumLoader
+
+    cur = default_model.pretrain_data(run.replace(extra={"sft_items": 30, "pretrain_induction_share": 0.0,
+                                                        "pretrain_copy_steps": 3, "pretrain_copy_items": 50,
+                                                        "pretrain_copy_span": [2, 5]}), "train")
+    assert isinstance(cur, CurriculumLoader)
+    rows = [cur.next_batch()["input_ids"] for _ in range(5)]
+    assert [bool((x >= 9000).all()) for x in rows] == [False, False, False, True, True]  # copy docs, then corpus
+    marks = set(rows[0][rows[0] >= min(tok.special_ids)].tolist())
+    assert int(rows[0][0, 0]) == tok.bos_id and marks == {tok.bos_id, tok.eos_id}  # [BOS] span span [EOS] only
+    with pytest.raises(ValueError, match=r"extra.pretrain_copy_span=\[3, 2\]"):
+        default_model.settings(run.replace(extra={"pretrain_copy_span": [3, 2]}))
+    with pytest.raises(ValueError, match="extra.pretrain_copy_steps=-2"):
+        default_model.settings(run.replace(extra={"pretrain_copy_steps": -2}))
     with pytest.raises(ValueError, match="extra.long_seq_len"):
         default_model.settings(run.replace(extra={"long_seq_len": 0}))
     with pytest.raises(ValueError, match="extra.pretrain_schedule='step': must be one of cosine, wsd"):

@@ -41,3 +41,28 @@ def test_store_targets_every_token():
     tok = train_tokenizer([synthetic_document(0, i) for i in range(30)], 600, split_digits=True)
     store = induction_store(0, 10, tok)
     assert len(store) == 10 and (store.labels != -100).sum() >= store.num_tokens - 10
+
+
+def test_span_documents_are_two_equal_random_spans_of_ordinary_ids():
+    from openk3.train.induction import span_ids, span_store
+    from openk3.train.recipes import synthetic_document
+    from openk3.train.tokenizer_train import train_tokenizer
+
+    assert span_ids(0, 3, 8000) == span_ids(0, 3, 8000) != span_ids(1, 3, 8000)
+    lengths = set()
+    for i in range(200):
+        ids = span_ids(5, i, 700, (4, 10))
+        half = len(ids) // 2
+        assert ids[:half] == ids[half:] and all(256 <= t < 700 for t in ids)
+        lengths.add(half)
+    assert lengths == set(range(4, 11))
+    with pytest.raises(ValueError, match=r"lengths=\(5, 4\)"):
+        span_ids(0, 0, 8000, (5, 4))
+    with pytest.raises(ValueError, match="ordinary=200"):
+        span_ids(0, 0, 200)
+    tok = train_tokenizer([synthetic_document(0, i) for i in range(30)], 600, split_digits=True)
+    store = span_store(2, 20, tok, (3, 3))
+    first = store.ids[store.offsets[0]:store.offsets[1]].tolist()
+    assert len(store) == 20 and first[0] == tok.bos_id and first[-1] == tok.eos_id and first[1:4] == first[4:7]
+    assert max(store.ids[store.ids < min(tok.special_ids)]) < min(tok.special_ids)
+    assert not set(store.ids.tolist()) & (tok.special_ids - {tok.bos_id, tok.eos_id})

@@ -140,3 +140,24 @@ def test_resume_from_state_dict_continues_identically(recipe):
 def test_mixed_loader_rejects_a_bad_fraction():
     with pytest.raises(ValueError, match="fraction"):
         MixedLoader(None, None, 1.0)
+
+
+def test_curriculum_loader_serves_first_then_the_rest_and_resumes():
+    from openk3.train.mixed_data import CurriculumLoader
+
+    def make():
+        a = PackedLoader(DocumentStore.from_documents([document_from_ids([1] * 40)]), 16, 1)
+        b = PackedLoader(DocumentStore.from_documents([document_from_ids([2] * 40)]), 16, 1)
+        return CurriculumLoader(a, b, 3)
+
+    data = make()
+    rows = [int(data.next_batch()["input_ids"][0, 0]) for _ in range(6)]
+    assert rows == [1, 1, 1, 2, 2, 2]
+    data, again = make(), make()
+    [data.next_batch() for _ in range(2)]
+    again.load_state_dict(json.loads(json.dumps(data.state_dict())))
+    assert all(torch.equal(data.next_batch()["input_ids"], again.next_batch()["input_ids"]) for _ in range(4))
+    with pytest.raises(ValueError, match="state.steps: saved 3, this loader has 4"):
+        CurriculumLoader(data.first, data.then, 4).load_state_dict(data.state_dict())
+    with pytest.raises(ValueError, match="steps=-1"):
+        CurriculumLoader(data.first, data.then, -1)
