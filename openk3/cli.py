@@ -277,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="context length (default: the model's); more than --cache-memory holds for one "
                             "sequence is an error")
     serve.add_argument("--max-request-memory", type=_bytes,
-                       help="activation memory one request may need (vision tower); larger ones get a 400 "
-                            "(default: half of the memory available at start-up)")
+                       help="memory one request's images may need (pixels, features, vision-tower work); larger "
+                            "ones get a 400 (default: an eighth of the memory available at start-up)")
     serve.add_argument("--quiet", action="store_true", help="no access log line per request")
     add_runtime_args(serve)
     serve.add_argument("--greedy", action="store_true",

@@ -22,8 +22,12 @@ The model runs unchanged: each forward gets a :class:`~openk3.cache.HybridCache`
 pool views (:class:`~openk3.cache.SlotKDAState` rows of the slot pool,
 :class:`~openk3.cache.PagedMLACache` block tables into the latent pool).
 
-Images: the first prefill piece of a request that reaches an image runs the model's vision tower
-(``encode_images``) on all its not-yet-cached images at once; every piece then feeds
+Images: a request whose images need the vision tower waits in an encoding queue, not in the
+scheduler. Each step, after its forwards and sampling, runs pieces of the tower on the head of that
+queue (one image at a time, :func:`~openk3.vision.encoder.encode_in_pieces`) until
+``EngineConfig.encoder_step_flops`` is spent, so a large image never holds the other requests'
+decodes for longer than that budget; the request joins the scheduler's queue when all its image
+features are complete (images the prefix cache already holds are not encoded). Prefill pieces feed
 ``inputs_embeds`` = token embeddings with the piece's pad positions replaced by the matching rows of
 the features, so a prefill chunk may end anywhere inside an image's pad run. Features are dropped
 once the prompt is computed; prefix-cache keys of image blocks include the image content hash.
@@ -31,10 +35,12 @@ once the prompt is computed; prefix-cache keys of image blocks include the image
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,6 +54,7 @@ from openk3.engine.planner import kda_state_bytes, sequence_bytes
 from openk3.engine.prefix_cache import PrefixCache, extend_keys
 from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
 from openk3.engine.scheduler import Request, Scheduler
+from openk3.vision.encoder import encode_in_pieces
 
 
 log = logging.getLogger("openk3.engine")
@@ -84,6 +91,9 @@ class EngineConfig:
             each) where that saves more than this many padded token positions per extra forward
             (:func:`~openk3.engine.scheduler.length_groups`); None = one forward per round. The
             default is about a forward's fixed cost in tokens for the small CPU benchmark models.
+        encoder_step_flops: vision-tower work one step may run (FLOPs, 2 per multiply-add), in
+            pieces of about a quarter of it; None = 2^28 on CPU (about 30 ms of one core for the
+            fp32 tiny tower), 2^38 on CUDA. A piece of 64 rows may exceed it (one per step at most).
     """
 
     max_num_seqs: int = 16
@@ -98,6 +108,7 @@ class EngineConfig:
     snapshot_fraction: float = 0.25
     seed: int | None = None
     prefill_forward_cost: int | None = 32
+    encoder_step_flops: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -115,6 +126,9 @@ class EngineConfig:
         pfc = self.prefill_forward_cost
         if pfc is not None and (not isinstance(pfc, int) or pfc < 0):
             raise ValueError(f"prefill_forward_cost={pfc!r}: must be an integer >= 0 or None")
+        esf = self.encoder_step_flops
+        if esf is not None and (not isinstance(esf, int) or esf < 1):
+            raise ValueError(f"encoder_step_flops={esf!r}: must be an integer >= 1 or None")
         if not 0 <= self.snapshot_fraction < 1:
             raise ValueError(f"snapshot_fraction={self.snapshot_fraction!r}: must lie in [0, 1)")
 
@@ -201,6 +215,8 @@ class Engine:
             index[l] = len(index)
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
+        self._encoding: deque[Request] = deque()  # requests whose image features are not complete yet
+        self.encoder_step_flops = cfg.encoder_step_flops or (2**38 if self.device.type == "cuda" else 2**28)
         self._arrival = itertools.count()
         self._seeds = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         self.failures = 0  # step work that raised (each failed its requests, see step())
@@ -310,9 +326,9 @@ class Engine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self._requests:
             raise ValueError(f"request_id={rid!r}: already in use")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests waiting (max_waiting="
-                                   f"{self.config.max_waiting})")
+        queued = len(self.scheduler.waiting) + len(self._encoding)
+        if queued >= self.config.max_waiting:
+            raise EngineOverloaded(f"{queued} requests waiting (max_waiting={self.config.max_waiting})")
         req = Request(rid, list(prompt_ids), params, constraint, next(self._arrival), max_tokens,
                       tokens=list(prompt_ids), images=images, spans=[image_span(im) for im in images])
         if not params.greedy:
@@ -321,8 +337,26 @@ class Engine:
                 seed = int(torch.randint(0, 2**62, (), generator=self._seeds))
             req.generator = make_generator(seed, self.device)
         self._requests[rid] = req
-        self.scheduler.waiting.append(req)
+        if self._to_encode(req):
+            self._encoding.append(req)
+        else:
+            self.scheduler.waiting.append(req)
         return rid
+
+    def _to_encode(self, req: Request) -> bool:
+        """Set ``req.image_features`` (precomputed features, None where the tower must run) and
+        say whether the tower must run: an image with pixels that the prefix cache does not hold
+        now (a later eviction is covered by :meth:`_features`)."""
+        if not req.images:
+            return False
+        req.image_features = [im.features.to(self.device) if im.features is not None else None for im in req.images]
+        cached = 0
+        if self.prefix.enabled:
+            extend_keys(req.keys, req.prompt, self.layout.block_size, req.key_salt)
+            cached = self.prefix.match(req.prompt, req.keys, req.key_salt).length
+        req.to_encode = [i for i, (im, f) in enumerate(zip(req.images, req.image_features))
+                         if f is None and im.positions.stop > cached]
+        return bool(req.to_encode)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its slot, blocks and reservation are released before returning; the
@@ -330,7 +364,7 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        self.scheduler.release(req)
+        self._release(req)
         req.finished, req.finish_reason = True, "abort"
         self._pending.append(RequestOutput(request_id, [], True, "abort", self._usage(req)))
 
@@ -353,7 +387,9 @@ class Engine:
         of that work: each gets a final output with ``finish_reason="error"`` and ``error`` set,
         and its slot, blocks and reservation are released at once (:meth:`_fail`). The step goes
         on with the other requests, and the engine keeps serving. Only an exception while
-        planning (the scheduler) propagates; :meth:`fail_all` recovers from that.
+        planning (the scheduler) propagates; :meth:`fail_all` recovers from that. A step ends with
+        up to ``encoder_step_flops`` of vision-tower work (:meth:`_encode`); a tower exception
+        fails only its request.
         """
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
@@ -390,7 +426,17 @@ class Engine:
         rows = [(r, x) for r, x in rows if not r.finished]
         if rows:
             outputs += self._sample(rows)
+        if self._encoding:
+            outputs += self._encode()
         return outputs
+
+    def _release(self, r: Request) -> None:
+        """Give back everything ``r`` holds: its place in the encoding queue and its partial tower
+        work, or its scheduler resources (:meth:`Scheduler.release`)."""
+        if r in self._encoding:
+            self._encoding.remove(r)
+        r.tower_job = None
+        self.scheduler.release(r)
 
     def _fail(self, reqs: list[Request], exc: BaseException) -> list[RequestOutput]:
         """Finish ``reqs`` with ``finish_reason="error"`` after ``exc`` was raised while computing
@@ -406,7 +452,7 @@ class Engine:
         for r in reqs:
             if r.finished or self._requests.get(r.request_id) is not r:
                 continue
-            self.scheduler.release(r)
+            self._release(r)
             self._requests.pop(r.request_id, None)
             r.finished, r.finish_reason = True, "error"
             out.append(RequestOutput(r.request_id, [], True, "error", self._usage(r), error=msg))
@@ -431,9 +477,13 @@ class Engine:
         sch, b = self.scheduler, self.blocks
         live = list(sch.running) + list(sch.waiting)
         problems = []
-        if len({id(r) for r in live}) != len(live) or {r.request_id for r in live} != set(self._requests):
+        every = live + list(self._encoding)
+        if len({id(r) for r in every}) != len(every) or {r.request_id for r in every} != set(self._requests):
             problems.append(f"{len(self._requests)} known requests, {len(sch.running)} running + "
-                            f"{len(sch.waiting)} waiting")
+                            f"{len(sch.waiting)} waiting + {len(self._encoding)} encoding")
+        for r in self._encoding:
+            if r.blocks or r.reserved or r.slot is not None:
+                problems.append(f"request {r.request_id} holds cache resources while encoding")
         refs = sum(len(r.blocks) for r in live)
         if sum(b.refcount) != refs:
             problems.append(f"MLA block references {sum(b.refcount)} != {refs} held by requests")
@@ -503,20 +553,54 @@ class Engine:
 
     def _features(self, r: Request) -> list:
         """Per image of ``r``, its [N, D] features on the model's device (None for images entirely
-        below ``num_computed``, i.e. served by the prefix cache). The tower runs once per request,
-        on every image it still needs, packed in one call."""
+        below ``num_computed``, i.e. served by the prefix cache). Normally complete before
+        admission (:meth:`_encode`); an image the prefix cache held at arrival but evicted since is
+        encoded here, whole."""
         if r.image_features is None:
-            need = [i for i, im in enumerate(r.images) if im.features is None and im.positions.stop > r.num_computed]
-            feats = [im.features.to(self.device) if im.features is not None else None for im in r.images]
-            if need:
-                pv = torch.cat([r.images[i].pixel_values for i in need]).to(self.device)
-                grids = [tuple(int(v) for v in r.images[i].grid_thw) for i in need]
-                out = self.model.encode_images(pv, grids)
-                kernel = self.model.vision_config.merge_kernel_size
-                for i, f in zip(need, out.split([merged_count(g, kernel) for g in grids])):
-                    feats[i] = f
-            r.image_features = feats
+            r.image_features = [None] * len(r.images)
+        for i, im in enumerate(r.images):
+            if r.image_features[i] is None and im.positions.stop > r.num_computed:
+                gen = self._tower(im)
+                while True:
+                    try:
+                        next(gen)
+                    except StopIteration as done:
+                        r.image_features[i] = done.value
+                        break
         return r.image_features
+
+    def _tower(self, im):
+        """The resumable tower + projector work of one image (a generator, see
+        :func:`~openk3.vision.encoder.encode_in_pieces`)."""
+        m = self.model
+        return encode_in_pieces(m.vision_tower, im.pixel_values.to(self.device), im.grid_thw, m.mm_projector,
+                                piece_flops=max(1, self.encoder_step_flops // 4))
+
+    def _encode(self) -> list[RequestOutput]:
+        """Run tower pieces for the head of the encoding queue until ``encoder_step_flops`` are
+        spent; a request whose images are all encoded moves to the scheduler's queue. A tower
+        exception fails that request alone (:meth:`_fail`)."""
+        spent, outputs = 0, []
+        while self._encoding and spent < self.encoder_step_flops:
+            r = self._encoding[0]
+            try:
+                if r.tower_job is None:
+                    if not r.to_encode:  # every image encoded: prefill may start
+                        self._encoding.popleft()
+                        self.scheduler.waiting.append(r)
+                        continue
+                    i = r.to_encode.pop(0)
+                    r.tower_job = (i, self._tower(r.images[i]))
+                i, gen = r.tower_job
+                try:
+                    spent += next(gen)
+                except StopIteration as done:
+                    r.image_features[i] = done.value
+                    r.images[i] = dataclasses.replace(r.images[i], pixel_values=None)  # pixels no longer needed
+                    r.tower_job = None
+            except Exception as e:  # noqa: BLE001 - isolated to this request
+                outputs += self._fail([r], e)
+        return outputs
 
     def _computed(self, r: Request, logits: torch.Tensor | None) -> None:
         """Publish newly full blocks and take the snapshots due at ``r.num_computed``."""
@@ -607,7 +691,7 @@ class Engine:
             # Sequence-end snapshot: a follow-up turn that extends this conversation resumes here.
             extend_keys(r.keys, r.tokens, self.layout.block_size, r.key_salt)
             self.prefix.save(r.tokens, r.keys, r.num_computed, self.slots, r.slot, r.blocks, salt=r.key_salt)
-        self.scheduler.release(r)
+        self._release(r)
         self._requests.pop(r.request_id, None)
         r.finished, r.finish_reason, r.stop_reason = True, reason, stop_reason
         return RequestOutput(r.request_id, new, True, reason, self._usage(r), lps, stop_reason)
@@ -623,6 +707,7 @@ class Engine:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "encoding": len(self._encoding),
             "failures": self.failures,
             "max_model_len": self.max_model_len,
             "mla_blocks": {"total": b.num_blocks, "used": b.num_used, "cached": b.num_evictable,

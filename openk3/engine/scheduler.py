@@ -75,6 +75,8 @@ class Request:
     images: list = field(default_factory=list)
     spans: list = field(default_factory=list)
     image_features: list | None = None
+    tower_job: Any = None  # (image index, generator) of the tower work in progress
+    to_encode: list = field(default_factory=list)  # indices of images still to encode, in order
 
     def salt(self, start: int, end: int) -> bytes:
         """Prefix-cache key material of the images overlapping positions ``[start, end)``."""
@@ -224,7 +226,7 @@ class Scheduler:
             self.slots.release(req.slot)
             req.slot = None
         req.pending_logits = None
-        req.images, req.image_features = [], None
+        req.images, req.image_features, req.tower_job, req.to_encode = [], None, None, []
 
     # ------------------------------------------------------------------ planning
     def _pieces(self, req: Request, n: int) -> list[tuple[Request, int, int]]:

@@ -504,10 +504,12 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     A checkpoint with a vision tower (``K3ForConditionalGeneration``) serves image input
     (``supports_image_in``; preprocessing from its ``preprocessor_config.json`` when present).
 
-    ``max_request_memory``: bytes of activations one request may need (the vision tower's
-    estimate, :func:`openk3.vision.encoder.tower_activation_bytes`); None = half of the memory
-    available at start-up (``MemAvailable``), the rest being the cache pools', the weights' and
-    other requests' share. ``greedy``: decode every request greedily (temperature 0;
+    ``max_request_memory``: bytes one request's images may need in the engine (their pixels and
+    features, and one image's tower work at a time: the estimate of
+    :func:`openk3.vision.encoder.tower_activation_bytes`); None = an eighth of the memory available
+    at start-up (``MemAvailable``): the engine encodes one image at a time, so this bounds what
+    each request in flight holds, and eight requests at the limit still fit in what was free
+    beside the cache pools and the weights. ``greedy``: decode every request greedily (temperature 0;
     evaluation only, the platform samples at its fixed temperature).
 
     Returns:
@@ -547,11 +549,11 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
         from openk3.vision.encoder import tower_activation_bytes
 
         def activation_bytes(grids: list) -> int:
-            return tower_activation_bytes(vc, sum(t * h * w for t, h, w in grids), engine.dtype.itemsize)
+            return tower_activation_bytes(vc, grids, engine.dtype.itemsize)
 
     if max_request_memory is None:
         avail = available_memory("cpu")  # host RAM (MemAvailable), as before
-        max_request_memory = avail // 2 if avail else None
+        max_request_memory = avail // 8 if avail else None
     limits = dataclasses.replace(limits, max_request_memory=max_request_memory)
     serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits, image_config=image_config,
                           activation_bytes=activation_bytes,

@@ -356,20 +356,146 @@ class MoonViT(nn.Module):
         return temporal_pool_merge(x, grids, self.config.merge_kernel_size)
 
 
-def tower_activation_bytes(config: VisionConfig, num_patches: int, itemsize: int = 4) -> int:
-    """Upper estimate of the peak memory (bytes) one tower call adds for ``num_patches`` packed
-    patches L, pixel patches included: per patch the pixel patch (3 P^2), and at the widest point
-    of a block the residual, its norm and two temporaries (4 D), qkv (3 A), the rotated q and k
-    (2 A), the attention output (A), the MLP hidden before and after the GELU (2 I), and the merged
-    output (D); times 1.5 for allocator slack. Attention itself adds O(L) (fused kernel, see
-    :func:`segment_attention_sdpa`). Measured on the shipped tiny tower at L = 16,384 the peak is
-    below this bound (``tests/vision/test_encoder.py``)."""
+def tower_activation_bytes(config: VisionConfig, grids: int | Sequence[Sequence[int]], itemsize: int = 4) -> int:
+    """Upper estimate of the peak memory (bytes) that encoding a request's images with
+    :func:`encode_in_pieces` (one image at a time, the projector included) adds, pixels included.
+
+    Held for the whole request: every image's pixel patches (3 P^2 per patch) and its projected
+    features (E per merged token). Held while one image of L patches is encoded: the position
+    embedding and RoPE angles (fp32, D + K/2 per patch), the residual x (D), q, k, v (3 A), the
+    copies of k and v the fused SDPA kernel may make (2 A), the merged output (kh kw D per token),
+    plus the temporaries of one row block of at most :data:`ATTN_QUERY_BLOCK` rows (the widest
+    piece: norm, residual and MLP hidden before and after the GELU, 4 D + A + 2 I; the RoPE
+    temporaries, 8 A in fp32; the projector, 2 M + E per merged row). Times 1.25 for allocator
+    slack. The attention scores never exist whole (fused kernel, see
+    :func:`segment_attention_sdpa`). ``tests/vision/test_encoder.py`` measures the peak RSS growth
+    of the shipped tiny tower on a 2464 px image against this estimate.
+
+    Args:
+        grids: the images' (t, h, w) grids, or a packed patch count L (one image).
+        itemsize: bytes per element of the tower's dtype.
+    """
     p, d, a, i = config.patch_size, config.vt_hidden_size, config.qkv_hidden_size, config.vt_intermediate_size
-    per_patch = 3 * p * p + 4 * d + 3 * a + 2 * a + a + 2 * i + d
-    return int(1.5 * num_patches * per_patch * itemsize)
+    kh, kw = config.merge_kernel_size
+    m, e = config.merged_hidden_size, config.text_hidden_size
+    sizes = [(int(grids), int(grids))] if isinstance(grids, int) else [(t * h * w, h * w) for t, h, w in grids]
+    held = sum(L * 3 * p * p + n // (kh * kw) * e for L, n in sizes) * itemsize
+    work = 0
+    for L, n in sizes:
+        rows = min(L, ATTN_QUERY_BLOCK)
+        per_patch = (d + config.head_dim // 2) * 4 + (d + 3 * a + 2 * a + d) * itemsize
+        per_row = (4 * d + a + 2 * i) * itemsize + 8 * a * 4 + (2 * m + e) * itemsize // (kh * kw)
+        work = max(work, L * per_patch + rows * per_row)
+    return int(1.25 * (held + work))
 
 
 def merged_token_counts(grid_thws: torch.Tensor | Sequence[Sequence[int]], kernel: tuple[int, int]) -> list[int]:
     """Merged tokens per item: (h/kh) * (w/kw) (frames are pooled, so t does not count)."""
     return [(h // kernel[0]) * (w // kernel[1]) for _, h, w in normalize_grids(grid_thws)]
 
+
+
+def _row_blocks(n: int, rows: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + rows)) for a in range(0, n, rows)]
+
+
+def encode_in_pieces(tower: MoonViT, pixel_values: torch.Tensor, grid: Sequence[int], projector=None, *,
+                     piece_flops: int = 1 << 28):
+    """The tower (and optionally the projector) on one item as resumable work: a generator that
+    runs one bounded piece per ``next()``, yields that piece's multiply-add FLOPs, and returns
+    the features (``StopIteration.value``). Same math as :meth:`MoonViT.forward` (then
+    ``projector``), piece by piece:
+
+    - patch embedding, a block of rows per piece;
+    - per encoder layer: norm0 + wqkv + 2D RoPE for a block of rows per piece (q, k, v of every
+      row are kept), then, per query block, the segment attention of those rows against all keys
+      (fused SDPA, :func:`segment_attention_sdpa`), wo, the residual, norm1 and the MLP — every
+      step after attention is row-wise, so each block's rows of the layer output are final at
+      once and overwrite the residual in place;
+    - the final norm, ``sd2_tpool`` and the projector.
+
+    A caller (the engine) runs pieces between its decode steps under a FLOPs budget; dropping the
+    generator at any point frees everything it holds.
+
+    Args:
+        tower: the :class:`MoonViT`. pixel_values: [L, 3, P, P] of this one item.
+        grid: its (t, h, w). projector: optional ``[N, M] -> [N, E]`` module applied last.
+        piece_flops: FLOPs (2 per multiply-add) one piece aims at; the row blocks are sized from
+            it (a power of two, at least 64 rows, at most :data:`ATTN_QUERY_BLOCK`), so a piece
+            may exceed it when 64 rows already do.
+    Yields:
+        int FLOPs of the piece just run.
+    Returns:
+        [N, kh*kw*D] merged features, or [N, E] with the projector.
+    Memory: besides the pixels and the output, x [L, D] and q, k, v [L, A] each, plus the
+    temporaries of one row block (:func:`tower_activation_bytes`).
+    Raises:
+        ValueError: as :meth:`MoonViT.forward` (checked before the first piece runs).
+    """
+    cfg = tower.config
+    (t, h, w), = normalize_grids([grid])
+    p = cfg.patch_size
+    L = t * h * w
+    if pixel_values.dim() != 4 or tuple(pixel_values.shape) != (L, 3, p, p):
+        raise ValueError(f"pixel_values: expected [{L}, 3, {p}, {p}] for grid {(t, h, w)}, "
+                         f"got {list(pixel_values.shape)}")
+    kh, kw = cfg.merge_kernel_size
+    if h % kh or w % kw:
+        raise ValueError(f"grid_thws[0]: grid {h}x{w} is not divisible by merge_kernel_size {kh}x{kw}")
+    pos = tower.patch_embed.pos_emb([(t, h, w)])  # also checks the frame count
+    angles = rope_2d_angles(h, w, tower.encoder.head_dim).repeat(t, 1).to(pixel_values.device)
+    return _pieces(tower, pixel_values, (t, h, w), pos, angles, projector, piece_flops)
+
+
+def _pieces(tower, pixel_values, grid, pos, angles, projector, piece_flops):
+    cfg = tower.config
+    t, h, w = grid
+    L = t * h * w
+    d, a, i = cfg.vt_hidden_size, cfg.qkv_hidden_size, cfg.vt_intermediate_size
+    heads, k_dim = cfg.vt_num_attention_heads, cfg.head_dim
+
+    def rows_for(per_row: int) -> int:
+        # Powers of two from 64 up: measured on CPU, row blocks of these sizes give the same bits as
+        # one full-length matmul / 4096-row SDPA call (odd sizes, e.g. 130 query rows, do not).
+        rows = max(1, piece_flops // max(1, per_row))
+        return max(64, min(ATTN_QUERY_BLOCK, 1 << (rows.bit_length() - 1)))
+
+    proj = tower.patch_embed.proj.weight
+    x = torch.empty(L, d, dtype=proj.dtype, device=pixel_values.device)
+    per = 2 * 3 * cfg.patch_size ** 2 * d
+    for s, e in _row_blocks(L, rows_for(per)):
+        y = F.linear(pixel_values[s:e].to(proj.dtype).flatten(1), proj.flatten(1), tower.patch_embed.proj.bias)
+        x[s:e] = (y.float() + pos[s:e]).to(proj.dtype)
+        yield per * (e - s)
+    del pos
+    q = torch.empty(L, heads, k_dim, dtype=x.dtype, device=x.device)
+    k, v = torch.empty_like(q), torch.empty_like(q)
+    qkv_per = 2 * d * 3 * a
+    attn_per = 4 * L * a + 2 * a * d + 4 * d * i
+    for block in tower.encoder.blocks:
+        for s, e in _row_blocks(L, rows_for(qkv_per)):
+            qs, ks, vs = block.wqkv(block.norm0(x[s:e])).view(e - s, 3, heads, k_dim).unbind(dim=1)
+            q[s:e], k[s:e], v[s:e] = apply_rope_2d(qs, angles[s:e]), apply_rope_2d(ks, angles[s:e]), vs
+            yield qkv_per * (e - s)
+        kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, H, L, K]
+        for s, e in _row_blocks(L, rows_for(attn_per)):
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), kt, vt)[0].transpose(0, 1)
+            xs = x[s:e] + block.wo(o.flatten(-2))
+            x[s:e] = xs + block.mlp(block.norm1(xs))
+            yield attn_per * (e - s)
+    del q, k, v
+    for s, e in _row_blocks(L, rows_for(4 * d)):
+        x[s:e] = tower.encoder.final_layernorm(x[s:e])
+        yield 4 * d * (e - s)
+    merged = temporal_pool_merge(x, [grid], cfg.merge_kernel_size)
+    del x
+    if projector is None:
+        return merged
+    m = merged.shape[-1]
+    e_dim = projector.proj[2].out_features
+    per = 2 * m * m + 2 * m * e_dim
+    outs = []
+    for s, e in _row_blocks(merged.shape[0], rows_for(per)):
+        outs.append(projector(merged[s:e]))
+        yield per * (e - s)
+    return torch.cat(outs)

@@ -5,6 +5,8 @@ image positions while the same image is reused."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
 
@@ -145,3 +147,83 @@ def test_image_input_validation(mm_model):
     with pytest.raises(ValueError, match="no vision tower"):
         text.add_request(ids, greedy(1), mm_inputs=[image(0)])
     assert not eng.has_unfinished() and not text.has_unfinished()
+
+
+BIG = (1, 24, 32)  # 768 patches -> 192 image tokens: many tower pieces under a small budget
+BIG_N = 192
+
+
+def big_request(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 250, (BIG_N + 12,), generator=g).tolist()
+    ids[4:4 + BIG_N] = [PAD] * BIG_N
+    pv = torch.randn(24 * 32, 3, 14, 14, generator=torch.Generator().manual_seed(200 + seed))
+    return ids, ImageInput(range(4, 4 + BIG_N), f"big-{seed}", pv, BIG)
+
+
+def test_decodes_proceed_while_a_large_image_is_encoded(mm_model):
+    """The tower runs in pieces between steps: while a large image is being encoded (its request
+    in the encoding queue, holding no cache blocks), a decoding request gets one token every
+    step; the image request's tokens equal those of an engine that encodes in one piece."""
+    ids, im = big_request()
+    whole = Engine(mm_model, EngineConfig(block_size=4, max_num_seqs=2, encoder_step_flops=2**60))
+    rid = whole.add_request(ids, greedy(3), mm_inputs=[im])
+    want = []
+    steps_whole = 0
+    while whole.has_unfinished():
+        steps_whole += 1
+        want += [t for o in whole.step() for t in o.new_token_ids]
+    eng = Engine(mm_model, EngineConfig(block_size=4, max_num_seqs=2, encoder_step_flops=2**20))
+    text = eng.add_request(prompt(seed=3)[:8], greedy(200))
+    eng.step()  # the text request is prefilled and decoding
+    rid = eng.add_request(ids, greedy(3), mm_inputs=[im])
+    encoding_steps, got = 0, []
+    while eng.stats()["encoding"]:
+        assert eng.check_consistency() == []
+        outs = {o.request_id: o for o in eng.step()}
+        encoding_steps += 1
+        assert len(outs[text].new_token_ids) == 1 and rid not in outs
+    assert encoding_steps >= 10
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == rid:
+                got += o.new_token_ids
+                if o.finished:
+                    eng.abort(text)
+    assert got == want and steps_whole <= 4
+    assert_idle(eng)
+
+
+@pytest.mark.parametrize("how", ["abort", "tower error"])
+def test_abort_or_failure_during_encoding_frees_everything(mm_model, how):
+    ids, im = big_request(1)
+    eng = Engine(mm_model, EngineConfig(block_size=4, max_num_seqs=2, encoder_step_flops=2**20))
+    text = eng.add_request(prompt(seed=4)[:8], greedy(30))
+    rid = eng.add_request(ids, greedy(3), mm_inputs=[im])
+    eng.step()
+    eng.step()
+    req = eng._requests[rid]
+    assert req.tower_job is not None and eng.stats()["encoding"] == 1  # partially encoded
+    if how == "abort":
+        eng.abort(rid)
+    else:
+        mlp = mm_model.vision_tower.encoder.blocks[1].mlp
+
+        def boom(*_):
+            raise RuntimeError("injected tower failure")
+        hook = mlp.register_forward_pre_hook(boom)
+    try:
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+            assert eng.check_consistency() == []
+    finally:
+        if how != "abort":
+            hook.remove()
+    final = {o.request_id: o for o in outs if o.finished}
+    assert final[rid].finish_reason == ("abort" if how == "abort" else "error")
+    assert how == "abort" or "injected tower failure" in final[rid].error
+    assert final[text].finish_reason == "length" and final[text].usage.completion_tokens == 30
+    assert req.tower_job is None and req.images == [] and eng.stats()["encoding"] == 0
+    assert eng._encoding == deque() and eng.check_consistency() == []
+    assert_idle(eng)

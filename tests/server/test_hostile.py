@@ -348,20 +348,20 @@ def test_images_over_the_memory_budget_are_refused_before_decoding(tokenizer, lo
 
     vc = vision_preset("tiny")
     serving = ChatServing(None, tokenizer, ModelInfo(MODEL, 4096, supports_image_in=True), Metrics(),
-                          dataclasses.replace(Limits(), max_request_memory=64 * 2**20),
-                          activation_bytes=lambda grids: tower_activation_bytes(vc, sum(t * h * w for t, h, w in grids)))
+                          dataclasses.replace(Limits(), max_request_memory=32 * 2**20),
+                          activation_bytes=lambda grids: tower_activation_bytes(vc, grids))
     def req(side):
         return {"model": MODEL, "max_completion_tokens": 2, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": _png(side, side)}}]}]}
 
     big = req(1400)  # 100 x 100 patches: 2,500 tokens, inside the context
-    need = tower_activation_bytes(vc, 100 * 100)
-    assert need > 64 * 2**20
+    need = tower_activation_bytes(vc, [(1, 100, 100)])
+    assert need > 32 * 2**20
     with pytest.raises(APIError) as e:
         serving.prepare(serving.parse(big))
     assert e.value.status == 400 and e.value.message == (
         f"messages: the images need about {need / 2**20:.0f} MiB of activation memory in the vision tower, above "
-        "this server's per-request limit of 64 MiB (--max-request-memory); send fewer or smaller images")
+        "this server's per-request limit of 32 MiB (--max-request-memory); send fewer or smaller images")
     assert loads == []
     small = req(280)
     assert serving.prepare(serving.parse(small)).mm_inputs and loads == [(280, 280)]
