@@ -12,8 +12,7 @@ Traffic, per client (``--streams`` async clients, each looping until the time is
   200k-value enum, a 4,300-digit ``max_tokens``, 16 images of 7168 px (over the context at a small
   ``--max-model-len``; at the shipped 1,048,576 tokens they fit it, 262k tokens, and are refused
   from their headers by the server's ``--max-request-memory``, which the soak sets, default 1G:
-  their tower estimate is 9.1 GiB, and the server's own default, half the memory available at
-  start-up, admits them on an idle 23 GB machine),
+  their estimate, pixels included, exceeds it),
   a 2464 px image (inside the context: answered 200 or 400), an Anthropic image with a string
   ``source``, a 31 MiB announced body to ``/health``.
 
