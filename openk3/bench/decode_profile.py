@@ -21,7 +21,12 @@ that sees every aten call. Reported per B:
   the sampled tokens per step is not in the count);
 * ``step_ms`` (median wall time of a decode step without the dispatch mode), the weight-product
   floor of the same step (:func:`openk3.bench.vs_transformers.gemv_floor`) and their ratio: the
-  number a decode step has to bring to <= 2.
+  number a decode step has to bring to <= 2;
+* ``compiled`` (``--set compile=true``, the default at full size): the eager engine and one with
+  ``EngineConfig(compile=True)`` (:mod:`openk3.engine.decode_step`) decoding the same prompts,
+  timed in alternating order after the warm-up steps in which the compiled one compiles its
+  bucket: median ms per step of each, their ratios to the floor, the speed-up, and the graphs
+  compiled after warm-up (0 is the target). Tokens must be equal at every step.
 
 Op times are taken inside the dispatch mode (each aten call timed on its own), so they add up to
 less than a step's wall time; the difference (``python_and_dispatch_ms``) is the Python and
@@ -42,8 +47,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from openk3.bench.common import check, environment, kimi_linear_config, random_prompts, settings, target
 
 FULL = {"hidden": 256, "layers": 4, "prompt_len": 128, "steps": 8, "warmup_steps": 4, "batches": (1, 8),
-        "reps": 7}
-QUICK = {"hidden": 64, "layers": 4, "prompt_len": 16, "steps": 2, "warmup_steps": 1, "batches": (1, 2), "reps": 1}
+        "reps": 7, "compile": True}
+QUICK = {"hidden": 64, "layers": 4, "prompt_len": 16, "steps": 2, "warmup_steps": 1, "batches": (1, 2), "reps": 1,
+         "compile": False}
 
 # aten ops that make the host wait for a tensor's values (their overload packets' names)
 # (under inference_mode a dispatch mode sees composite ops such as ``item`` / ``is_nonzero`` whole;
@@ -150,24 +156,55 @@ def _caller() -> str:
     return "<outside openk3>"
 
 
-def _engine_at_decode(model, B: int, P: int, total_steps: int, vocab: int):
+def _engine_at_decode(model, B: int, P: int, total_steps: int, vocab: int, compile: bool = False):
     """An engine whose B requests are prefilled (one step) and will decode ``total_steps`` more."""
     from openk3.engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(model, EngineConfig(max_num_seqs=B, enable_prefix_cache=False,
+    engine = Engine(model, EngineConfig(max_num_seqs=B, enable_prefix_cache=False, compile=compile,
                                         prefill_chunk=max(512, B * P), max_model_len=P + total_steps + 16))
-    for p in random_prompts(B, P, vocab, seed=100 + B):
-        engine.add_request(p, SamplingParams(max_tokens=total_steps + 2, temperature=0.0))
+    for i, p in enumerate(random_prompts(B, P, vocab, seed=100 + B)):
+        engine.add_request(p, SamplingParams(max_tokens=total_steps + 2, temperature=0.0), request_id=f"{i:04d}")
     outs = engine.step()
     check(len(outs) == B and all(len(o.new_token_ids) == 1 for o in outs),
           f"B={B}: the first step did not prefill every request ({len(outs)} outputs)")
     return engine
 
 
-def _decode_step(engine, B: int) -> None:
+def _decode_step(engine, B: int) -> list[int]:
     outs = engine.step()
     check(len(outs) == B and all(len(o.new_token_ids) == 1 and not o.finished for o in outs),
           f"B={B}: a decode step did not give one token per request")
+    return [o.new_token_ids[0] for o in sorted(outs, key=lambda o: o.request_id)]
+
+
+def _eager_vs_compiled(model, B: int, P: int, W: int, reps: int, vocab: int) -> dict:
+    """Median ms of a decode step, eager engine vs ``EngineConfig(compile=True)``, timed in
+    alternating order, after W warm-up steps (the compiled engine compiles its bucket there);
+    both engines decode the same prompts and must produce the same tokens at every step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    engines = {name: _engine_at_decode(model, B, P, W + reps, vocab, compile=name == "compiled")
+               for name in ("eager", "compiled")}
+    t = time.perf_counter()
+    for _ in range(W):
+        toks = {name: _decode_step(e, B) for name, e in engines.items()}
+        check(toks["eager"] == toks["compiled"], f"B={B}: compiled decode tokens differ from eager")
+    warm_s = time.perf_counter() - t
+    graphs = counters["stats"]["unique_graphs"]
+    times: dict = {name: [] for name in engines}
+    for i in range(reps):
+        toks = {}
+        for name in (("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")):
+            t = time.perf_counter()
+            toks[name] = _decode_step(engines[name], B)
+            times[name].append(time.perf_counter() - t)
+        check(toks["eager"] == toks["compiled"], f"B={B}: compiled decode tokens differ from eager")
+    eager, compiled = (statistics.median(times[n]) for n in ("eager", "compiled"))
+    return {"eager_step_ms": 1e3 * eager, "compiled_step_ms": 1e3 * compiled, "speedup": eager / compiled,
+            "warmup_s": warm_s, "graphs": graphs,
+            "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs,
+            "buckets": sorted(engines["compiled"].decode_step.shapes)}
 
 
 @torch.no_grad()
@@ -241,6 +278,15 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                                                             f"decode step / weight-product floor at B={B}")
         result["targets"][f"host_syncs_B{B}"] = target(row["host_syncs_per_step"], "<=", 0,
                                                        f"host syncs per decode step at B={B}")
+        if p["compile"]:
+            c = _eager_vs_compiled(model, B, P, W, reps, cfg.vocab_size)
+            c["compiled_over_floor"] = c["compiled_step_ms"] / row["gemv_floor_ms"]
+            c["eager_over_floor"] = c["eager_step_ms"] / row["gemv_floor_ms"]
+            row["compiled"] = c
+            result["targets"][f"compiled_over_floor_B{B}"] = target(
+                c["compiled_over_floor"], "<=", 2.0, f"compiled decode step / weight-product floor at B={B}")
+            result["targets"][f"recompiles_B{B}"] = target(c["recompiles_after_warmup"], "<=", 0,
+                                                           f"recompilations after warm-up at B={B}")
     result["env"] = environment()
     return result
 
@@ -257,4 +303,10 @@ def format_profile(result: dict) -> str:
             lines.append(f"  {g:<28} {m['aten_calls']:>7.0f} {m['host_syncs']:>6.0f} {m['op_ms']:>7.3f}")
         for site, n in row["sync_sites"].items():
             lines.append(f"  sync {n:>4.0f}/step  {site}")
+        if "compiled" in row:
+            c = row["compiled"]
+            lines.append(f"  interleaved: eager {c['eager_step_ms']:.2f} ms ({c['eager_over_floor']:.1f}x floor), "
+                         f"compiled {c['compiled_step_ms']:.2f} ms ({c['compiled_over_floor']:.1f}x floor), "
+                         f"{c['speedup']:.2f}x; {c['recompiles_after_warmup']} recompiles after warm-up "
+                         f"({c['warmup_s']:.0f} s), buckets {c['buckets']}")
     return "\n".join(lines)

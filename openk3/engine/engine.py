@@ -48,6 +48,7 @@ import torch
 
 from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
 from openk3.config import KDA
+from openk3.engine.decode_step import StaticDecodeStep
 from openk3.engine.kv_pool import MLABlockPool, SlotPool, SnapshotPool, cache_layout
 from openk3.engine.mm import check_images, image_span, merged_count
 from openk3.engine.planner import kda_state_bytes, sequence_bytes
@@ -94,6 +95,9 @@ class EngineConfig:
         encoder_step_flops: vision-tower work one step may run (FLOPs, 2 per multiply-add), in
             pieces of about a quarter of it; None = 2^28 on CPU (about 30 ms of one core for the
             fp32 tiny tower), 2^38 on CUDA. A piece of 64 rows may exceed it (one per step at most).
+        compile: run decode steps as a static-shape forward through ``torch.compile``
+            (:mod:`~openk3.engine.decode_step`; one compilation per batch and block-table
+            bucket, minutes each on a small CPU). False: the eager forward (the reference).
     """
 
     max_num_seqs: int = 16
@@ -109,6 +113,7 @@ class EngineConfig:
     seed: int | None = None
     prefill_forward_cost: int | None = 32
     encoder_step_flops: int | None = None
+    compile: bool = False
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -129,6 +134,8 @@ class EngineConfig:
         esf = self.encoder_step_flops
         if esf is not None and (not isinstance(esf, int) or esf < 1):
             raise ValueError(f"encoder_step_flops={esf!r}: must be an integer >= 1 or None")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r}: must be True or False")
         if not 0 <= self.snapshot_fraction < 1:
             raise ValueError(f"snapshot_fraction={self.snapshot_fraction!r}: must lie in [0, 1)")
 
@@ -213,6 +220,13 @@ class Engine:
         for l, t in enumerate(mc.layer_types):
             index = self._kda_index if t == KDA else self._mla_index
             index[l] = len(index)
+        self.decode_step = None
+        if cfg.compile:
+            pools = [("kda", self._kda_index[l]) if l in self._kda_index else ("mla", self._mla_index[l])
+                     for l in range(len(mc.layer_types))]
+            self.decode_step = StaticDecodeStep(model, self.blocks, self.slots, pools,
+                                                max_batch=self.scheduler.max_num_seqs,
+                                                max_blocks=-(-self.max_model_len // L), compile=True)
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._encoding: deque[Request] = deque()  # requests whose image features are not complete yet
@@ -397,7 +411,10 @@ class Engine:
         if plan.decode:
             items = [(r, r.num_computed, r.num_computed + 1) for r in plan.decode]
             try:
-                logits = self._forward(items, [True] * len(items))
+                if self.decode_step is not None:
+                    logits = self._static_decode(plan.decode)
+                else:
+                    logits = self._forward(items, [True] * len(items))
                 for i, r in enumerate(plan.decode):
                     self._computed(r, logits[i])
                     rows.append((r, logits[i]))
@@ -533,6 +550,15 @@ class Engine:
         idx = torch.tensor(rows, device=dev)
         h = hidden[idx, lens[idx] - 1]
         return self.model.lm_head(h).float()
+
+    def _static_decode(self, reqs: list[Request]) -> torch.Tensor:
+        """The decode rows ``reqs`` through :attr:`decode_step`: logits [B, V] fp32."""
+        for r in reqs:
+            self.scheduler.ensure_blocks(r, r.num_computed + 1)
+        logits = self.decode_step([(r.tokens, r.slot, r.blocks, r.num_computed) for r in reqs])
+        for r in reqs:
+            r.num_computed += 1
+        return logits
 
     def _image_embeds(self, items: list[tuple[Request, int, int]], ids: torch.Tensor) -> torch.Tensor | None:
         """[B, T, D] inputs for rows whose piece overlaps an image (None when no row does):

@@ -8,7 +8,8 @@ inputs; this module only records an override):
 * ``"attention"`` (:func:`openk3.ops.attention.causal_attention` / ``latent_attention``): ``"sdpa"``
   (default), ``"reference"``.
 * ``"grouped_mm"`` (:func:`openk3.ops.grouped_mm.routed_experts`): ``"grouped_mm"``, ``"bmm"``,
-  ``"loop"`` (default: ``grouped_mm`` where torch's grouped GEMM applies, else ``bmm``).
+  ``"static"``, ``"loop"`` (default: ``static`` while ``torch.compile`` traces, else ``grouped_mm``
+  where torch's grouped GEMM applies, else ``bmm``).
 * ``"mxfp4"`` (:func:`openk3.quant.packed.packed_routed_experts`): ``"native"`` (the CPU kernel of
   :mod:`openk3.quant.mxfp4_cpu`), ``"torch"`` (default: native where it applies).
 
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 BACKENDS: dict[str, list[str]] = {
     "kda": ["reference", "batched"],
     "attention": ["sdpa", "reference"],
-    "grouped_mm": ["grouped_mm", "bmm", "loop"],
+    "grouped_mm": ["grouped_mm", "bmm", "static", "loop"],
     "mxfp4": ["native", "torch"],
 }
 _forced: dict[str, str | None] = {op: None for op in BACKENDS}

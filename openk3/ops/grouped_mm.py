@@ -14,6 +14,9 @@ Backends (chosen in :func:`_select_backend`, the only place that decides):
     fp32/bf16/fp16 (bf16 on CUDA, SM90+), and L·itemsize, F·itemsize multiples of 16 bytes.
   * ``"bmm"``: rows scattered into a zero-padded [E, M, L] buffer and one ``torch.bmm`` per
     projection. Works for any dtype/shape; costs a host sync for M and E·M·L memory.
+  * ``"static"``: :func:`routed_experts_static`, every shape fixed by (N, k, E): no sort, no
+    per-expert counts. What a compiled or graph-captured decode step runs (chosen automatically
+    while ``torch.compile`` traces: ``torch._grouped_mm`` has no fp32 CPU meta kernel).
   * ``"loop"``: :func:`routed_experts_reference`, a plain loop over experts. Tests only.
 Tests force a backend with ``backend=``, ``openk3.ops.backends.use_backend("grouped_mm", name)`` or
 ``OPENK3_GROUPED_MM_BACKEND``.
@@ -96,6 +99,8 @@ def _select_backend(x: torch.Tensor, w1: torch.Tensor, backend: str | None) -> s
                 f"F={w1.shape[1]}, L={w1.shape[2]} (needs 16-byte aligned rows)"
             )
         return name
+    if torch.compiler.is_compiling():
+        return "static"
     return "grouped_mm" if _grouped_mm_fits(x, w1) else "bmm"
 
 
@@ -193,6 +198,8 @@ def routed_experts(
     name = _select_backend(x, w1, backend)
     if name == "loop":
         return routed_experts_reference(x, topk_idx, topk_weight, w1, w3, w2, act, input_quant)
+    if name == "static":
+        return routed_experts_static(x, topk_idx, topk_weight, w1, w3, w2, act, input_quant)
     xq = _quant(x, input_quant)  # row-wise, so once per token rather than once per slot
     if name == "grouped_mm":
         def ffn(xs, expert_sorted, counts):
@@ -201,6 +208,47 @@ def routed_experts(
         def ffn(xs, expert_sorted, counts):
             return _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act, input_quant)
     return dispatch_combine(xq, topk_idx, topk_weight, w1.shape[0], ffn)
+
+
+def routed_experts_static(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    act: GluActivation,
+    input_quant: InputQuant = None,
+) -> torch.Tensor:
+    """:func:`routed_experts` (same contract) with every shape fixed by (N, k, E), no host sync
+    and no sort: the form a compiled or captured decode step can hold.
+
+    With at least as many assignments as experts (N·k >= E) every expert runs on every token and
+    the outputs are combined with a dense [N, E] weight matrix (zero for experts not chosen), so
+    each expert's weights are read once, as one [N, E·F] GEMM per input projection; with fewer,
+    the k chosen experts' weights are gathered per token and applied by batched matrix-vector
+    products (only the chosen experts are read). Decode batches are small, so the extra products
+    of the dense form cost less than the sort and scatter of the grouped form.
+    """
+    n, k = topk_idx.shape
+    e, f, l = w1.shape
+    acc = _accum_dtype(x)
+    xq = _quant(x, input_quant)
+    if n * k >= e:
+        # repeated ids in a row add their weights, as the per-slot sum does
+        comb = torch.zeros(n, e, dtype=acc, device=x.device).scatter_add_(1, topk_idx.long(), cast(topk_weight, acc))
+        gate = (xq @ w1.reshape(e * f, l).T).view(n, e, f)
+        up = (xq @ w3.reshape(e * f, l).T).view(n, e, f)
+        h = _quant(act(gate, up), input_quant)  # [N, E, F]
+        y = torch.einsum("nef,elf->nel", h, w2)  # [N, E, L]
+        return (cast(y, acc) * comb.unsqueeze(-1)).sum(1)
+    idx = topk_idx.reshape(-1).long()  # [A], token-major
+    xs = xq.unsqueeze(1).expand(n, k, l).reshape(n * k, l, 1)
+    gate = torch.bmm(w1[idx], xs)[..., 0]  # [A, F]
+    up = torch.bmm(w3[idx], xs)[..., 0]
+    h = _quant(act(gate, up), input_quant)
+    y = torch.bmm(w2[idx], h.unsqueeze(-1))[..., 0].view(n, k, l)  # [N, k, L]
+    return (cast(y, acc) * cast(topk_weight, acc).unsqueeze(-1)).sum(1)
 
 
 def routed_experts_reference(

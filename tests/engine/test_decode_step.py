@@ -10,8 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import openk3
 from openk3.bench.decode_profile import BOOL_INDEX_OPS, SYNC_OPS
 from openk3.engine import Engine, EngineConfig
+from openk3.engine.decode_step import StaticDecodeStep, bucket
 from openk3.pretrained import build_model
-from tests.conftest import perturb
+from tests.conftest import assert_close, perturb
 from tests.engine.common import full_forward_greedy, greedy, prompts_of
 
 
@@ -77,3 +78,73 @@ def test_the_guard_sees_host_syncs():
         x[x > 2]
     assert len(guard.seen) == 3, guard.seen
 
+
+def _greedy_run(eng: Engine, prompts, n_new: int, logits: dict) -> dict:
+    ids = [eng.add_request(p, greedy(n_new)) for p in prompts]
+    tokens = {rid: [] for rid in ids}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[rid] for rid in ids]
+
+
+def test_bucketed_decode_rows_equal_the_eager_step(model):
+    """The fixed-shape step (rows padded by repeating the last one, block tables padded to a
+    power of two), run eagerly, gives the eager step's tokens, and its logits up to the rounding
+    of reductions over a different number of (masked) cache positions."""
+    prompts = prompts_of((9, 21, 14), seed=12)
+    ref_logits, got_logits = {}, {}
+    ref = Engine(model, EngineConfig(block_size=8, enable_prefix_cache=False),
+                 on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()))
+    eng = Engine(model, EngineConfig(block_size=8, enable_prefix_cache=False),
+                 on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()))
+    pools = [("kda", eng._kda_index[l]) if l in eng._kda_index else ("mla", eng._mla_index[l])
+             for l in range(model.config.num_hidden_layers)]
+    eng.decode_step = StaticDecodeStep(model, eng.blocks, eng.slots, pools, max_batch=16, max_blocks=64,
+                                       compile=False)
+    assert _greedy_run(eng, prompts, 6, got_logits) == _greedy_run(ref, prompts, 6, ref_logits)
+    assert eng.decode_step.shapes == {(4, 4)}  # 3 rows -> 4, 2-4 blocks -> 4
+    for a, b in zip(ref_logits.values(), got_logits.values()):
+        for x, y in zip(a, b):
+            assert_close(y, x, atol=1e-5, rtol=0, what="bucketed decode logits")
+
+
+def test_buckets_are_powers_of_two_within_the_cap():
+    assert [bucket(n, 16) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert bucket(12, 10) == 12 and bucket(7, 6) == 7  # never below n
+
+
+def test_compiled_decode_step_equals_eager_without_recompiles(kimi_linear_model):
+    """``EngineConfig(compile=True)``: one Inductor graph for the (4 rows, 4 blocks) bucket serves
+    every decode step (no recompilation after the first), greedy tokens equal the eager engine's
+    and every sampled row's logits agree within 1e-5 (fp32)."""
+    from torch._dynamo.utils import counters
+
+    m = kimi_linear_model
+    prompts = prompts_of((9, 21, 14), seed=13, vocab=m.config.vocab_size)
+    n_new = 8
+    cfg = dict(block_size=8, enable_prefix_cache=False, max_num_seqs=4)
+    ref_logits, got_logits = {}, {}
+    ref = Engine(m, EngineConfig(**cfg), on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()))
+    ref_tokens = _greedy_run(ref, prompts, n_new, ref_logits)
+
+    torch._dynamo.reset()
+    counters.clear()
+    eng = Engine(m, EngineConfig(**cfg, compile=True),
+                 on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()))
+    ids = [eng.add_request(p, greedy(n_new)) for p in prompts]
+    tokens = {rid: [] for rid in ids}
+    graphs = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert [tokens[rid] for rid in ids] == ref_tokens
+    assert eng.decode_step.shapes == {(4, 4)}
+    # step 1 prefills (eager), step 2 compiles the bucket, the remaining decode steps reuse it
+    assert graphs == [0] + [1] * (n_new - 1), graphs
+    assert counters["recompiles"] == {} and not counters["graph_break"]
+    for a, b in zip(ref_logits.values(), got_logits.values()):
+        assert len(a) == len(b) == n_new
+        for x, y in zip(a, b):
+            assert_close(y, x, atol=1e-5, rtol=0, what="compiled decode logits")

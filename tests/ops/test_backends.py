@@ -18,7 +18,7 @@ def test_every_op_has_one_variable_and_the_known_names():
         "grouped_mm": "OPENK3_GROUPED_MM_BACKEND", "mxfp4": "OPENK3_MXFP4_BACKEND",
     }
     assert set(attention.BACKENDS) == {"sdpa", "reference"}
-    assert set(grouped_mm.BACKENDS) == {"grouped_mm", "bmm", "loop"}
+    assert set(grouped_mm.BACKENDS) == {"grouped_mm", "bmm", "static", "loop"}
     assert set(packed.PACKED_IMPLS) == {"native", "torch"}
     assert {"batched", "reference"} <= set(backends.BACKENDS["kda"])
 

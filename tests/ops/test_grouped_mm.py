@@ -42,6 +42,15 @@ def test_dispatch_matches_loop_reference(backend, act):
     assert_close(out, ref, atol=1e-5, rtol=1e-5, what=f"{backend} vs loop")
 
 
+@pytest.mark.parametrize("n", [1, 3, 40], ids=lambda n: f"N={n}")
+def test_static_form_matches_loop_reference_in_both_regimes(n):
+    """N·k < E gathers the chosen experts' weights; N·k >= E runs every expert densely."""
+    x, idx, w, w1, w3, w2 = _problem(n=n, e=8, k=2)
+    out = routed_experts(x, idx, w, w1, w3, w2, SITU, backend="static")
+    ref = routed_experts_reference(x, idx, w, w1, w3, w2, SITU)
+    assert_close(out, ref, atol=1e-5, rtol=1e-5, what=f"static vs loop, N={n}")
+
+
 def test_reference_matches_float64_per_token_sum():
     x, idx, w, w1, w3, w2 = _problem(n=11, dtype=torch.float64)
     ref = routed_experts_reference(x, idx, w, w1, w3, w2, SITU)
@@ -95,16 +104,16 @@ def test_aligned_fp32_on_cpu_uses_grouped_mm():
 def test_repeated_expert_in_a_row_and_single_expert_models():
     x, idx, w, w1, w3, w2 = _problem(n=9, e=4, k=2, skip=())
     idx[:, 1] = idx[:, 0]  # same expert twice: both slots count
-    for backend in ("grouped_mm", "bmm"):
+    for backend in ("grouped_mm", "bmm", "static"):
         out = routed_experts(x, idx, w, w1, w3, w2, SITU, backend=backend)
         assert_close(out, routed_experts_reference(x, idx, w, w1, w3, w2, SITU), atol=1e-5, rtol=1e-5, what=backend)
     x, idx, w, w1, w3, w2 = _problem(n=5, e=1, k=1, skip=())
-    for backend in ("grouped_mm", "bmm"):
+    for backend in ("grouped_mm", "bmm", "static"):
         out = routed_experts(x, idx, w, w1, w3, w2, SITU, backend=backend)
         assert_close(out, routed_experts_reference(x, idx, w, w1, w3, w2, SITU), atol=1e-5, rtol=1e-5, what="E=1")
 
 
-@pytest.mark.parametrize("backend", ["grouped_mm", "bmm", "loop"])
+@pytest.mark.parametrize("backend", ["grouped_mm", "bmm", "static", "loop"])
 def test_zero_tokens(backend):
     x, idx, w, w1, w3, w2 = _problem(n=0)
     out = routed_experts(x, idx, w, w1, w3, w2, SITU, backend=backend)

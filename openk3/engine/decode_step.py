@@ -1,0 +1,84 @@
+"""The engine's decode forward with static shapes, optionally compiled (``EngineConfig.compile``).
+
+Shape legend: B decode rows of a step, Bp its batch bucket, MB block-table width (its bucket),
+L block size, V vocabulary.
+
+A decode step feeds one token per running request. Here every tensor of that forward has a shape
+fixed by (Bp, MB): the rows are padded to the next power of two (up to ``max_num_seqs``) by
+repeating the last row, and the block tables to the next power of two of blocks (entries past a
+row's last block repeat it; the attention masks them). A repeated row reads the same state and
+writes the same values to the same places as the row it copies, so padding changes nothing
+(duplicate writes carry equal values). The forward itself is :meth:`K3Model.forward` with
+``validate=False``: no host read of a tensor value, no value-dependent shape (the MoE runs its
+static form, :func:`openk3.ops.grouped_mm.routed_experts_static`). One ``torch.compile`` graph
+(Inductor, ``dynamic=False``) then serves every step of a bucket; a new bucket compiles once.
+
+The eager forward of :meth:`Engine._forward` stays the reference (the default, and what every
+prefill runs); this module only changes the shapes it is fed and who runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
+
+
+def bucket(n: int, most: int) -> int:
+    """The smallest power of two >= ``n``, capped at ``most`` (at least ``n``)."""
+    return max(n, min(most, 1 << max(n - 1, 0).bit_length()))
+
+
+class StaticDecodeStep:
+    """Runs decode rows as a forward of bucketed shapes; compiled once per bucket when asked.
+
+    Args:
+        model: the engine's :class:`~openk3.model.K3ForCausalLM`.
+        blocks, slots: the engine's MLA block pool and KDA slot pool.
+        layer_pools: per decoder layer, ``("kda", i)`` or ``("mla", i)``: its index into the pools.
+        max_batch: largest batch bucket (the engine's ``max_num_seqs``).
+        max_blocks: largest block-table bucket (blocks of one ``max_model_len`` sequence).
+        compile: run the step through ``torch.compile`` (Inductor); False runs the same
+            fixed-shape forward eagerly (for parity tests and as the fallback).
+    """
+
+    def __init__(self, model, blocks, slots, layer_pools: list[tuple[str, int]], *, max_batch: int,
+                 max_blocks: int, compile: bool) -> None:
+        self.model = model
+        self.blocks, self.slots = blocks, slots
+        self.layer_pools = layer_pools
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.compiled = compile
+        self.forward: Callable = torch.compile(self._forward, dynamic=False, fullgraph=True) if compile else self._forward
+        self.shapes: set[tuple[int, int]] = set()  # (Bp, MB) buckets run so far
+
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 past: torch.Tensor) -> torch.Tensor:
+        """ids [Bp, 1], slots [Bp], tables [Bp, MB], past [Bp] (int64) -> logits [Bp, V] fp32."""
+        layers = []
+        for kind, i in self.layer_pools:
+            if kind == "kda":
+                layers.append(SlotKDAState(self.slots.conv[i], self.slots.recurrent[i], slots))
+            else:
+                layers.append(PagedMLACache(self.blocks.latent[i], self.blocks.k_rope[i], tables))
+        cache = HybridCache(layers=layers, lengths=past.clone())
+        hidden = self.model.model(ids, cache, validate=False)
+        return self.model.lm_head(hidden[:, -1]).float()
+
+    def __call__(self, rows: list[tuple[list[int], int, list[int], int]]) -> torch.Tensor:
+        """Decode one token for each row (token ids so far, KDA slot, block ids, cached length),
+        whose block list already covers position ``cached length``; returns logits [B, V] fp32."""
+        dev = self.model.lm_head.weight.device
+        B = len(rows)
+        Bp = bucket(B, self.max_batch)
+        MB = bucket(max(len(blocks) for _, _, blocks, _ in rows), self.max_blocks)
+        rows = rows + [rows[-1]] * (Bp - B)
+        ids = torch.tensor([[tokens[past]] for tokens, _, _, past in rows], dtype=torch.long, device=dev)
+        slots = torch.tensor([slot for _, slot, _, _ in rows], dtype=torch.long, device=dev)
+        tables = torch.tensor([blocks + blocks[-1:] * (MB - len(blocks)) for _, _, blocks, _ in rows],
+                              dtype=torch.long, device=dev)
+        past = torch.tensor([p for _, _, _, p in rows], dtype=torch.long, device=dev)
+        self.shapes.add((Bp, MB))
+        return self.forward(ids, slots, tables, past)[:B]
