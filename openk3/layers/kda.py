@@ -24,7 +24,8 @@ from openk3.cache import KDALayerState
 from openk3.config import KDA, K3Config
 from openk3.layers.norm import GatedRMSNorm
 from openk3.ops.cast import cast, fp32
-from openk3.ops.kda import MODES, kda
+from openk3.ops.kda import MODES, fused_decode, kda
+from openk3.ops.kda_decode import kda_decode_step
 from openk3.ops.kda_gate import kda_gate_lower_bound, kda_gate_softplus, l2_normalize
 from openk3.ops.short_conv import short_conv, short_conv_step
 from openk3.ops.varlen import check_lengths, pack_documents, unpack_documents
@@ -136,6 +137,22 @@ class KimiDeltaAttention(nn.Module):
         rows, doc_lengths = unpack_documents(x, cu_seqlens)
         return pack_documents(self._forward_rows(rows, cache, doc_lengths, mode), doc_lengths)
 
+    def _decode_step(self, x: torch.Tensor, cache, conv0: torch.Tensor, rec0: torch.Tensor) -> torch.Tensor:
+        """One token per row ([B, 1, D], no padding) through the fused
+        :func:`~openk3.ops.kda_decode.kda_decode_step`; same result as the general path."""
+        B = x.shape[0]
+        H, K = self.num_heads, self.head_dim
+        x1 = x[:, 0]
+        qkv = torch.stack([self.q_proj(x1), self.k_proj(x1), self.v_proj(x1)], dim=1)  # [B, 3, P]
+        w = torch.stack([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])  # [3, P, W]
+        z = self.f_b_proj(self.f_a_proj(x1)).view(B, H, K)
+        o, tail, state = kda_decode_step(qkv, conv0, w, z, self.b_proj(x1), self.A_log, self.dt_bias, rec0,
+                                         K ** -0.5, self.gate_lower_bound)
+        cache.store(tail, state)
+        gate = self.g_proj(x1) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x1))
+        out = self.o_norm(o, gate.view(B, H, K))  # fp32 [B, H, K]
+        return self.o_proj(cast(out.reshape(B, 1, self.proj_dim), x.dtype))
+
     def _check_state(self, conv: torch.Tensor, recurrent: torch.Tensor, B: int) -> None:
         P, W, H, K = self.proj_dim, self.conv_size, self.num_heads, self.head_dim
         if tuple(conv.shape) != (B, 3, P, W - 1):
@@ -154,6 +171,8 @@ class KimiDeltaAttention(nn.Module):
             self._check_state(conv0, rec0, B)
         if lengths is not None and validate:
             check_lengths(lengths, B, T)
+        if cache is not None and T == 1 and mode == "recurrent" and lengths is None and fused_decode():
+            return self._decode_step(x, cache, conv0, rec0)
 
         tails = conv0.unbind(1) if cache is not None else (None, None, None)
         mixed, new_tails = [], []

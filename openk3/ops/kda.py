@@ -4,8 +4,8 @@ Shape legend: B batch rows, T tokens, H heads, K key dim, V value dim, N packed 
 NC number of chunks.
 
 Backends: ``"batched"`` (default: :func:`openk3.ops.kda_chunk.kda_chunk_batched` for the chunk
-mode; the recurrent mode, one decode token per call, runs the token loop of
-:mod:`openk3.ops.kda_reference`) and ``"reference"`` (the readable fp32 references, both modes).
+mode; the recurrent mode runs the token loop of :mod:`openk3.ops.kda_reference`, and a decode step
+of the layer the fused :func:`openk3.ops.kda_decode.kda_decode_step`, see :func:`fused_decode`) and ``"reference"`` (the readable fp32 references, both modes).
 A kernel fast path (FLA ``chunk_kda`` / ``fused_recurrent_kda``, FlashKDA) plugs in with
 :func:`register_backend` (same semantic signature: pre-activated gate, sigmoid beta, state
 [B, H, K, V]); callers never change. Overrides go through the one switch of
@@ -45,6 +45,14 @@ def _select_backend(q: torch.Tensor) -> str:
         ValueError: ``OPENK3_KDA_BACKEND`` names an unknown backend.
     """
     return backends.forced_backend("kda") or "batched"
+
+
+def fused_decode() -> bool:
+    """Whether a decode step (one token per row, no padding) runs the fused
+    :func:`openk3.ops.kda_decode.kda_decode_step`: with the default ``"batched"`` backend; a forced
+    ``"reference"`` (or a registered kernel backend) keeps the layer on the general path through
+    :func:`kda`."""
+    return _select_backend(None) == "batched"
 
 
 def kda(

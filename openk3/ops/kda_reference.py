@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops.kda_inputs import finish_output, prepare_inputs
+from openk3.ops.short_conv import short_conv_reference
 from openk3.ops.varlen import run_packed
 
 # Sub-tile length inside a chunk: pairwise decays are formed exactly only inside a tile; across
@@ -231,3 +232,26 @@ def kda_chunk(
     """
     return run_packed(_chunk_rows, (q, k, v, g, beta), lengths, cu_seqlens, scale, initial_state,
                       chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+
+
+# ----------------------------------------------------------------------------- one decode token
+def kda_decode_step(qkv, conv_tail, conv_weight, z, beta_logit, A_log, dt_bias, state, scale, gate_lower_bound):
+    """Oracle of the fused decode step :func:`openk3.ops.kda_decode.kda_decode_step` (same
+    arguments and returns): each of q, k, v through the ``F.conv1d`` short-conv reference on a
+    one-token sequence with SiLU, then :func:`l2_normalize`, the gate, and :func:`kda_recurrent`.
+    Source: architecture.md §3.2, §3.5."""
+    B, _, P = qkv.shape
+    H, K = z.shape[1:]
+    outs, tails = [], []
+    for j in range(3):
+        y, tail = short_conv_reference(qkv[:, j, None], conv_weight[j], conv_tail[:, j], activation="silu")
+        outs.append(y.float().view(B, 1, H, K))
+        tails.append(tail)
+    q, k = l2_normalize(outs[0]), l2_normalize(outs[1])
+    if gate_lower_bound is not None:
+        g = kda_gate_lower_bound(z[:, None], A_log, dt_bias, gate_lower_bound)
+    else:
+        g = kda_gate_softplus(z[:, None], A_log, dt_bias)
+    beta = torch.sigmoid(beta_logit.float())[:, None]
+    o, S = kda_recurrent(q, k, outs[2], g, beta, scale, state)
+    return o[:, 0], torch.stack(tails, dim=1).to(conv_tail.dtype), S

@@ -13,7 +13,7 @@ from openk3.ops import kda_gate, kda_reference
 from tests.conftest import assert_close
 
 ORACLE = "openk3.ops.kda_reference"
-FAST = ("openk3.ops.kda_chunk", "openk3.ops.kda_scan", "openk3.ops.kda_gate")
+FAST = ("openk3.ops.kda_chunk", "openk3.ops.kda_scan", "openk3.ops.kda_gate", "openk3.ops.kda_decode")
 
 
 def imported(module: str) -> set[str]:
