@@ -51,7 +51,9 @@ class StaticDecodeStep:
         self.layer_pools = layer_pools
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.compiled = compile
-        self.forward: Callable = torch.compile(self._forward, dynamic=False, fullgraph=True) if compile else self._forward
+        # fullgraph=False: code compile cannot trace (e.g. a native kernel of packed MXFP4
+        # experts) runs eagerly between graphs instead of failing the step.
+        self.forward: Callable = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.shapes: set[tuple[int, int]] = set()  # (Bp, MB) buckets run so far
 
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
