@@ -190,7 +190,7 @@ def main() -> int:
                     help="the server's --max-request-memory (the 16 large images are refused by it)")
     ap.add_argument("--without", default="",
                     help="comma-separated names of hostile bodies to leave out (e.g. 'image 2464 px', to see "
-                         "the rest of the hostile traffic without the one request that holds the engine)")
+                         "the rest of the hostile traffic without its largest legitimate work, the vision tower's)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     log = open(os.devnull if not os.environ.get("SOAK_LOG") else os.environ["SOAK_LOG"], "w")
