@@ -1,6 +1,6 @@
 """``openk3 eval``: the held-out suites of the default model against a checkpoint or a server.
 
-Runs the eval sets of :mod:`openk3.train.sft_data` (values from the held-out pools, prompts
+Runs the eval sets of :mod:`openk3.datasets.sft_data` (values from the held-out pools, prompts
 disjoint from training by hash) through a model and writes the eval table; every rate comes with
 its 95 % Wilson score interval (:func:`wilson`), because at n = 100 a rate is only known to about
 +-8 points.
@@ -25,10 +25,10 @@ Suites (``--n`` items each; ``arithmetic`` n per operation, ``images`` n per que
 * ``echo``: "Say 'X' and nothing else." answered exactly ``X``;
 * ``out_of_scope``: a question the model cannot know: a short (<= 160 characters) answer that
   says it does not know, and no tool call;
-* ``images``: exact match per question type (:mod:`openk3.train.vision_data`), skipped with a
+* ``images``: exact match per question type (:mod:`openk3.datasets.vision_data`), skipped with a
   note for a text-only model;
 * ``long_tools`` / ``long_arithmetic``: the ``tools`` and ``arithmetic`` items behind a ~16K-token
-  synthetic agent-harness prompt (:mod:`openk3.train.harness`, held-out seed): a system text plus
+  synthetic agent-harness prompt (:mod:`openk3.datasets.harness`, held-out seed): a system text plus
   harness tools and every task tool declared, the same for every item (as an agent sends it).
 
 Models: :class:`InProcessModel` (a checkpoint directory: engine + chat format + output parser,
@@ -53,7 +53,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from openk3.train.sft_data import EFFORTS, EVAL_SUITES, Item, eval_items
+from openk3.datasets.sft_data import EFFORTS, EVAL_SUITES, Item, eval_items
 
 IMAGE_SUITE = "images"
 LONG_SUITES = ("long_tools", "long_arithmetic")
@@ -256,8 +256,8 @@ def long_prompt(chars: int | None = None, seed: int = LONG_PROMPT_SEED) -> dict:
     """The eval's agent-harness prompt: ``{"system": text, "tools": harness tools + every task
     tool}``, the same for every model (about 16K tokens with the default model's tokenizer;
     ``chars`` of system text, default :data:`LONG_PROMPT_CHARS`)."""
-    from openk3.train.harness import harness_prose, harness_tools
-    from openk3.train.sft_tasks import TOOLS
+    from openk3.datasets.harness import harness_prose, harness_tools
+    from openk3.datasets.sft_tasks import TOOLS
 
     tools = harness_tools(random.Random(seed)) + list(TOOLS.values())
     return {"system": harness_prose(random.Random(seed + 1), chars or LONG_PROMPT_CHARS), "tools": tools}
@@ -266,7 +266,7 @@ def long_prompt(chars: int | None = None, seed: int = LONG_PROMPT_SEED) -> dict:
 def long_items(suite: str, seed: int, n: int, prompt: dict) -> list[Item]:
     """The ``tools`` / ``arithmetic`` items of ``suite`` (``long_tools`` / ``long_arithmetic``)
     behind ``prompt``: its system text first, its tools declared instead of the item's own."""
-    from openk3.train.harness import wrap_request
+    from openk3.datasets.harness import wrap_request
 
     base = suite.removeprefix("long_")
     out = []
@@ -512,7 +512,7 @@ def run_image_eval(model: ChatModel, *, n: int = 100, seed: int = 0, progress: b
     """The ``images`` suite: ``n`` held-out image questions per type through ``model`` at effort
     low; ``{"n", "accuracy", "by_type": {type: rate}}``, or ``{"skipped": reason}`` when the model
     takes no image input (``supports_images`` false)."""
-    from openk3.train.vision_data import QUESTION_TYPES, eval_image_items, score_image
+    from openk3.datasets.vision_data import QUESTION_TYPES, eval_image_items, score_image
 
     if not getattr(model, "supports_images", True):
         return {"skipped": "text-only model (no vision tower): image suite not run"}

@@ -75,7 +75,7 @@ def _openk3_tiny() -> dict[str, Any]:
     Expert widths (``moe_intermediate_size``, ``routed_expert_hidden_size``) are multiples of 32
     so MXFP4 QAT applies. Vocabulary: the project's 8192-id BPE (``openk3 train-tokenizer``; its
     special block at 7936..8191: [BOS] 7936, [EOS] 7937, [PAD] 8191, <|media_pad|> 7957).
-    Parameter counts and training speed: :func:`openk3.train.default_model.default_model`.
+    Parameter counts and training speed: :func:`openk3.recipes.default_model.default_model`.
     """
     return dict(
         vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=8,

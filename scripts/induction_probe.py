@@ -5,7 +5,7 @@ uniformly from the ordinary BPE ids, so nothing but the earlier occurrence predi
 probe reports the mean next-token NLL (nats) of the span's tokens 2..L in the first copy and in the
 second copy (the first token of each copy is unpredictable either way). A model without a copying
 circuit scores about the same on both (near ln V); one with it drives the second copy towards 0.
-A second probe does the same with text: ``repeat`` documents of :mod:`openk3.train.induction`
+A second probe does the same with text: ``repeat`` documents of :mod:`openk3.datasets.induction`
 from a seed no training run uses (pool values, so the tokens are in-distribution).
 
 Usage (one JSON line per checkpoint on stdout; ``--watch`` keeps probing new checkpoints)::
@@ -62,7 +62,7 @@ def random_span_probe(model, tok, n: int, lengths: tuple[int, ...]) -> dict:
 
 def text_repeat_probe(model, tok, n: int) -> dict:
     """Mean NLL of the first and second occurrence of the line of held-out ``repeat`` documents."""
-    from openk3.train.induction import induction_text
+    from openk3.datasets.induction import induction_text
 
     first, second = [], []
     for i in range(n):

@@ -16,7 +16,7 @@ from openk3.eval import (
     run_eval, score_arith, score_echo, score_effort, score_json, score_out_of_scope, score_recall, score_tool,
     suite_items, wilson,
 )
-from openk3.train.sft_data import EFFORTS, EVAL_SUITES, eval_items
+from openk3.datasets.sft_data import EFFORTS, EVAL_SUITES, eval_items
 
 N = 6
 TEXT = EVAL_SUITES + LONG_SUITES
@@ -125,7 +125,7 @@ def test_scorers_on_edge_cases():
 
 def test_long_prompt_suites_share_one_prompt_with_every_tool():
     from openk3.tokenizer import load_tokenizer
-    from openk3.train.sft_tasks import TOOLS
+    from openk3.datasets.sft_tasks import TOOLS
 
     p = long_prompt()
     assert p == long_prompt()  # deterministic
@@ -144,7 +144,7 @@ def test_long_prompt_suites_share_one_prompt_with_every_tool():
 def tiny_checkpoint(tmp_path_factory):
     from openk3.config import preset
     from openk3.pretrained import build_model
-    from openk3.train.recipes import synthetic_document
+    from openk3.recipes import synthetic_document
     from openk3.train.tokenizer_train import train_tokenizer
 
     d = tmp_path_factory.mktemp("ckpt")
@@ -234,7 +234,7 @@ def test_server_model_posts_concurrently_and_detects_greedy_decoding():
 
 def test_in_process_constrains_json_and_tool_requests_only(tiny_checkpoint):
     from openk3.chat_format import encode_request
-    from openk3.train.sft_data import sft_items
+    from openk3.datasets.sft_data import sft_items
 
     model = InProcessModel(str(tiny_checkpoint))
     for suite, constrained in (("arithmetic", False), ("effort", False), ("json", True), ("tools", True)):

@@ -9,7 +9,7 @@ import torch
 import openk3
 
 from openk3.eval import IMAGE_SUITE, OracleModel, format_table, run_eval, run_image_eval
-from openk3.train.vision_data import QUESTION_TYPES, eval_image_items
+from openk3.datasets.vision_data import QUESTION_TYPES, eval_image_items
 
 TOK = str(Path(openk3.__file__).parent / "shipped" / "openk3-tiny")  # the shipped tokenizer
 
@@ -45,8 +45,8 @@ def test_in_process_vision_checkpoint_returns_per_type_table(tmp_path):
     from openk3.eval import InProcessModel
     from openk3.pretrained import build_model
     from openk3.tokenizer import load_tokenizer
-    from openk3.train.recipes import RunConfig
-    from openk3.train.vision_stage import vision_model_config
+    from openk3.recipes import RunConfig
+    from openk3.recipes.default_model_vision import vision_model_config
 
     torch.set_num_threads(1)
     lm = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "moe_intermediate_size": 32,

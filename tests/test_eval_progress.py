@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from openk3.eval import OracleModel, run_eval, suite_items
-from openk3.train.sft_data import EVAL_SUITES
+from openk3.datasets.sft_data import EVAL_SUITES
 
 N = 3
 

@@ -17,10 +17,6 @@ ROOT = Path(openk3.__file__).resolve().parent
 
 # Circles known and tracked, each allowed only as (a subset of) the group listed:
 KNOWN = [
-    # The trainer library and its recipes import each other; the split of train/ by role (trainer
-    # library, distributed, recipes, datasets) is under way in its own change.
-    {"openk3.train.default_model", "openk3.train.recipes", "openk3.train.tiny_chat", "openk3.train.train_cli",
-     "openk3.train.trainer", "openk3.train.vision_stage"},
     # generation.py names ChatServing in annotations only (a TYPE_CHECKING import).
     {"openk3.server.generation", "openk3.server.serving"},
 ]

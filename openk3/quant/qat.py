@@ -131,7 +131,7 @@ def _expert_modules(model: nn.Module) -> list[nn.Module]:
 def model_qat(model: nn.Module, mode: str | QuantScheme | None) -> int:
     """Switch QAT on (``mode="mxfp4"``, the recipe's ``qat: mxfp4``) or off (None) for every routed-
     expert module in ``model`` (dense :class:`~openk3.layers.moe.Experts`, expert-parallel
-    :class:`~openk3.train.expert_parallel.ExpertParallelExperts` and
+    :class:`~openk3.train.distributed.expert_parallel.ExpertParallelExperts` and
     :class:`~openk3.quant.packed.PackedExperts`; the latter already hold quantized weights, so only
     the input fake-quant applies). Parameters are not touched: master weights stay as they are.
 

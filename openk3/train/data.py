@@ -151,7 +151,7 @@ class DocumentStore:
     @classmethod
     def from_corpus(cls, corpus_dir: str | os.PathLike, tokenizer: Any, split: str = "train", *,
                     add_eos: bool = True, cache_dir: str | os.PathLike | None = None) -> DocumentStore:
-        """Tokenise one split of a corpus built by :func:`openk3.train.corpus.build_corpus`.
+        """Tokenise one split of a corpus built by :func:`openk3.datasets.corpus.build_corpus`.
 
         With `cache_dir`, the store is saved under a key of (manifest, split, `add_eos`,
         :func:`tokenizer_fingerprint`) and loaded from there next time (tokenising tens of MB
@@ -160,7 +160,7 @@ class DocumentStore:
         Raises:
             ValueError: not a corpus directory, or a bad `split`.
         """
-        from openk3.train.corpus import iter_texts, load_manifest
+        from openk3.datasets.corpus import iter_texts, load_manifest
 
         load_manifest(corpus_dir)
         path = None

@@ -2,7 +2,7 @@
 
 SFT alone overwrites the pretrained language model (openk3-tiny: corpus val loss 5.12 -> 12.09);
 mixing a fraction of pretraining rows back into the SFT stream ("replay") keeps it. The sources
-are DataSources in the trainer's sense (:mod:`openk3.train.recipes` docstring): ``next_batch()``
+are DataSources in the trainer's sense (:mod:`openk3.recipes` docstring): ``next_batch()``
 -> ``{"input_ids" [1, T'], "labels" [1, T'], "cu_seqlens" [N+1]}`` with T' = batch_size x seq_len,
 ``state_dict()`` / ``load_state_dict()``. Both must produce the same T' (same ``seq_len`` and
 ``batch_size``), so a step's token count does not depend on which source served it.

@@ -81,7 +81,7 @@ def _corpus_texts(corpus: Any, max_bytes: int | None) -> tuple[Iterator[str] | l
     if isinstance(corpus, (str, os.PathLike)):
         p = Path(corpus)
         if p.is_dir():
-            from openk3.train.corpus import load_manifest, read_documents
+            from openk3.datasets.corpus import load_manifest, read_documents
 
             manifest_sha = hashlib.sha256((p / "manifest.json").read_bytes()).hexdigest() if (
                 p / "manifest.json").is_file() else None
@@ -130,7 +130,7 @@ def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | N
     """Train a byte-level BPE with the K3 special-token block and (optionally) save it.
 
     Args:
-        corpus: a corpus directory from :func:`openk3.train.corpus.build_corpus` (its train split), a
+        corpus: a corpus directory from :func:`openk3.datasets.corpus.build_corpus` (its train split), a
             UTF-8 text file, or an iterable of str.
         vocab_size: total vocabulary (BPE tokens + 256 special slots), >= 512. If the corpus has
             too few distinct pairs the BPE part comes out smaller; the returned tokenizer's

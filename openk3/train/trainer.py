@@ -192,10 +192,10 @@ def train_step(
             without torch.distributed).
         clip_grad_norm_fn: ``(params, max_norm) -> total norm``; default
             ``torch.nn.utils.clip_grad_norm_`` (sharded models pass
-            :func:`openk3.train.parallel.clip_grad_norm_`).
+            :func:`openk3.train.distributed.parallel.clip_grad_norm_`).
         qk_clip_fn: ``(model, {layer: [H] max logits}, tau) -> {layer: gamma [H]}``; default
             :func:`openk3.train.muon.qk_clip_` (sharded models pass
-            :func:`openk3.train.dist_muon.qk_clip_sharded_`).
+            :func:`openk3.train.distributed.muon.qk_clip_sharded_`).
     Returns:
         metrics: ``loss`` (token-mean over the step, float), ``tokens``, ``grad_norm``
         (before clipping), ``lr`` (of the first group), ``qb_max_over_mean`` (worst MoE layer),
@@ -371,7 +371,7 @@ class TrainResult:
 
 def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: int | None = None,
           progress: bool = True) -> TrainResult:
-    """Run a recipe (:class:`~openk3.train.recipes.RunConfig`) into ``out_dir``.
+    """Run a recipe (:class:`~openk3.train.run_config.RunConfig`) into ``out_dir``.
 
     Writes ``out_dir/metrics.jsonl`` (one record per step and per eval), ``out_dir/metrics.png``
     (loss and expert load) and ``out_dir/checkpoints/step-XXXXXXX`` every ``run.ckpt_every`` steps,
@@ -379,7 +379,7 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
 
     Under ``torchrun`` every rank calls this: FSDP2 (+ expert parallel if ``run.ep_size`` > 1),
     a step of ``grad_accum x world`` micro-batches, rank 0 writing metrics and single-process-format
-    checkpoints, ``resume`` supported (see :mod:`openk3.train.distributed_run`).
+    checkpoints, ``resume`` supported (see :mod:`openk3.train.distributed.run`).
 
     Args:
         run: the run configuration.
@@ -398,8 +398,8 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
             (under torchrun) a multi-stage recipe or an ``ep_size`` that does not divide the world.
     """
     from openk3.train.checkpointing import CheckpointManager, check_out_dir
-    from openk3.train.distributed_run import NullLog, distributed_requested, run_context
-    from openk3.train.logging import MetricsLog, Progress, plot_metrics
+    from openk3.train.distributed.run import NullLog, distributed_requested, run_context
+    from openk3.train.metrics import MetricsLog, Progress, plot_metrics
 
     out_dir = os.fspath(out_dir)
     # one trainer per run directory: held from here to the end (rank 0 holds it for a torchrun job)
@@ -489,12 +489,5 @@ def _take(source, n: int) -> list:
     return [source.next_batch() for _ in range(n)]
 
 
-def cli_train(args) -> int:
-    """``openk3 train``; see :func:`openk3.train.train_cli.cli_train` (kept here for importers)."""
-    from openk3.train.train_cli import cli_train as run_cli
-
-    return run_cli(args)
-
-
 __all__ = ["StepConfig", "NonFiniteError", "TrainingStopped", "TrainResult", "train_step", "evaluate", "train",
-           "make_balancers", "moe_routers", "new_max_logits", "cli_train"]
+           "make_balancers", "moe_routers", "new_max_logits"]

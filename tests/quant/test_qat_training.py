@@ -14,7 +14,7 @@ import torch
 from openk3.config import preset
 from openk3.pretrained import load_pretrained
 from openk3.quant.qat import model_qat
-from openk3.train.recipes import get_recipe
+from openk3.recipes import get_recipe
 from openk3.train.trainer import _take, evaluate, train
 
 # The tiny preset with expert widths that MXFP4 can block (multiples of 32).

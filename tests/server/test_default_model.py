@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from openk3.shipped import DEFAULT_MODEL, shipped_model_path
-from openk3.train.sft_tasks import TOOLS
+from openk3.datasets.sft_tasks import TOOLS
 from tests.server.conftest import ServerProcess
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -73,7 +73,7 @@ def test_serves_openk3_tiny_by_default(default_server, sdk):
 
 
 def test_image_question_answers(sdk):
-    from openk3.train.vision_data import QUESTION_TYPES, eval_image_items
+    from openk3.datasets.vision_data import QUESTION_TYPES, eval_image_items
 
     # One held-out item per question type: each gets a finished, non-empty answer, and the
     # prompt's usage counts its 16 image tokens (112 px image, 14 px patches, 2x2 merge).

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from openk3.train.corpus import (
+from openk3.datasets.corpus import (
     build_corpus, clean_text, directory_source, html_to_text, licence_is_permissive, load_manifest,
     module_docstrings, pypi_source, quality_reason, read_documents,
 )

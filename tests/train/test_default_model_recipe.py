@@ -11,7 +11,7 @@ import torch
 
 from openk3.config import KDA, MLA, preset
 from openk3.params import count_parameters
-from openk3.train.recipes import get_recipe, synthetic_document
+from openk3.recipes import get_recipe, synthetic_document
 from openk3.train.trainer import train
 
 
@@ -27,7 +27,7 @@ def test_openk3_tiny_preset_has_every_k3_component():
     assert cfg.moe_intermediate_size % 32 == 0 and cfg.routed_expert_hidden_size % 32 == 0  # MXFP4
     assert cfg.vocab_size == 8192 and cfg.bos_token_id == 8192 - 256 and cfg.pad_token_id == 8191
     counts = count_parameters(cfg)
-    from openk3.train import default_model
+    from openk3.recipes import default_model
 
     assert f"{counts['total']:,}" in default_model.__doc__ and f"{counts['active']:,}" in default_model.__doc__
     assert cfg.max_position_embeddings >= 262_144  # agent prompts fit the declared context
@@ -90,7 +90,7 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
 
 
 def test_default_model_rejects_unknown_extra_key():
-    from openk3.train.default_model import settings
+    from openk3.recipes.default_model import settings
 
     run = get_recipe("default-model", extra={"pretrain_stepz": 3})
     with pytest.raises(ValueError, match="pretrain_stepz"):
@@ -103,14 +103,14 @@ def test_cli_lists_the_recipe_and_rejects_bad_extra(capsys):
     assert main(["train", "--list"]) == 0
     assert "default-model" in capsys.readouterr().out
     run = get_recipe("default-model", extra={"pretrain_steps": 5})
-    assert run.to_dict()["prepare"] == "openk3.train.default_model:prepare_default_model"
-    from openk3.train.default_model import settings
+    assert run.to_dict()["prepare"] == "openk3.recipes.default_model:prepare_default_model"
+    from openk3.recipes.default_model import settings
 
     assert settings(run)["pretrain_steps"] == 5 and settings(run)["vocab_size"] == 8192  # merged over defaults
 
 
 def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
-    from openk3.train import default_model
+    from openk3.recipes import default_model
     from openk3.train.data import DocumentStore, PackedLoader, document_from_ids
     from openk3.train.mixed_data import MixedLoader
     from openk3.train.tokenizer_train import train_tokenizer

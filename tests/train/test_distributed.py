@@ -23,10 +23,10 @@ from openk3.layers.moe import LatentMoE
 from openk3.model import K3ForCausalLM
 from openk3.ops.grouped_mm import routed_experts
 from openk3.ops.backends import use_backend
-from openk3.train.dist_muon import DistMuon, qk_clip_sharded_
-from openk3.train.expert_parallel import LocalDispatcher, apply_expert_parallel
+from openk3.train.distributed.muon import DistMuon, qk_clip_sharded_
+from openk3.train.distributed.expert_parallel import LocalDispatcher, apply_expert_parallel
 from openk3.train.muon import Muon, qk_clip_
-from openk3.train.parallel import clip_grad_norm_, fsdp_units, init_meshes
+from openk3.train.distributed.parallel import clip_grad_norm_, fsdp_units, init_meshes
 from tests.conftest import REPO, assert_close
 
 TOL = 1e-5

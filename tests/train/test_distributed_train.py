@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from openk3.ops.backends import use_backend
 from openk3.pretrained import load_pretrained
-from openk3.train.distributed_run import DistributedRun, SingleProcess, distributed_requested
-from openk3.train.logging import read_metrics
-from openk3.train.recipes import get_recipe
+from openk3.train.distributed.run import DistributedRun, SingleProcess, distributed_requested
+from openk3.train.metrics import read_metrics
+from openk3.recipes import get_recipe
 from openk3.train.trainer import train
 from tests.conftest import REPO, assert_close
 from tests.train.dist_workers.train_runs import STEPS, tiny_recipe

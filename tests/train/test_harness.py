@@ -8,13 +8,13 @@ import jsonschema
 import pytest
 
 from openk3.chat_format import encode_request, render_training
-from openk3.train.harness import harness_prose, harness_tools, long_conversations, wrap_request
-from openk3.train.sft_data import eval_items
+from openk3.datasets.harness import harness_prose, harness_tools, long_conversations, wrap_request
+from openk3.datasets.sft_data import eval_items
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from openk3.train.recipes import synthetic_document
+    from openk3.recipes import synthetic_document
     from openk3.train.tokenizer_train import train_tokenizer
 
     return train_tokenizer([synthetic_document(2, i) for i in range(40)], 700, split_digits=True)

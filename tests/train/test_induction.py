@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from openk3.train.induction import KINDS, induction_store, induction_text
-from openk3.train.sft_data import eval_items, is_held_out_key
+from openk3.datasets.induction import KINDS, induction_store, induction_text
+from openk3.datasets.sft_data import eval_items, is_held_out_key
 
 
 def test_documents_are_deterministic_and_their_copies_repeat():
@@ -35,7 +35,7 @@ def test_column_documents_never_hold_an_eval_problem():
 
 
 def test_store_targets_every_token():
-    from openk3.train.recipes import synthetic_document
+    from openk3.recipes import synthetic_document
     from openk3.train.tokenizer_train import train_tokenizer
 
     tok = train_tokenizer([synthetic_document(0, i) for i in range(30)], 600, split_digits=True)
@@ -44,8 +44,8 @@ def test_store_targets_every_token():
 
 
 def test_span_documents_are_two_equal_random_spans_of_ordinary_ids():
-    from openk3.train.induction import span_ids, span_store
-    from openk3.train.recipes import synthetic_document
+    from openk3.datasets.induction import span_ids, span_store
+    from openk3.recipes import synthetic_document
     from openk3.train.tokenizer_train import train_tokenizer
 
     assert span_ids(0, 3, 8000) == span_ids(0, 3, 8000) != span_ids(1, 3, 8000)

@@ -14,17 +14,17 @@ import pytest
 
 from openk3.chat_format import encode_request, render_assistant_output, render_training
 from openk3.train.data import chat_document
-from openk3.train.pools import POOLS, UNSPLIT, draw, is_held_out_value, pool, pool_sizes, split
-from openk3.train.sft_data import (
+from openk3.datasets.pools import POOLS, UNSPLIT, draw, is_held_out_value, pool, pool_sizes, split
+from openk3.datasets.sft_data import (
     EFFORTS, EVAL_SUITES, MIXTURE, column_add, column_mul, column_sub, eval_items, gen_arith, is_held_out, item_key,
     sft_conversations, sft_items, work,
 )
-from openk3.train.sft_tasks import TOOLS
+from openk3.datasets.sft_tasks import TOOLS
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from openk3.train.recipes import synthetic_document
+    from openk3.recipes import synthetic_document
     from openk3.train.tokenizer_train import train_tokenizer
 
     return train_tokenizer([synthetic_document(1, i) for i in range(40)], 640, split_digits=True)
@@ -185,7 +185,7 @@ def test_partial_items_continue_the_prefix(items, tok):
 
 
 def test_copy_and_lookup_tasks():
-    from openk3.train.sft_tasks import gen_copy, gen_lookup
+    from openk3.datasets.sft_tasks import gen_copy, gen_lookup
 
     for seed in range(30):
         it = gen_copy(random.Random(seed), "high")

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from openk3.train import default_model
+from openk3.recipes import default_model
 from openk3.train.data import DocumentStore, PackedLoader, document_from_ids
 from openk3.train.mixed_data import MixedLoader
-from openk3.train.recipes import get_recipe
-from openk3.train.sft_data import MIXTURE, _draw, is_held_out, normalise_mixture, sft_conversations, sft_items
+from openk3.recipes import get_recipe
+from openk3.datasets.sft_data import MIXTURE, _draw, is_held_out, normalise_mixture, sft_conversations, sft_items
 from openk3.train.tokenizer_train import train_tokenizer
 
 CORPUS_ID0 = 50_000  # corpus tokens live at >= this id; SFT tokens and pad ids (< 8192) below

@@ -1,7 +1,7 @@
 """The ``tiny-chat`` recipe: the default-model pipeline at the README's ten-minute size."""
 
-from openk3.train.default_model import DEFAULTS, settings
-from openk3.train.recipes import get_recipe
+from openk3.recipes.default_model import DEFAULTS, settings
+from openk3.recipes import get_recipe
 
 
 def test_tiny_chat_is_the_default_model_pipeline_at_a_small_size():

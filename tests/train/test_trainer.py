@@ -22,9 +22,9 @@ from openk3.model import K3ForCausalLM
 from openk3.pretrained import build_model
 from openk3.train.balance import qb_exact_bias
 from openk3.train.checkpointing import CheckpointManager
-from openk3.train.logging import MetricsLog, plot_metrics, read_metrics
+from openk3.train.metrics import MetricsLog, plot_metrics, read_metrics
 from openk3.train.optim import build_optimizer, cosine_with_warmup
-from openk3.train.recipes import (
+from openk3.recipes import (
     RunConfig,
     get_recipe,
     synthetic_document,
@@ -374,7 +374,7 @@ def test_nan_loss_stops_naming_the_step_and_last_checkpoint(tmp_path, monkeypatc
     # Through the CLI: exit status 1 and the same message on stderr (no checkpoint yet here).
     from openk3.cli import main
 
-    from openk3.train.recipes import RECIPES
+    from openk3.recipes import RECIPES
 
     monkeypatch.setitem(RECIPES, "nan-test", lambda: _tiny_run(total_steps=3, threads=None))
     calls.update(n=0, poison=2)

@@ -9,7 +9,7 @@ import torch
 
 import openk3
 
-from openk3.train.vision_data import (QUESTION_TYPES, eval_image_items, image_items, is_held_out_image,
+from openk3.datasets.vision_data import (QUESTION_TYPES, eval_image_items, image_items, is_held_out_image,
                                       normalise_answer, score_image)
 from openk3.train.vision_loader import ImageSFTLoader, image_chat_document
 
@@ -88,8 +88,8 @@ def test_image_loader_resume_is_exact():
 
 def _text_ckpt(tmp_path) -> str:
     from openk3.pretrained import build_model
-    from openk3.train.recipes import RunConfig
-    from openk3.train.vision_stage import vision_model_config
+    from openk3.recipes import RunConfig
+    from openk3.recipes.default_model_vision import vision_model_config
 
     run = RunConfig("t", "openk3-tiny", lambda run, split: None, 1,
                     extra={"tokenizer_dir": TOK, "model_overrides": TINY_LM})
@@ -103,7 +103,7 @@ def _text_ckpt(tmp_path) -> str:
 def test_vision_stage_trains_from_text_ckpt_exports_and_resumes(tmp_path):
     from openk3.export import _quantized_reference, export_model
     from openk3.pretrained import load_pretrained
-    from openk3.train.recipes import get_recipe
+    from openk3.recipes import get_recipe
     from openk3.train.trainer import train
 
     torch.set_num_threads(1)

@@ -21,10 +21,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from openk3.config import preset
 from openk3.layers.moe import LatentMoE
-from openk3.train.dist_muon import DistMuon, local_blocks
-from openk3.train.expert_parallel import apply_expert_parallel
+from openk3.train.distributed.muon import DistMuon, local_blocks
+from openk3.train.distributed.expert_parallel import apply_expert_parallel
 from openk3.train.muon import Muon
-from openk3.train.parallel import init_meshes
+from openk3.train.distributed.parallel import init_meshes
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:

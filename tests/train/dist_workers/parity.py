@@ -119,9 +119,9 @@ def run_single() -> tuple[dict, dict]:
 def run_distributed(mode: str) -> tuple[dict, dict, dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from openk3.train.dist_muon import build_sharded_optimizer, qk_clip_sharded_
-    from openk3.train.expert_parallel import apply_expert_parallel
-    from openk3.train.parallel import apply_fsdp, clip_grad_norm_, full_state_dict, init_meshes
+    from openk3.train.distributed.muon import build_sharded_optimizer, qk_clip_sharded_
+    from openk3.train.distributed.expert_parallel import apply_expert_parallel
+    from openk3.train.distributed.parallel import apply_fsdp, clip_grad_norm_, full_state_dict, init_meshes
 
     model = make_model()
     dp_mesh, ep_mesh = init_meshes(ep_size=2 if mode == "fsdp_ep2" else 1, device_type="cpu")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from openk3.config import preset
-from openk3.train.recipes import RunConfig, get_recipe, synthetic_data
+from openk3.recipes import RunConfig, get_recipe, synthetic_data
 
 RECIPE = "tests.train.dist_workers.train_runs:tiny_recipe"
 STEPS = 4
@@ -58,7 +58,7 @@ class NoSpaceTargets:
 
 
 def no_space_data(run: RunConfig, split: str) -> NoSpaceTargets:
-    """:func:`~openk3.train.recipes.synthetic_data` through :class:`NoSpaceTargets`."""
+    """:func:`~openk3.recipes.synthetic_data` through :class:`NoSpaceTargets`."""
     return NoSpaceTargets(synthetic_data(run, split))
 
 

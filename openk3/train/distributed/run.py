@@ -8,17 +8,17 @@ than one rank already exists (:func:`run_context` decides).
 
 Sources: the issue's "Scale-out" item (FSDP2 data parallel, expert parallel over a DeviceMesh,
 model code unchanged; gloo on CPU, NCCL on GPUs); the building blocks
-:mod:`openk3.train.parallel`, :mod:`openk3.train.expert_parallel` and
-:mod:`openk3.train.dist_muon`.
+:mod:`openk3.train.distributed.parallel`, :mod:`openk3.train.distributed.expert_parallel` and
+:mod:`openk3.train.distributed.muon`.
 
 Design of :class:`DistributedRun` (R ranks):
 
 * **Model.** Every rank builds the same single-device model, optimizer and balancers from the
   run config (same seed), and loads the same checkpoint on ``--resume``. Parallelism is applied
-  afterwards, from outside: :func:`~openk3.train.expert_parallel.apply_expert_parallel` when
+  afterwards, from outside: :func:`~openk3.train.distributed.expert_parallel.apply_expert_parallel` when
   ``run.ep_size`` > 1 (mesh (R/ep_size) x ep_size), then
-  :func:`~openk3.train.parallel.apply_fsdp`. The plain :class:`~openk3.train.muon.Muon` becomes
-  a :class:`~openk3.train.dist_muon.DistMuon` over the sharded parameters, matched by name, with
+  :func:`~openk3.train.distributed.parallel.apply_fsdp`. The plain :class:`~openk3.train.muon.Muon` becomes
+  a :class:`~openk3.train.distributed.muon.DistMuon` over the sharded parameters, matched by name, with
   any loaded state sliced to each parameter's placement.
 * **Data.** A global step is ``grad_accum x R`` micro-batches, taken in order from the run's
   deterministic data source. Every rank builds the same source and draws all of them; rank r
@@ -30,7 +30,7 @@ Design of :class:`DistributedRun` (R ranks):
   checkpoints. Metrics hold global values (loss and tokens summed over ranks).
 * **Checkpoints and resume.** A checkpoint has the single-process format of
   :class:`~openk3.train.checkpointing.CheckpointManager`: the full model (gathered with
-  :func:`~openk3.train.parallel.full_state_dict`, written with ``save_pretrained``) and the full
+  :func:`~openk3.train.distributed.parallel.full_state_dict`, written with ``save_pretrained``) and the full
   optimizer state (every DTensor state gathered), balancers, data position and RNG. ``--resume``
   works under ``torchrun``. Each rank loads that checkpoint into its plain model before sharding.
   A checkpoint from R ranks therefore resumes on any number of ranks, one process included. The
@@ -123,21 +123,21 @@ class DistributedRun:
     Initialises the default process group when none exists: gloo for ``run.device == "cpu"``,
     NCCL for ``"cuda"``. In that case each rank uses ``cuda:LOCAL_RANK`` and :meth:`close`
     destroys the group again. Builds the meshes with
-    :func:`~openk3.train.parallel.init_meshes`.
+    :func:`~openk3.train.distributed.parallel.init_meshes`.
 
     Args:
-        run: a :class:`~openk3.train.recipes.RunConfig`. Reads ``device``, ``ep_size`` and
+        run: a :class:`~openk3.recipes.RunConfig`. Reads ``device``, ``ep_size`` and
             ``prepare``.
     Attributes:
         world, rank: R and this rank. is_writer: rank 0. device: this rank's device string.
-        dp_mesh, ep_mesh: see :func:`~openk3.train.parallel.init_meshes`.
+        dp_mesh, ep_mesh: see :func:`~openk3.train.distributed.parallel.init_meshes`.
     Raises:
         ValueError: a multi-stage recipe (``run.prepare``), a device other than cpu/cuda, or
             ``ep_size`` not dividing R.
     """
 
     def __init__(self, run) -> None:
-        from openk3.train.parallel import init_meshes
+        from openk3.train.distributed.parallel import init_meshes
 
         if run.prepare is not None:
             raise ValueError(f"recipe {run.name!r}: multi-stage recipes (RunConfig.prepare) run in a single "
@@ -173,10 +173,10 @@ class DistributedRun:
             ValueError: an optimizer that is not a :class:`~openk3.train.muon.Muon` with
                 ``param_names`` in its groups (:func:`~openk3.train.optim.build_optimizer`).
         """
-        from openk3.train.dist_muon import _MUON_KWARGS, DistMuon
-        from openk3.train.expert_parallel import apply_expert_parallel
+        from openk3.train.distributed.muon import _MUON_KWARGS, DistMuon
+        from openk3.train.distributed.expert_parallel import apply_expert_parallel
         from openk3.train.muon import Muon
-        from openk3.train.parallel import apply_fsdp
+        from openk3.train.distributed.parallel import apply_fsdp
 
         if not isinstance(optimizer, Muon) or any("param_names" not in g for g in optimizer.param_groups):
             raise ValueError(f"optimizer: {type(optimizer).__name__} is not a Muon built by build_optimizer "
@@ -211,8 +211,8 @@ class DistributedRun:
     def step_kwargs(self) -> dict:
         """:func:`~openk3.train.trainer.train_step` keywords for sharded parameters: the global
         gradient-norm clip, and QK-Clip on row shards (train_step MAX-reduces the logits)."""
-        from openk3.train.dist_muon import qk_clip_sharded_
-        from openk3.train.parallel import clip_grad_norm_
+        from openk3.train.distributed.muon import qk_clip_sharded_
+        from openk3.train.distributed.parallel import clip_grad_norm_
 
         def qk_clip(model, max_logits, tau):
             return qk_clip_sharded_(model, max_logits, tau, reduce_max=False)
@@ -243,7 +243,7 @@ class DistributedRun:
             OSError and the errors of :meth:`~openk3.train.checkpointing.CheckpointManager.save`
                 on rank 0. The other ranks raise RuntimeError naming them.
         """
-        from openk3.train.parallel import full_state_dict
+        from openk3.train.distributed.parallel import full_state_dict
 
         full = _FullModel(model, full_state_dict(model))
         opt_state = _FullOptimizer(full_optimizer_state(optimizer))

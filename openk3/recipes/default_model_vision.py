@@ -19,13 +19,13 @@ capacity to leave untouched; forgetting is held off by a peak LR of 2e-3 (below 
 5e-3) and by ``text_share`` of the rows being text SFT conversations (a different seed,
 ``sft_seed``) through :class:`~openk3.train.mixed_data.MixedLoader`.
 
-Data: ``image_items`` image-question conversations (:mod:`openk3.train.vision_data`, seed
+Data: ``image_items`` image-question conversations (:mod:`openk3.datasets.vision_data`, seed
 ``image_seed``) packed by :class:`~openk3.train.vision_loader.ImageSFTLoader`; eval: held-out
 image conversations (another seed, disjoint by hash). Knobs (``extra``, merged over
 :data:`DEFAULTS`): ``text_ckpt`` (required), ``tokenizer_dir``, ``vision`` (VisionConfig fields
 over :func:`tiny_vision_config`), ``image_items``, ``image_seed``, ``text_share`` in [0, 1),
 ``sft_items``, ``sft_seed``, ``sft_mixture`` (task -> share merged over
-:data:`openk3.train.sft_data.MIXTURE`, e.g. ``{"copy": 0.3}`` for the copying curriculum),
+:data:`openk3.datasets.sft_data.MIXTURE`, e.g. ``{"copy": 0.3}`` for the copying curriculum),
 ``eval_items``, ``model_overrides`` (K3Config fields; tests shrink
 the LM). Resume with ``--resume`` (data positions are in the checkpoint).
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import sys
 
-from openk3.train.recipes import RunConfig, register_recipe
+from openk3.train.run_config import RunConfig
 
 DEFAULTS: dict = {
     "text_ckpt": None,                  # a text SFT training checkpoint (required)
@@ -57,9 +57,9 @@ def settings(run: RunConfig) -> dict:
 
     Raises:
         ValueError: an unknown key, ``text_share`` outside [0, 1), or a bad
-            ``sft_mixture`` (see :func:`openk3.train.sft_data.normalise_mixture`).
+            ``sft_mixture`` (see :func:`openk3.datasets.sft_data.normalise_mixture`).
     """
-    from openk3.train.default_model import check_fraction, merge_extra
+    from openk3.recipes.default_model import check_fraction, merge_extra
 
     x = merge_extra(run.extra, DEFAULTS)
     check_fraction(x, "text_share")
@@ -102,7 +102,7 @@ def vision_data(run: RunConfig, split: str):
     """"train": image conversations mixed with ``text_share`` text SFT rows; "eval": the held-out
     image conversations in fixed order."""
     from openk3.tokenizer import load_tokenizer
-    from openk3.train.vision_data import eval_image_items, image_items
+    from openk3.datasets.vision_data import eval_image_items, image_items
     from openk3.train.vision_loader import ImageSFTLoader, image_chat_document
 
     if split not in ("train", "eval"):
@@ -117,7 +117,7 @@ def vision_data(run: RunConfig, split: str):
         return images
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.train.mixed_data import MixedLoader
-    from openk3.train.sft_data import sft_conversations
+    from openk3.datasets.sft_data import sft_conversations
 
     store = DocumentStore.from_conversations(sft_conversations(x["sft_seed"], x["sft_items"],
                                                                mixture=x["sft_mixture"]), tok)
@@ -142,7 +142,6 @@ def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
     return run.replace(model=vision_model_config(run), init_from=str(x["text_ckpt"]), prepare=None)
 
 
-@register_recipe("default-model-vision")
 def default_model_vision() -> RunConfig:
     """openk3-tiny + a tiny MoonViT trained on synthetic image questions (issue 9 item 5)."""
     return RunConfig(

@@ -139,8 +139,8 @@ class DistMuon(Muon):
 
 def build_sharded_optimizer(model: nn.Module, config, lr: float, **kwargs) -> DistMuon:
     """:func:`openk3.train.optim.build_optimizer` (same arguments, same groups by parameter
-    name) returning a :class:`DistMuon`; call after :func:`~openk3.train.parallel.apply_fsdp` /
-    :func:`~openk3.train.expert_parallel.apply_expert_parallel`."""
+    name) returning a :class:`DistMuon`; call after :func:`~openk3.train.distributed.parallel.apply_fsdp` /
+    :func:`~openk3.train.distributed.expert_parallel.apply_expert_parallel`."""
     return DistMuon.from_muon(build_optimizer(model, config, lr, **kwargs))
 
 

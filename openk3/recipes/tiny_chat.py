@@ -1,7 +1,7 @@
 """The ``tiny-chat`` recipe: a K3 you train yourself in about ten minutes on a laptop-class CPU and
 then talk to (README "Train your own tiny K3 in 10 minutes").
 
-It is the ``default-model`` pipeline (:mod:`openk3.train.default_model`: corpus -> BPE with the K3
+It is the ``default-model`` pipeline (:mod:`openk3.recipes.default_model`: corpus -> BPE with the K3
 special tokens -> pretraining -> SFT on the chat mixture with thinking traces and tool calls) at a
 size that fits the time: the ``openk3-tiny`` architecture (8 layers, KDA + gated MLA, LatentMoE,
 Block AttnRes) with a 4096-id vocabulary, 200 pretraining steps and 250 SFT steps of 1024 tokens,
@@ -19,7 +19,8 @@ the shipped ``openk3-tiny`` is the same pipeline at about 12x the steps.
 
 from __future__ import annotations
 
-from openk3.train.recipes import RunConfig, register_recipe
+from openk3.recipes.default_model import default_model
+from openk3.train.run_config import RunConfig
 
 STEPS = 250
 EXTRA = {
@@ -32,11 +33,8 @@ EXTRA = {
 }
 
 
-@register_recipe("tiny-chat")
 def tiny_chat() -> RunConfig:
     """A K3 to talk to in ~10 minutes: corpus -> 4096-id BPE -> 200 pretraining + 250 SFT steps."""
-    from openk3.train.default_model import default_model  # at call time: recipes imports this module
-
     return default_model().replace(name="tiny-chat", total_steps=STEPS, qat=None, eval_every=50, ckpt_every=50,
                                    extra=dict(EXTRA))
 

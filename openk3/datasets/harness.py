@@ -160,8 +160,8 @@ def long_conversations(seed: int, n: int, max_tokens: int, tokenizer, *, mixture
         ValueError: ``max_tokens`` below ``min_tokens`` + 1024 (no room for the item).
     """
     from openk3.chat_format import render_training
-    from openk3.train.sft_data import sft_items
-    from openk3.train.sft_tasks import TOOLS
+    from openk3.datasets.sft_data import sft_items
+    from openk3.datasets.sft_tasks import TOOLS
 
     if max_tokens < min_tokens + 1024:
         raise ValueError(f"max_tokens={max_tokens}: must be >= min_tokens + 1024 = {min_tokens + 1024}")

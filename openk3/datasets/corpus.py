@@ -1,6 +1,6 @@
 """Offline corpus builder: permissively licensed English text found on this machine -> text shards.
 
-Pipeline (:func:`build_corpus`), over :mod:`openk3.train.corpus_sources` sources: read -> clean
+Pipeline (:func:`build_corpus`), over :mod:`openk3.datasets.corpus_sources` sources: read -> clean
 (:func:`clean_text`) -> drop paragraphs repeated across many documents of a source (navigation,
 footers) -> quality filter (:func:`quality_reason`: length, English letters, prose share) -> exact
 dedup across all sources -> per-source byte budget -> train/val split by a hash of the document key
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openk3.train.corpus_sources import (  # noqa: F401  (re-exported: one import for callers)
+from openk3.datasets.corpus_sources import (  # noqa: F401  (re-exported: one import for callers)
     DEBIAN_PACKAGES, DEBIAN_SOURCES, MB, PERMISSIVE_LICENCES, PYPI_DISTRIBUTIONS, Document, Source,
     debian_source, default_sources, directory_source, html_to_text, install_debian_packages,
     licence_is_permissive, module_docstrings, pypi_source,

@@ -6,7 +6,7 @@ request (the conversation up to the assistant turn being taught, with its reques
 reference assistant message, the expected answer used by ``openk3 eval`` and an optional
 follow-up (tool result and final answer) for training conversations. Everything is drawn from
 ``rng`` (:class:`random.Random`), so a seed fixes the data. ``held_out`` picks the values
-(names, cities, words, ...) from the held-out part of each pool (:mod:`openk3.train.pools`):
+(names, cities, words, ...) from the held-out part of each pool (:mod:`openk3.datasets.pools`):
 training data never contains an eval set's argument values.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openk3.chat_format import make_tool_call_id
-from openk3.train.pools import draw, draw_date, draw_time, pool
+from openk3.datasets.pools import draw, draw_date, draw_time, pool
 
 
 @dataclass

@@ -15,7 +15,7 @@ therefore the modules that *are* called: ``embed_tokens``, every ``self_attn``, 
 ``block_sparse_moe``, and ``lm_head`` (unless tied to the embeddings); the root unit (the whole
 model) owns what is left (norms, AttnRes vectors), which it gathers for the duration of the
 forward/backward. Expert weights made expert parallel by
-:func:`openk3.train.expert_parallel.apply_expert_parallel` are left out of FSDP (they are already
+:func:`openk3.train.distributed.expert_parallel.apply_expert_parallel` are left out of FSDP (they are already
 split over the EP ranks and synchronise themselves).
 
 Loss convention: FSDP averages gradients over the R ranks, so each rank's loss must be its
@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from openk3.train.expert_parallel import expert_parameters
+from openk3.train.distributed.expert_parallel import expert_parameters
 
 
 def init_meshes(ep_size: int = 1, device_type: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
@@ -101,7 +101,7 @@ def apply_fsdp(
     Every rank must hold the same single-device model (same seed or checkpoint; see
     :func:`broadcast_from_rank0_`). Parameters become ``Shard(0)`` DTensors over ``mesh``;
     buffers (e.g. the router's ``e_score_correction_bias``) stay replicated plain tensors.
-    Expert-parallel weights (:func:`~openk3.train.expert_parallel.expert_parameters`) are ignored.
+    Expert-parallel weights (:func:`~openk3.train.distributed.expert_parallel.expert_parameters`) are ignored.
 
     Args:
         mesh: 1-D data-parallel mesh (``init_meshes()[0]``).

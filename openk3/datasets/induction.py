@@ -1,14 +1,14 @@
 """Synthetic pretraining documents where copying and lookup are necessary from the first step.
 
 Plain-text documents (next-token loss on every token) built from the value pools of
-:mod:`openk3.train.pools` (training parts only), four kinds drawn uniformly:
+:mod:`openk3.datasets.pools` (training parts only), four kinds drawn uniformly:
 
 * ``repeat``: a random sequence of 8-40 pool values (words, names, cities, numbers, codes,
   addresses), then the same sequence once or twice more: every token of a repeat is predictable
   only by finding the earlier occurrence (the induction-head pattern);
 * ``lookup``: 4-16 ``key = value`` lines, then the keys queried again in random order, each
   followed by its value;
-* ``columns``: two-operand problems worked in columns (:func:`openk3.train.sft_data.work`), the
+* ``columns``: two-operand problems worked in columns (:func:`openk3.datasets.sft_data.work`), the
   digits of each column copied from the problem line (held-out eval problems excluded);
 * ``echo``: ``Say 'X'. -> X`` pairs with fresh values.
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import random
 
-from openk3.train.pools import draw, draw_date
-from openk3.train.sft_data import OPS, is_held_out_key, operands, work
+from openk3.datasets.pools import draw, draw_date
+from openk3.datasets.sft_data import OPS, is_held_out_key, operands, work
 
 KINDS = ("repeat", "lookup", "columns", "echo")
 

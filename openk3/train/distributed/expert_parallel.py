@@ -290,7 +290,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep_dim: str | int 
     """Replace every ``block_sparse_moe.experts`` of ``model`` by an :class:`ExpertParallelExperts`.
 
     Call on the unmodified single-device model (identical on every rank), before
-    :func:`openk3.train.parallel.apply_fsdp` (which leaves the expert weights to this module).
+    :func:`openk3.train.distributed.parallel.apply_fsdp` (which leaves the expert weights to this module).
 
     Args:
         model: e.g. :class:`~openk3.model.K3ForCausalLM`; every :class:`Experts` child is replaced.

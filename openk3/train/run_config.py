@@ -1,31 +1,17 @@
-"""Training recipes: Python functions that return a :class:`RunConfig`, and their registry.
-
-``openk3 train --recipe NAME`` looks NAME up in :data:`RECIPES` (add one with
-:func:`register_recipe`), or imports ``package.module:function`` for a recipe kept elsewhere.
+"""What one training run needs: :class:`RunConfig`, the input of :func:`openk3.train.trainer.train`.
 
 A run config names the model (a preset or a :class:`~openk3.config.K3Config`), the data (a
-factory ``data(run, split) -> DataSource`` for ``split`` in {"train", "eval"}), the schedule,
-the batch (``seq_len`` tokens per micro-batch, ``grad_accum`` micro-batches per step), QAT,
-eval and checkpoint cadence. A DataSource has ``next_batch() -> {"input_ids" [1, T],
-"labels" [1, T], "cu_seqlens" [N+1]}``, ``state_dict() -> JSON-serialisable position`` and
-``load_state_dict(state)``; the "eval" source must yield the same batches every time it is built.
-
-Built in:
-
-* ``smoke``: ``k3-test-tiny`` (every K3 branch) on a synthetic byte-level corpus
-  (:func:`synthetic_document`, packed by :class:`~openk3.train.data.PackedLoader`); its data is
-  generated, not read, so it runs on any machine and in CI.
-* ``default-model`` (:mod:`openk3.train.default_model`) and ``default-model-vision``
-  (:mod:`openk3.train.vision_stage`: the vision stage from a text SFT checkpoint).
+factory ``data(run, split) -> DataSource`` for ``split`` in {"train", "eval"}; the protocol is
+:class:`openk3.train.data.DataSource`), the schedule, the batch (``seq_len`` tokens per
+micro-batch, ``grad_accum`` micro-batches per step), QAT, eval and checkpoint cadence. Recipes
+(:mod:`openk3.recipes`) are functions that return one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,63 +21,7 @@ import torch
 from openk3.config import K3Config, preset
 from openk3.train.trainer import StepConfig
 
-# ----------------------------------------------------------------------------- synthetic text
-_ADJ = ("small", "red", "old", "quiet", "bright", "heavy", "green", "happy")
-_NOUN = ("cat", "dog", "river", "teacher", "garden", "machine", "bird", "city", "window", "farmer", "ship", "tree")
-_VERB = ("sees", "finds", "likes", "follows", "paints", "carries", "visits", "builds", "hears", "keeps")
-_PLACE = ("near the hill", "in the morning", "by the sea", "at night", "under the bridge", "after the rain")
 
-
-def synthetic_document(seed: int, index: int) -> str:
-    """Document ``index`` of the synthetic corpus ``seed``: 2-6 sentences
-    ``"The <adj> <noun> <verb> the <noun>[ <place>]."`` with uniform independent choices.
-
-    Its true entropy is known in closed form (:func:`synthetic_entropy_per_sentence`), which is
-    what makes a loss threshold on it meaningful. Deterministic in ``(seed, index)``.
-    """
-    rng = random.Random(seed * 1_000_003 + index)
-    out = []
-    for _ in range(rng.randint(2, 6)):
-        s = f"The {rng.choice(_ADJ)} {rng.choice(_NOUN)} {rng.choice(_VERB)} the {rng.choice(_NOUN)}"
-        if rng.random() < 0.5:
-            s += " " + rng.choice(_PLACE)
-        out.append(s + ".")
-    return " ".join(out)
-
-
-def synthetic_entropy_per_sentence() -> float:
-    """Entropy (nats) of one synthetic sentence: adjective, noun, verb, noun, place-or-not."""
-    return (math.log(len(_ADJ)) + 2 * math.log(len(_NOUN)) + math.log(len(_VERB))
-            + math.log(2) + 0.5 * math.log(len(_PLACE)))
-
-
-def synthetic_store(seed: int, num_docs: int, bos: int, eos: int):
-    """A :class:`~openk3.train.data.DocumentStore` of ``num_docs`` synthetic documents as
-    byte-level tokens: ``bos``, the UTF-8 bytes (0-255), ``eos``; every next token is a target."""
-    from openk3.train.data import DocumentStore, document_from_ids
-
-    return DocumentStore.from_documents(
-        document_from_ids([bos, *synthetic_document(seed, i).encode("utf-8"), eos]) for i in range(num_docs))
-
-
-def synthetic_data(run: "RunConfig", split: str):
-    """Data factory over :func:`synthetic_store`: a shuffled, endless
-    :class:`~openk3.train.data.PackedLoader` for "train" (corpus seed ``run.seed``,
-    ``run.extra["num_docs"]`` documents, default 4000), and a fixed, unshuffled held-out corpus
-    (another seed, 200 documents) for "eval"."""
-    from openk3.train.data import PackedLoader
-
-    if split not in ("train", "eval"):
-        raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
-    cfg = run.model_config()
-    if split == "train":
-        store = synthetic_store(run.seed, int(run.extra.get("num_docs", 4000)), cfg.bos_token_id, cfg.eos_token_id)
-        return PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, pad_id=cfg.pad_token_id)
-    store = synthetic_store(run.seed + 7919, 200, cfg.bos_token_id, cfg.eos_token_id)
-    return PackedLoader(store, run.seq_len, run.batch_size, shuffle=False, pad_id=cfg.pad_token_id)
-
-
-# ------------------------------------------------------------------------------- run config
 @dataclass
 class RunConfig:
     """Everything a training run needs (see the module docstring).
@@ -127,7 +57,7 @@ class RunConfig:
         prepare: a multi-stage recipe's earlier stages: ``prepare(run, out_dir, resume) ->
             RunConfig`` runs them (each resumable, e.g. corpus, tokenizer, pretraining) and returns
             the config of the final stage, which :func:`~openk3.train.trainer.train` then runs into
-            ``out_dir`` (``default-model``: :mod:`openk3.train.default_model`). None: one stage.
+            ``out_dir`` (``default-model``: :mod:`openk3.recipes.default_model`). None: one stage.
     Raises:
         ValueError: a value out of range, naming the field.
     """
@@ -319,62 +249,4 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
-# -------------------------------------------------------------------------------- registry
-RECIPES: dict[str, Callable[[], RunConfig]] = {}
-
-
-def register_recipe(name: str):
-    """Decorator: ``@register_recipe("name")`` on a function returning a :class:`RunConfig`.
-
-    Raises:
-        ValueError: the name is already registered.
-    """
-    def deco(fn: Callable[[], RunConfig]) -> Callable[[], RunConfig]:
-        if name in RECIPES and RECIPES[name] is not fn:
-            raise ValueError(f"recipe {name!r} is already registered")
-        RECIPES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_recipe(name: str, **overrides) -> RunConfig:
-    """The run config of recipe ``name`` (registered, or ``module:function``), with overrides.
-
-    Raises:
-        ValueError: an unknown recipe (the message lists the known ones), a function that does
-            not return a RunConfig, or an unknown override field.
-    """
-    if ":" in name:
-        mod, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"recipe {name!r}: cannot import ({e})") from None
-    elif name in RECIPES:
-        fn = RECIPES[name]
-    else:
-        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))} (or module:function)")
-    run = fn()
-    if not isinstance(run, RunConfig):
-        raise ValueError(f"recipe {name!r}: returned {type(run).__name__}, expected RunConfig")
-    return run.replace(**overrides) if overrides else run
-
-
-@register_recipe("smoke")
-def smoke() -> RunConfig:
-    """``k3-test-tiny`` on the synthetic byte corpus (:func:`synthetic_data`)."""
-    return RunConfig(
-        name="smoke", model="k3-test-tiny", data=synthetic_data, total_steps=300, seq_len=256,
-        warmup_steps=15, lr=2e-2, min_lr_ratio=0.1, eval_every=50, eval_batches=4, ckpt_every=100,
-        keep_checkpoints=2, seed=0,
-    )
-
-
-# Recipes kept in their own modules register on import (after RunConfig exists: they import it).
-import openk3.train.default_model  # noqa: E402,F401  ("default-model")
-import openk3.train.vision_stage  # noqa: E402,F401  ("default-model-vision")
-import openk3.train.tiny_chat  # noqa: E402,F401  ("tiny-chat")
-
-__all__ = ["RunConfig", "RECIPES", "register_recipe", "get_recipe", "smoke", "synthetic_store", "synthetic_data",
-           "synthetic_document", "synthetic_entropy_per_sentence"]
+__all__ = ["RunConfig"]

@@ -12,14 +12,14 @@ training by :func:`openk3.chat_format.render_training` (assistant-only loss). Th
   numbers into single digits (``openk3 train-tokenizer --split-digits``), so each column is a
   one-digit fact the model can look up;
 * ``tools`` / ``tools_two`` / ``tool_result`` / ``tools_none`` / ``json`` / ``recall`` /
-  ``out_of_scope`` / ``copy`` / ``lookup``: :mod:`openk3.train.sft_tasks`;
+  ``out_of_scope`` / ``copy`` / ``lookup``: :mod:`openk3.datasets.sft_tasks`;
 * ``chat``: greetings and exact echoes ("Say 'X' and nothing else." -> ``X``, X from the pools);
 * ``effort``: "what is your thinking effort?" answered with the effort of the request;
 * ``partial``: an answer whose opening is given as a partial assistant message;
 * ``multi_turn``: two problem turns, the first one's reasoning kept in history.
 
 Train / held-out split, twice: (1) values: names, cities, words, ... of the eval sets come from
-the held-out part of each pool (:mod:`openk3.train.pools`), training draws the rest; (2) prompts:
+the held-out part of each pool (:mod:`openk3.datasets.pools`), training draws the rest; (2) prompts:
 every item's key (its user text, or for arithmetic the canonical expression, so another phrasing
 of a held-out sum is held out too) is hashed; held-out items are those with ``hash % 10 == 0``,
 training items the rest. Eval sets also use other seeds (:data:`EVAL_SEED_OFFSET`).
@@ -33,8 +33,8 @@ import math
 import random
 from collections.abc import Callable
 
-from openk3.train.pools import draw
-from openk3.train.sft_tasks import TASKS, Item, _effort, _with_reasoning, reasoning
+from openk3.datasets.pools import draw
+from openk3.datasets.sft_tasks import TASKS, Item, _effort, _with_reasoning, reasoning
 
 EFFORTS = ("low", "medium", "high", "max")
 EVAL_SEED_OFFSET = 1_000_003

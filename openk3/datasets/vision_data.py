@@ -16,10 +16,10 @@ FreeType font). Question types (:data:`QUESTION_TYPES`) and their exact short an
 Every item is a chat-completions request whose user message holds an ``image_url`` part (a base64
 PNG data URL, exactly what a client sends) and the question; the reference assistant message is
 the answer with a short ``reasoning_content`` whose length follows the thinking effort
-(:func:`openk3.train.sft_tasks.reasoning`), as in the text SFT set. Images are
+(:func:`openk3.datasets.sft_tasks.reasoning`), as in the text SFT set. Images are
 :data:`IMAGE_SIZE` px square: 8 x 8 patches of 14, merged 2 x 2 -> 16 ``<|media_pad|>`` tokens.
 
-Train / held-out split (as :mod:`openk3.train.sft_data`): an item's key is the hash of its PNG
+Train / held-out split (as :mod:`openk3.datasets.sft_data`): an item's key is the hash of its PNG
 bytes and question; held-out items are those with ``hash % 10 == 0`` and come from seed
 ``seed + EVAL_SEED_OFFSET``, training items are the rest, so no held-out (image, question) is
 ever trained on. Accuracy is exact match of :func:`normalise_answer`.
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw, ImageFont
 
-from openk3.train.sft_data import EFFORTS, EVAL_SEED_OFFSET
-from openk3.train.sft_tasks import Item, _effort, reasoning
+from openk3.datasets.sft_data import EFFORTS, EVAL_SEED_OFFSET
+from openk3.datasets.sft_tasks import Item, _effort, reasoning
 
 IMAGE_SIZE = 112
 QUESTION_TYPES = ("color", "shape", "count", "position", "digit", "word")

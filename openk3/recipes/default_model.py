@@ -6,17 +6,17 @@ Stages (``openk3 train --recipe default-model --out runs/default-model``)::
     2. tokenizer   train_tokenizer(corpus, 8192)            -> extra.tokenizer_dir (skipped if trained)
     3. pretrain    openk3-tiny on the corpus, next-token     -> OUT/pretrain/checkpoints/step-*
     4. SFT + QAT   init_from the pretrain checkpoint, MXFP4 QAT of the routed experts (as K3),
-                   the SFT mixture of :mod:`openk3.train.sft_data`  -> OUT/checkpoints/step-*
+                   the SFT mixture of :mod:`openk3.datasets.sft_data`  -> OUT/checkpoints/step-*
 
-Stages 1-3 run inside :attr:`RunConfig.prepare <openk3.train.recipes.RunConfig>`; stage 4 is the
+Stages 1-3 run inside :attr:`RunConfig.prepare <openk3.recipes.RunConfig>`; stage 4 is the
 run config :func:`~openk3.train.trainer.train` executes. Resumable at any point: a finished corpus
 or tokenizer is reused; pretraining always continues from its latest checkpoint (a ``DONE`` file
 marks it finished); SFT continues with ``--resume``. Every size is an ``extra`` key, overridable
 with ``--set extra='{"pretrain_steps": 3, ...}'`` (merged over :data:`DEFAULTS`).
 
-SFT data knobs (``extra``): ``sft_mixture`` (None = :data:`openk3.train.sft_data.MIXTURE`; a dict
+SFT data knobs (``extra``): ``sft_mixture`` (None = :data:`openk3.datasets.sft_data.MIXTURE`; a dict
 task -> share merged over it and renormalised to sum 1, see
-:func:`~openk3.train.sft_data.normalise_mixture`) and ``sft_replay`` (in [0, 1), default 0 =
+:func:`~openk3.datasets.sft_data.normalise_mixture`) and ``sft_replay`` (in [0, 1), default 0 =
 plain SFT, bit-identical data): the expected share of SFT training rows (micro-batches; one row
 each at ``batch_size`` 1) that are pretraining-corpus rows instead, at the SFT run's ``seq_len``,
 interleaved by :class:`~openk3.train.mixed_data.MixedLoader` (seed ``seed``) to keep the language
@@ -44,7 +44,7 @@ import os
 import sys
 from pathlib import Path
 
-from openk3.train.recipes import RunConfig, register_recipe
+from openk3.train.run_config import RunConfig
 
 DEFAULTS: dict = {
     "corpus_dir": "data/corpus",        # built by stage 1 unless it holds a manifest already
@@ -114,7 +114,7 @@ def settings(run: RunConfig) -> dict:
 
 def merge_extra(extra: dict, defaults: dict) -> dict:
     """``defaults`` overridden by ``extra`` (a recipe's ``RunConfig.extra``); an ``sft_mixture``
-    key, when set, comes back normalised (:func:`openk3.train.sft_data.normalise_mixture`).
+    key, when set, comes back normalised (:func:`openk3.datasets.sft_data.normalise_mixture`).
 
     Raises:
         ValueError: a key not in ``defaults``, or a bad ``sft_mixture``, naming it.
@@ -124,7 +124,7 @@ def merge_extra(extra: dict, defaults: dict) -> dict:
         raise ValueError(f"RunConfig.extra: unknown key {unknown[0]!r} (known: {', '.join(sorted(defaults))})")
     x = {**defaults, **extra}
     if x.get("sft_mixture") is not None:
-        from openk3.train.sft_data import normalise_mixture
+        from openk3.datasets.sft_data import normalise_mixture
 
         x["sft_mixture"] = normalise_mixture(x["sft_mixture"], "extra.sft_mixture")
     return x
@@ -163,7 +163,7 @@ def corpus_data(run: RunConfig, split: str):
 
 def _sft_loader(run: RunConfig, x: dict, tok, seq_len: int, seed_offset: int = 0):
     from openk3.train.data import DocumentStore, PackedLoader
-    from openk3.train.sft_data import sft_conversations
+    from openk3.datasets.sft_data import sft_conversations
 
     convs = sft_conversations(x["sft_seed"] + seed_offset, x["sft_items"], mixture=x["sft_mixture"])
     return PackedLoader(DocumentStore.from_conversations(convs, tok), seq_len, run.batch_size, seed=run.seed,
@@ -172,10 +172,10 @@ def _sft_loader(run: RunConfig, x: dict, tok, seq_len: int, seed_offset: int = 0
 
 def long_data(run: RunConfig, x: dict, tok):
     """Long rows: ``long_items`` SFT conversations behind synthetic agent-harness prompts
-    (:func:`openk3.train.harness.long_conversations`, seed ``sft_seed`` + 100), one or two per
+    (:func:`openk3.datasets.harness.long_conversations`, seed ``sft_seed`` + 100), one or two per
     row of ``long_seq_len`` tokens."""
     from openk3.train.data import DocumentStore, PackedLoader
-    from openk3.train.harness import long_conversations
+    from openk3.datasets.harness import long_conversations
 
     convs = long_conversations(x["sft_seed"] + 100, x["long_items"], x["long_seq_len"], tok, mixture=x["sft_mixture"])
     return PackedLoader(DocumentStore.from_conversations(convs, tok), x["long_seq_len"], 1, seed=run.seed,
@@ -190,7 +190,7 @@ def sft_data(run: RunConfig, split: str):
     (``split_documents=False``), assistant-only loss."""
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.train.mixed_data import MixedLoader
-    from openk3.train.sft_data import EVAL_SUITES, eval_items
+    from openk3.datasets.sft_data import EVAL_SUITES, eval_items
 
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
@@ -210,13 +210,13 @@ def sft_data(run: RunConfig, split: str):
 def pretrain_data(run: RunConfig, split: str):
     """Pretraining data: the corpus (:func:`corpus_data`) with ``pretrain_sft_share`` of the train
     rows SFT conversations (another data seed, ``sft_seed`` + 50) and ``pretrain_induction_share``
-    induction documents (:mod:`openk3.train.induction`, seed ``sft_seed`` + 200, every token a
+    induction documents (:mod:`openk3.datasets.induction`, seed ``sft_seed`` + 200, every token a
     target), so the skills' formats and the copying they need are trained from the first steps.
     With ``pretrain_copy_steps`` N > 0 the first N train batches are random-span copy documents
-    only (:func:`~openk3.train.induction.span_store`, seed ``sft_seed`` + 300): a curriculum in
+    only (:func:`~openk3.datasets.induction.span_store`, seed ``sft_seed`` + 300): a curriculum in
     which copying is the only way to lower the loss, before the mixture."""
     from openk3.train.data import PackedLoader
-    from openk3.train.induction import induction_store, span_store
+    from openk3.datasets.induction import induction_store, span_store
     from openk3.train.mixed_data import CurriculumLoader, MixedLoader
 
     x = settings(run)
@@ -256,7 +256,7 @@ def tokenizer_texts(n: int, seed: int = 77) -> list[str]:
     import re
 
     from openk3.chat_format import render_training
-    from openk3.train.sft_data import sft_conversations
+    from openk3.datasets.sft_data import sft_conversations
     from openk3.train.tokenizer_train import train_tokenizer
 
     bootstrap = train_tokenizer(["bootstrap"], 512)  # bytes only: rendering needs some tokenizer
@@ -277,8 +277,8 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
     log = (lambda line: print(f"[default-model] {line}", file=sys.stderr))
     corpus = Path(x["corpus_dir"])
     if not (corpus / "manifest.json").is_file():
-        from openk3.train.corpus import build_corpus
-        from openk3.train.corpus_sources import default_sources, directory_source
+        from openk3.datasets.corpus import build_corpus
+        from openk3.datasets.corpus_sources import default_sources, directory_source
 
         if x["corpus_sources"] is None:
             sources = default_sources()
@@ -300,7 +300,7 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
         max_mb = x["tokenizer_max_mb"]
         source = corpus
         if x["tokenizer_sft_items"]:
-            from openk3.train.corpus import read_documents
+            from openk3.datasets.corpus import read_documents
 
             source = [d["text"] for d in read_documents(corpus, "train")] + tokenizer_texts(x["tokenizer_sft_items"])
         train_tokenizer(source, x["vocab_size"], tok_dir, max_bytes=None if max_mb is None else int(max_mb * 2**20),
@@ -326,7 +326,6 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
     return run.replace(model=cfg, init_from=ckpt, prepare=None)
 
 
-@register_recipe("default-model")
 def default_model() -> RunConfig:
     """openk3-tiny end to end: corpus -> BPE -> pretraining -> SFT with MXFP4 QAT (issue 8)."""
     return RunConfig(
