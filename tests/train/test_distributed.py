@@ -30,6 +30,12 @@ from openk3.train.distributed.parallel import clip_grad_norm_, fsdp_units, init_
 from tests.conftest import REPO, assert_close
 
 TOL = 1e-5
+# Final parameters after the run's optimizer steps: Muon's orthogonalisation and AdamW's
+# normalisation turn a last-bit difference in a summed gradient (the all-reduce adds the ranks'
+# halves in another order than one process, and CPU kernels of different instruction sets round
+# differently) into a step-sized one: measured 1.28e-5 on an AMD EPYC (rel rms 3.2e-6). A broken
+# sharding or all-to-all moves parameters by far more (see the 20 x TOL checks).
+PARAM_TOL = 5e-5
 # Both sides run the reference KDA: this test is about the distribution (sharding, all-to-all, QB
 # all-reduce), and the fast backend's rounding depends on the batch layout, which sharding changes
 # (its own parity with the reference is tests/ops/test_kda_ops.py).
@@ -95,7 +101,7 @@ def test_two_process_run_matches_single_process(mode, dist_out, reference):
     assert bool((rec["bias"][-1] != 0).any())
     assert set(result["state"]) == set(state)
     for name, value in state.items():
-        assert_close(result["state"][name], value, TOL, what=f"{mode} parameter {name}")
+        assert_close(result["state"][name], value, PARAM_TOL, what=f"{mode} parameter {name}")
 
 
 @needs_gloo
