@@ -34,7 +34,7 @@ TOL = 1e-5
 # normalisation turn a last-bit difference in a summed gradient (the all-reduce adds the ranks'
 # halves in another order than one process, and CPU kernels of different instruction sets round
 # differently) into a step-sized one: measured 1.28e-5 on an AMD EPYC (rel rms 3.2e-6). A broken
-# sharding or all-to-all moves parameters by far more (see the 20 x TOL checks).
+# sharding or all-to-all moves parameters by orders of magnitude more.
 PARAM_TOL = 5e-5
 # Both sides run the reference KDA: this test is about the distribution (sharding, all-to-all, QB
 # all-reduce), and the fast backend's rounding depends on the batch layout, which sharding changes
