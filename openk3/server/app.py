@@ -566,11 +566,16 @@ def listen_socket(host: str, port: int) -> socket.socket:
     busy port is reported at once instead of after the load. Bound as uvicorn binds it
     (``SO_REUSEADDR``; IPv6 when `host` contains ``:``); uvicorn starts listening on it.
 
+    Created with ``proto=IPPROTO_TCP``: asyncio sets ``TCP_NODELAY`` only on accepted sockets whose
+    ``proto`` says TCP, and a socket made with the default ``proto=0`` left Nagle on, so every
+    response after the first on a keep-alive connection (headers and body are two writes) waited
+    for the client's delayed ACK: ``GET /health`` took 42-46 ms instead of about 1 ms.
+
     Raises:
         OSError: the address cannot be bound (``errno.EADDRINUSE``: another process holds it).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -99,6 +99,43 @@ def test_busy_port_is_one_line_before_the_model_loads():
                    "(another server? --port N picks another port, --port 0 a free one)\n"), out
 
 
+def test_accepted_connections_have_nagle_off():
+    """The server's socket, served as uvicorn serves it (``loop.create_server(sock=...)``), hands
+    out connections with ``TCP_NODELAY`` set, so a response's second write (the body after the
+    headers) leaves at once instead of waiting for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from openk3.server.app import listen_socket
+
+    async def accepted_nodelay(host: str) -> int:
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Protocol(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        sock = listen_socket(host, 0)
+        server = await asyncio.get_running_loop().create_server(Protocol, sock=sock)
+        _, writer = await asyncio.open_connection(host, sock.getsockname()[1])
+        try:
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay("127.0.0.1")) != 0
+    if socket.has_ipv6:
+        try:
+            nodelay = asyncio.run(accepted_nodelay("::1"))
+        except OSError:  # no IPv6 loopback on this machine
+            return
+        assert nodelay != 0
+
+
 def test_bad_runtime_flag_names_the_flag_not_the_model():
     code, out = _serve_fails("--port", "0", "--device", "tpu")
     assert code == 2
