@@ -40,6 +40,7 @@ SUB = 16
 # (16 tokens: exponents stay within +-40). K3's gate is bounded by gate_lower_bound = -5 so it always
 # qualifies; the unbounded Kimi-Linear gate qualifies while its decays stay moderate.
 MATMUL_GATE_BOUND = 5.0
+LOG2E = 1.4426950408889634  # e^x = 2^(x log2 e)
 
 
 def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool, tile: int = TILE) -> torch.Tensor:
@@ -87,31 +88,65 @@ def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bo
     return out.reshape(*lead, C, C)
 
 
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """``(I + A)^-1`` for strictly lower-triangular ``A`` [..., C, C], C a power of two.
+
+    Blocked bottom-up (the recursive triangular inversion of LAPACK's ``trtri``): the inverses of
+    the diagonal blocks of size s are known (s = 1: ones); each pair of neighbours merges into a
+    block of 2s by ``X21 = -inv22 @ A21 @ inv11``, all pairs of a level in one batched product.
+    log2(C) levels of two small matmuls each, differentiable, no in-place writes; on the CPU it
+    runs in ~0.8x the time of ``torch.linalg.solve_triangular`` applied to a [C, K + V] right side,
+    and it needs no concatenated right side (the WY factors are two products with the inverse).
+
+    Raises:
+        ValueError: A is not [..., C, C] with C a power of two. (The upper triangle and diagonal
+        of A are never read.)
+    """
+    C = A.shape[-1]
+    if A.dim() < 2 or A.shape[-2] != C or C < 1 or C & (C - 1):
+        raise ValueError(f"A: expected [..., C, C] with C a power of two, got shape {tuple(A.shape)}")
+    lead = A.shape[:-2]
+    inv = A.new_ones(*lead, C, 1, 1)  # C diagonal blocks of size 1
+    s = 1
+    while s < C:
+        nb = C // (2 * s)
+        # A21 of every pair: rows of block 2p+1, columns of block 2p -> [..., nb, s, s]
+        a21 = A.view(*lead, nb, 2, s, nb, 2, s)[..., :, 1, :, :, 0, :].diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+        pairs = inv.view(*lead, nb, 2, s, s)
+        i11, i22 = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        x21 = -(i22 @ a21 @ i11)
+        inv = torch.cat([torch.cat([i11, torch.zeros_like(i11)], -1), torch.cat([x21, i22], -1)], -2)
+        s *= 2
+    return inv.view(*lead, C, C)
+
+
 def _intra_bounded(q, k, v, g, beta):
     """State-independent stage on chunks of :data:`SUB` tokens under the gate bound.
 
     q, k, g: [B, H, N, SUB, K]; v: [B, H, N, SUB, V]; beta: [B, H, N, SUB, 1]. Every score is one
     matmul factored through the chunk's middle position m (|G_x - G_m| <= (SUB/2) * bound = 40,
-    e^40 ~ 2e17); the masked j > i pairs stay finite (exponent <= 75) and are dropped.
+    e^40 ~ 2e17); the masked j > i pairs stay finite (exponent <= 75) and are dropped. Decays are
+    taken in base 2 (``exp2`` of the log-decay times log2 e: torch's CPU ``exp2`` is ~3x faster
+    than ``exp`` at the same accuracy), ``e^{G_m - G_x}`` as the reciprocal of ``e^{G_x - G_m}``,
+    and ``(I + A_kk)^-1`` by :func:`unit_lower_inverse`.
     Returns the :func:`~openk3.ops.kda_scan.kda_state_pass` inputs (W, U, A, Q, Kt, D).
     """
     C, K = q.shape[-2:]
-    G = g.cumsum(-2)
+    G = g.cumsum(-2) * LOG2E  # base-2 cumulative log-decay
     mid = G[..., C // 2 : C // 2 + 1, :]
-    up, down = (G - mid).exp(), (mid - G).exp()  # e^{G_x - G_m}, e^{G_m - G_x}
-    k_down = k * down
+    up = (G - mid).exp2()  # e^{G_x - G_m}
+    k_down = k * up.reciprocal()  # k e^{G_m - G_x}
     keep = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     zero = torch.zeros((), device=q.device)
     A_kk = torch.where(keep.tril(-1), (k * up) @ k_down.transpose(-1, -2), zero) * beta
     A_qk = torch.where(keep, (q * up) @ k_down.transpose(-1, -2), zero)
-    eG = G.exp()
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    WU = torch.linalg.solve_triangular(eye + A_kk, beta * torch.cat([k * eG, v], dim=-1), upper=False,
-                                       unitriangular=True)
-    W, U = WU.split([K, v.shape[-1]], dim=-1)
+    eG = G.exp2()
+    # W = (I + A_kk)^-1 diag(beta) (k e^G), U = (I + A_kk)^-1 diag(beta) v
+    inv_beta = unit_lower_inverse(A_kk) * beta.transpose(-1, -2)
+    W, U = inv_beta @ (k * eG), inv_beta @ v
     G_end = G[..., -1:, :]
-    Kt = (k * (G_end - G).exp()).transpose(-1, -2)
-    return W, U, A_qk, q * eG, Kt, G_end.exp().transpose(-1, -2)
+    Kt = (k * (G_end - G).exp2()).transpose(-1, -2)
+    return W, U, A_qk, q * eG, Kt, G_end.exp2().transpose(-1, -2)
 
 
 def _intra_general(q, k, v, g, beta):

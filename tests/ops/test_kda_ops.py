@@ -251,6 +251,22 @@ def test_sub_chunk_scores_equal_closed_form(g_kind):
     assert_close(U, want_u, atol=1e-4, rtol=1e-5, what="U = (I + A_kk)^-1 beta v")
 
 
+@pytest.mark.parametrize("C", [1, 2, 16, 64])
+def test_unit_lower_inverse_equals_the_inverse(C):
+    """The blocked inverse of I + A (A strictly lower) == float64 torch.linalg.inv; its upper
+    triangle and diagonal are never read; a C that is not a power of two is refused."""
+    g = torch.Generator().manual_seed(C)
+    A = torch.randn(3, 2, C, C, generator=g, dtype=torch.float64).tril(-1) * 0.5
+    want = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A)
+    noisy = A + torch.randn(3, 2, C, C, generator=g, dtype=torch.float64).triu()  # ignored entries
+    got = kc.unit_lower_inverse(noisy)
+    # float64: what is left is rounding, amplified by the inverse's growth at C = 64
+    assert_close(got, want, atol=1e-10 * float(want.abs().max()), rtol=1e-10, what="unit lower inverse")
+    assert bool((got.triu(1) == 0).all()) and bool((got.diagonal(dim1=-2, dim2=-1) == 1).all())
+    with pytest.raises(ValueError, match="power of two"):
+        kc.unit_lower_inverse(torch.zeros(2, 12, 12))
+
+
 def test_invalid_arguments_raise():
     q, k, v, g, beta = make_inputs(2, 10)
     with pytest.raises(ValueError, match="beta"):
