@@ -46,7 +46,7 @@ def test_in_process_vision_checkpoint_returns_per_type_table(tmp_path):
     from openk3.pretrained import build_model
     from openk3.tokenizer import load_tokenizer
     from openk3.recipes import RunConfig
-    from openk3.recipes.default_model_vision import vision_model_config
+    from openk3.recipes.default_model_vision import VisionStageSettings, vision_model_config
 
     torch.set_num_threads(1)
     lm = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "moe_intermediate_size": 32,
@@ -55,7 +55,7 @@ def test_in_process_vision_checkpoint_returns_per_type_table(tmp_path):
     vit = {"vt_num_hidden_layers": 1, "vt_hidden_size": 32, "mm_hidden_size": 32, "vt_intermediate_size": 64,
            "qkv_hidden_size": 32}
     run = RunConfig("t", "openk3-tiny", lambda run, split: None, 1,
-                    extra={"tokenizer_dir": TOK, "model_overrides": lm, "vision": vit})
+                    settings=VisionStageSettings(tokenizer_dir=TOK, model_overrides=lm, vision=vit))
     model = build_model(vision_model_config(run), seed=0)
     model.save_pretrained(str(tmp_path / "m"))
     load_tokenizer(TOK).save_pretrained(tmp_path / "m")

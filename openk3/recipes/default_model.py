@@ -11,10 +11,11 @@ Stages (``openk3 train --recipe default-model --out runs/default-model``)::
 Stages 1-3 run inside :attr:`RunConfig.prepare <openk3.recipes.RunConfig>`; stage 4 is the
 run config :func:`~openk3.train.trainer.train` executes. Resumable at any point: a finished corpus
 or tokenizer is reused; pretraining always continues from its latest checkpoint (a ``DONE`` file
-marks it finished); SFT continues with ``--resume``. Every size is an ``extra`` key, overridable
-with ``--set extra='{"pretrain_steps": 3, ...}'`` (merged over :data:`DEFAULTS`).
+marks it finished); SFT continues with ``--resume``. Every size is a field of
+:class:`DefaultModelSettings` (``RunConfig.settings``), overridable with ``--set
+extra='{"pretrain_steps": 3, ...}'`` or ``--set pretrain_steps=3``.
 
-SFT data knobs (``extra``): ``sft_mixture`` (None = :data:`openk3.datasets.sft_data.MIXTURE`; a dict
+SFT data knobs: ``sft_mixture`` (None = :data:`openk3.datasets.sft_data.MIXTURE`; a dict
 task -> share merged over it and renormalised to sum 1, see
 :func:`~openk3.datasets.sft_data.normalise_mixture`) and ``sft_replay`` (in [0, 1), default 0 =
 plain SFT, bit-identical data): the expected share of SFT training rows (micro-batches; one row
@@ -42,109 +43,128 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from openk3.recipes.settings import OWNER, RecipeSettings, check_at_least, check_fraction
+from openk3.train.optim import Schedule
 from openk3.train.run_config import RunConfig
 
-DEFAULTS: dict = {
-    "corpus_dir": "data/corpus",        # built by stage 1 unless it holds a manifest already
-    "corpus_sources": None,             # None: default_sources(); else ["NAME:LICENCE:PATH", ...]
-    "tokenizer_dir": "data/tokenizer",  # trained by stage 2 unless it holds tokenizer.json
-    "vocab_size": 8192,
-    "tokenizer_max_mb": None,
-    "cache_dir": "data/cache",          # tokenised corpus store
-    "model_overrides": {},              # K3Config fields replaced (tests shrink the model)
-    "pretrain_steps": 2400,
-    "pretrain_seq_len": 1024,
-    "pretrain_lr": 1e-2,
-    "pretrain_eval_every": 400,
-    "pretrain_schedule": "wsd",         # "wsd" (peak LR until the decay) or "cosine" (the shipped weights' run)
-    "pretrain_decay_fraction": 0.2,     # WSD: share of pretraining steps in the final decay
-    "sft_seed": 1,
-    "sft_items": 20000,
-    "sft_eval_items": 16,               # per eval suite, for the SFT run's periodic eval loss
-    "sft_mixture": None,                # None: sft_data.MIXTURE; else {task: share} merged over it
-    "sft_replay": 0.0,                  # share of SFT train rows that are corpus rows, in [0, 1)
-    "tokenizer_split_digits": True,     # numbers pre-tokenized into single digits
-    "tokenizer_sft_items": 12000,       # synthetic conversations (seed 77) added to the tokenizer's corpus
-    "pretrain_sft_share": 0.0,          # share of pretraining rows that are SFT conversations, in [0, 1)
-    "pretrain_induction_share": 0.3,    # share of pretraining rows that are induction documents, in [0, 1)
-    "induction_items": 20000,           # induction documents drawn (seed sft_seed + 200)
-    "pretrain_copy_steps": 0,           # first pretraining steps on random-span copy documents only
-    "pretrain_copy_span": [4, 20],      # span lengths (inclusive) of those documents
-    "pretrain_copy_items": 100000,      # copy documents drawn (seed sft_seed + 300)
-    "long_share": 0.0,                  # share of SFT train rows that are long harness-prompt rows, in [0, 1)
-    "long_seq_len": 8192,               # tokens per long row (one conversation behind a harness prompt)
-    "long_items": 1000,                 # long conversations drawn (seed sft_seed + 100)
-}
+@dataclass(frozen=True)
+class DefaultModelSettings(RecipeSettings):
+    """The ``default-model`` recipe's knobs (``--set extra='{"pretrain_steps": 3}'`` or
+    ``--set pretrain_steps=3``); defaults are the shipped model's run.
 
-
-def settings(run: RunConfig) -> dict:
-    """:data:`DEFAULTS` overridden by ``run.extra``; ``sft_mixture`` comes back normalised (a full
-    task -> share dict summing to 1) when set.
-
-    Raises:
-        ValueError: an unknown key; a bad ``extra.sft_mixture`` (unknown task, negative share, all
-            0) or ``extra.sft_replay`` (not a number in [0, 1)), naming the key and value.
+    Attributes:
+        corpus_dir: built by stage 1 unless it holds a manifest already.
+        corpus_sources: None: :func:`~openk3.datasets.corpus_sources.default_sources`; else
+            ``["NAME:LICENCE:PATH", ...]`` directories.
+        tokenizer_dir: trained by stage 2 unless it holds ``tokenizer.json``.
+        vocab_size, tokenizer_max_mb (None: the whole corpus), tokenizer_split_digits (numbers
+            pre-tokenized into single digits), tokenizer_sft_items (synthetic conversations,
+            seed 77, added to the tokenizer's corpus): the BPE.
+        cache_dir: the tokenised corpus store.
+        model_overrides: K3Config fields replaced (tests shrink the model).
+        pretrain_steps (>= 0; 0 skips pretraining), pretrain_seq_len, pretrain_lr,
+            pretrain_eval_every, pretrain_schedule (``"wsd"``: the peak LR until the decay, or
+            ``"cosine"``: the shipped weights' run), pretrain_decay_fraction (WSD's share of
+            pretraining steps in the final decay, in [0, 1]): stage 3.
+        pretrain_sft_share, pretrain_induction_share (each in [0, 1), summing to < 1; the rest
+            is corpus), induction_items (>= 1, seed ``sft_seed`` + 200): pretraining's mixture.
+        pretrain_copy_steps (>= 0), pretrain_copy_span ([lo, hi], 1 <= lo <= hi),
+            pretrain_copy_items (>= 1, seed ``sft_seed`` + 300): the copy curriculum.
+        sft_seed, sft_items (>= 1), sft_eval_items (per eval suite): the SFT data.
+        sft_mixture: None (:data:`openk3.datasets.sft_data.MIXTURE`) or ``{task: share}`` merged
+            over it (:attr:`mixture` is the normalised result).
+        sft_replay: share of SFT train rows that are corpus rows, in [0, 1).
+        long_share (in [0, 1)), long_seq_len (>= 1), long_items (>= 1, seed ``sft_seed`` + 100):
+            long harness-prompt SFT rows.
+    Raises (construction):
+        ValueError: a value of the wrong type or out of range, naming ``extra.<field>``.
     """
-    x = merge_extra(run.extra, DEFAULTS)
-    for key in ("sft_replay", "pretrain_sft_share", "pretrain_induction_share", "long_share"):
-        check_fraction(x, key)
-    if x["pretrain_sft_share"] + x["pretrain_induction_share"] >= 1:
-        raise ValueError(f"extra.pretrain_sft_share + extra.pretrain_induction_share = "
-                         f"{x['pretrain_sft_share'] + x['pretrain_induction_share']!r}: must be < 1 (the rest is corpus)")
-    from openk3.train.optim import SCHEDULES
 
-    if x["pretrain_schedule"] not in SCHEDULES:
-        raise ValueError(f"extra.pretrain_schedule={x['pretrain_schedule']!r}: must be one of {', '.join(SCHEDULES)}")
-    v = x["pretrain_decay_fraction"]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-        raise ValueError(f"extra.pretrain_decay_fraction={v!r}: must be a number in [0, 1]")
-    for key in ("pretrain_steps", "long_seq_len", "long_items", "sft_items", "induction_items",
-                "pretrain_copy_steps", "pretrain_copy_items"):
-        v, lo = x[key], (0 if key in ("pretrain_steps", "pretrain_copy_steps") else 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"extra.{key}={v!r}: must be an integer >= {lo}")
-    v = x["pretrain_copy_span"]
-    if (not isinstance(v, (list, tuple)) or len(v) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in v)
-            or not 1 <= v[0] <= v[1]):
-        raise ValueError(f"extra.pretrain_copy_span={v!r}: must be [lo, hi] integers with 1 <= lo <= hi")
-    return x
+    corpus_dir: str = "data/corpus"
+    corpus_sources: list[str] | None = None
+    tokenizer_dir: str = "data/tokenizer"
+    vocab_size: int = 8192
+    tokenizer_max_mb: float | None = None
+    cache_dir: str = "data/cache"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    pretrain_steps: int = 2400
+    pretrain_seq_len: int = 1024
+    pretrain_lr: float = 1e-2
+    pretrain_eval_every: int = 400
+    pretrain_schedule: Schedule = "wsd"
+    pretrain_decay_fraction: float = 0.2
+    sft_seed: int = 1
+    sft_items: int = 20000
+    sft_eval_items: int = 16
+    sft_mixture: dict[str, float] | None = None
+    sft_replay: float = 0.0
+    tokenizer_split_digits: bool = True
+    tokenizer_sft_items: int = 12000
+    pretrain_sft_share: float = 0.0
+    pretrain_induction_share: float = 0.3
+    induction_items: int = 20000
+    pretrain_copy_steps: int = 0
+    pretrain_copy_span: tuple[int, int] = (4, 20)
+    pretrain_copy_items: int = 100000
+    long_share: float = 0.0
+    long_seq_len: int = 8192
+    long_items: int = 1000
 
+    def __post_init__(self) -> None:
+        if self.sft_mixture is not None:  # its own messages name the task and share
+            from openk3.datasets.sft_data import normalise_mixture
 
-def merge_extra(extra: dict, defaults: dict) -> dict:
-    """``defaults`` overridden by ``extra`` (a recipe's ``RunConfig.extra``); an ``sft_mixture``
-    key, when set, comes back normalised (:func:`openk3.datasets.sft_data.normalise_mixture`).
+            normalise_mixture(self.sft_mixture, f"{OWNER}.sft_mixture")
+        super().__post_init__()
 
-    Raises:
-        ValueError: a key not in ``defaults``, or a bad ``sft_mixture``, naming it.
-    """
-    unknown = sorted(set(extra) - set(defaults))
-    if unknown:
-        raise ValueError(f"RunConfig.extra: unknown key {unknown[0]!r} (known: {', '.join(sorted(defaults))})")
-    x = {**defaults, **extra}
-    if x.get("sft_mixture") is not None:
+    def check(self) -> None:
+        for name in ("sft_replay", "pretrain_sft_share", "pretrain_induction_share", "long_share"):
+            check_fraction(self, name)
+        if self.pretrain_sft_share + self.pretrain_induction_share >= 1:
+            raise ValueError(f"{OWNER}.pretrain_sft_share + {OWNER}.pretrain_induction_share = "
+                             f"{self.pretrain_sft_share + self.pretrain_induction_share!r}: must be < 1 (the rest is "
+                             f"corpus)")
+        if not 0.0 <= self.pretrain_decay_fraction <= 1.0:
+            raise ValueError(f"{OWNER}.pretrain_decay_fraction={self.pretrain_decay_fraction!r}: must be a number in "
+                             f"[0, 1]")
+        for name in ("pretrain_steps", "pretrain_copy_steps"):
+            check_at_least(self, name, 0)
+        for name in ("long_seq_len", "long_items", "sft_items", "induction_items", "pretrain_copy_items"):
+            check_at_least(self, name, 1)
+        lo, hi = self.pretrain_copy_span
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{OWNER}.pretrain_copy_span={self.pretrain_copy_span!r}: must be [lo, hi] integers with "
+                             f"1 <= lo <= hi")
+
+    @property
+    def mixture(self) -> dict[str, float] | None:
+        """``sft_mixture`` merged over MIXTURE and normalised to sum 1 (None: MIXTURE itself)."""
+        if self.sft_mixture is None:
+            return None
         from openk3.datasets.sft_data import normalise_mixture
 
-        x["sft_mixture"] = normalise_mixture(x["sft_mixture"], "extra.sft_mixture")
-    return x
+        return normalise_mixture(self.sft_mixture, f"{OWNER}.sft_mixture")
 
 
-def check_fraction(x: dict, key: str) -> None:
-    """``x[key]`` must be a number in [0, 1) (a share of training rows).
+def settings(run: RunConfig) -> DefaultModelSettings:
+    """The run's :class:`DefaultModelSettings` (validated when they were made).
 
     Raises:
-        ValueError: naming ``extra.<key>`` and the value.
+        ValueError: ``run.settings`` is not a DefaultModelSettings (another recipe's run).
     """
-    v = x[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
-        raise ValueError(f"extra.{key}={v!r}: must be a number in [0, 1)")
+    if not isinstance(run.settings, DefaultModelSettings):
+        raise ValueError(f"RunConfig.settings={run.settings!r}: the default-model stages need DefaultModelSettings")
+    return run.settings
 
 
 def _tokenizer(run: RunConfig):
     from openk3.tokenizer import load_tokenizer
 
-    return load_tokenizer(settings(run)["tokenizer_dir"])
+    return load_tokenizer(settings(run).tokenizer_dir)
 
 
 def corpus_data(run: RunConfig, split: str):
@@ -155,30 +175,30 @@ def corpus_data(run: RunConfig, split: str):
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     x, tok = settings(run), _tokenizer(run)
-    store = DocumentStore.from_corpus(x["corpus_dir"], tok, "train" if split == "train" else "val",
-                                      cache_dir=x["cache_dir"])
+    store = DocumentStore.from_corpus(x.corpus_dir, tok, "train" if split == "train" else "val",
+                                      cache_dir=x.cache_dir)
     return PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, shuffle=split == "train",
                         pad_id=run.model_config().pad_token_id)
 
 
-def _sft_loader(run: RunConfig, x: dict, tok, seq_len: int, seed_offset: int = 0):
+def _sft_loader(run: RunConfig, x: DefaultModelSettings, tok, seq_len: int, seed_offset: int = 0):
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.datasets.sft_data import sft_conversations
 
-    convs = sft_conversations(x["sft_seed"] + seed_offset, x["sft_items"], mixture=x["sft_mixture"])
+    convs = sft_conversations(x.sft_seed + seed_offset, x.sft_items, mixture=x.mixture)
     return PackedLoader(DocumentStore.from_conversations(convs, tok), seq_len, run.batch_size, seed=run.seed,
                         split_documents=False, pad_id=run.model_config().pad_token_id)
 
 
-def long_data(run: RunConfig, x: dict, tok):
+def long_data(run: RunConfig, x: DefaultModelSettings, tok):
     """Long rows: ``long_items`` SFT conversations behind synthetic agent-harness prompts
     (:func:`openk3.datasets.harness.long_conversations`, seed ``sft_seed`` + 100), one or two per
     row of ``long_seq_len`` tokens."""
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.datasets.harness import long_conversations
 
-    convs = long_conversations(x["sft_seed"] + 100, x["long_items"], x["long_seq_len"], tok, mixture=x["sft_mixture"])
-    return PackedLoader(DocumentStore.from_conversations(convs, tok), x["long_seq_len"], 1, seed=run.seed,
+    convs = long_conversations(x.sft_seed + 100, x.long_items, x.long_seq_len, tok, mixture=x.mixture)
+    return PackedLoader(DocumentStore.from_conversations(convs, tok), x.long_seq_len, 1, seed=run.seed,
                         split_documents=False, pad_id=run.model_config().pad_token_id)
 
 
@@ -196,14 +216,14 @@ def sft_data(run: RunConfig, split: str):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     x, tok = settings(run), _tokenizer(run)
     if split == "eval":
-        convs = [it.conversation() for s in EVAL_SUITES for it in eval_items(s, 0, x["sft_eval_items"])]
+        convs = [it.conversation() for s in EVAL_SUITES for it in eval_items(s, 0, x.sft_eval_items)]
         return PackedLoader(DocumentStore.from_conversations(convs, tok), run.seq_len, run.batch_size, seed=run.seed,
                             shuffle=False, split_documents=False, pad_id=run.model_config().pad_token_id)
     data = _sft_loader(run, x, tok, run.seq_len)
-    if x["long_share"] > 0:
-        data = MixedLoader(data, long_data(run, x, tok), x["long_share"], seed=run.seed + 1)
-    if x["sft_replay"] > 0:
-        data = MixedLoader(data, corpus_data(run, "train"), x["sft_replay"], seed=run.seed)
+    if x.long_share > 0:
+        data = MixedLoader(data, long_data(run, x, tok), x.long_share, seed=run.seed + 1)
+    if x.sft_replay > 0:
+        data = MixedLoader(data, corpus_data(run, "train"), x.sft_replay, seed=run.seed)
     return data
 
 
@@ -221,20 +241,20 @@ def pretrain_data(run: RunConfig, split: str):
 
     x = settings(run)
     data = corpus_data(run, split)
-    p_sft, p_ind = x["pretrain_sft_share"], x["pretrain_induction_share"]
+    p_sft, p_ind = x.pretrain_sft_share, x.pretrain_induction_share
     if split == "eval":
         return data
     tok = _tokenizer(run)
     if p_sft > 0:
         data = MixedLoader(data, _sft_loader(run, x, tok, run.seq_len, 50), p_sft / (1 - p_ind), seed=run.seed + 2)
     if p_ind > 0:
-        ind = PackedLoader(induction_store(x["sft_seed"] + 200, x["induction_items"], tok), run.seq_len, run.batch_size,
+        ind = PackedLoader(induction_store(x.sft_seed + 200, x.induction_items, tok), run.seq_len, run.batch_size,
                            seed=run.seed, pad_id=run.model_config().pad_token_id)
         data = MixedLoader(data, ind, p_ind, seed=run.seed + 3)
-    if x["pretrain_copy_steps"] > 0:
-        spans = span_store(x["sft_seed"] + 300, x["pretrain_copy_items"], tok, tuple(x["pretrain_copy_span"]))
+    if x.pretrain_copy_steps > 0:
+        spans = span_store(x.sft_seed + 300, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span))
         copy = PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=run.model_config().pad_token_id)
-        data = CurriculumLoader(copy, data, x["pretrain_copy_steps"])
+        data = CurriculumLoader(copy, data, x.pretrain_copy_steps)
     return data
 
 
@@ -245,7 +265,7 @@ def model_for_tokenizer(run: RunConfig):
     cfg = run.model_config()
     cfg = cfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                       pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id)
-    return cfg.replace(**x["model_overrides"]) if x["model_overrides"] else cfg
+    return cfg.replace(**x.model_overrides) if x.model_overrides else cfg
 
 
 def tokenizer_texts(n: int, seed: int = 77) -> list[str]:
@@ -275,16 +295,16 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
 
     x = settings(run)
     log = (lambda line: print(f"[default-model] {line}", file=sys.stderr))
-    corpus = Path(x["corpus_dir"])
+    corpus = Path(x.corpus_dir)
     if not (corpus / "manifest.json").is_file():
         from openk3.datasets.corpus import build_corpus
         from openk3.datasets.corpus_sources import default_sources, directory_source
 
-        if x["corpus_sources"] is None:
+        if x.corpus_sources is None:
             sources = default_sources()
         else:
             sources = []
-            for spec in x["corpus_sources"]:
+            for spec in x.corpus_sources:
                 name, _, rest = str(spec).partition(":")
                 licence, _, path = rest.partition(":")
                 if not (name and licence and path):
@@ -292,28 +312,28 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
                 sources.append(directory_source(name, licence, path))
         log(f"stage 1/4: building the corpus into {corpus}")
         build_corpus(sources, corpus, overwrite=corpus.exists(), log=log)
-    tok_dir = Path(x["tokenizer_dir"])
+    tok_dir = Path(x.tokenizer_dir)
     if not (tok_dir / "tokenizer.json").is_file():
         from openk3.train.tokenizer_train import train_tokenizer
 
-        log(f"stage 2/4: training a {x['vocab_size']}-id BPE into {tok_dir}")
-        max_mb = x["tokenizer_max_mb"]
+        log(f"stage 2/4: training a {x.vocab_size}-id BPE into {tok_dir}")
+        max_mb = x.tokenizer_max_mb
         source = corpus
-        if x["tokenizer_sft_items"]:
+        if x.tokenizer_sft_items:
             from openk3.datasets.corpus import read_documents
 
-            source = [d["text"] for d in read_documents(corpus, "train")] + tokenizer_texts(x["tokenizer_sft_items"])
-        train_tokenizer(source, x["vocab_size"], tok_dir, max_bytes=None if max_mb is None else int(max_mb * 2**20),
-                        split_digits=bool(x["tokenizer_split_digits"]))
+            source = [d["text"] for d in read_documents(corpus, "train")] + tokenizer_texts(x.tokenizer_sft_items)
+        train_tokenizer(source, x.vocab_size, tok_dir, max_bytes=None if max_mb is None else int(max_mb * 2**20),
+                        split_digits=x.tokenizer_split_digits)
     cfg = model_for_tokenizer(run)
-    if x["pretrain_steps"] == 0:
+    if x.pretrain_steps == 0:
         log("stage 3/4: skipped (pretrain_steps 0); stage 4/4 starts from the initialisation")
         return run.replace(model=cfg, prepare=None)
     pre_dir = os.path.join(out_dir, "pretrain")
-    pre = run.replace(name=f"{run.name}-pretrain", model=cfg, data=pretrain_data, total_steps=x["pretrain_steps"],
-                      seq_len=x["pretrain_seq_len"], lr=x["pretrain_lr"], qat=None, init_from=None, prepare=None,
-                      eval_every=x["pretrain_eval_every"], warmup_steps=None, schedule=x["pretrain_schedule"],
-                      decay_fraction=x["pretrain_decay_fraction"])
+    pre = run.replace(name=f"{run.name}-pretrain", model=cfg, data=pretrain_data, total_steps=x.pretrain_steps,
+                      seq_len=x.pretrain_seq_len, lr=x.pretrain_lr, qat=None, init_from=None, prepare=None,
+                      eval_every=x.pretrain_eval_every, warmup_steps=None, schedule=x.pretrain_schedule,
+                      decay_fraction=x.pretrain_decay_fraction)
     done = Path(pre_dir) / "DONE"
     if not done.is_file():
         log(f"stage 3/4: pretraining {pre.total_steps} steps into {pre_dir}")
@@ -331,9 +351,9 @@ def default_model() -> RunConfig:
     return RunConfig(
         name="default-model", model="openk3-tiny", data=sft_data, total_steps=2800, seq_len=1024,
         warmup_steps=None, lr=5e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=4, ckpt_every=100,
-        keep_checkpoints=2, seed=0, prepare=prepare_default_model,
+        keep_checkpoints=2, seed=0, prepare=prepare_default_model, settings=DefaultModelSettings(),
     )
 
 
-__all__ = ["DEFAULTS", "settings", "merge_extra", "check_fraction", "corpus_data", "sft_data", "long_data",
+__all__ = ["DefaultModelSettings", "settings", "corpus_data", "sft_data", "long_data",
            "pretrain_data", "model_for_tokenizer", "prepare_default_model", "default_model"]

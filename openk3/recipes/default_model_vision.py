@@ -21,8 +21,8 @@ capacity to leave untouched; forgetting is held off by a peak LR of 2e-3 (below 
 
 Data: ``image_items`` image-question conversations (:mod:`openk3.datasets.vision_data`, seed
 ``image_seed``) packed by :class:`~openk3.train.vision_loader.ImageSFTLoader`; eval: held-out
-image conversations (another seed, disjoint by hash). Knobs (``extra``, merged over
-:data:`DEFAULTS`): ``text_ckpt`` (required), ``tokenizer_dir``, ``vision`` (VisionConfig fields
+image conversations (another seed, disjoint by hash). Knobs (:class:`VisionStageSettings`,
+``--set extra='{...}'``): ``text_ckpt`` (required), ``tokenizer_dir``, ``vision`` (VisionConfig fields
 over :func:`tiny_vision_config`), ``image_items``, ``image_seed``, ``text_share`` in [0, 1),
 ``sft_items``, ``sft_seed``, ``sft_mixture`` (task -> share merged over
 :data:`openk3.datasets.sft_data.MIXTURE`, e.g. ``{"copy": 0.3}`` for the copying curriculum),
@@ -34,36 +34,71 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
+from openk3.recipes.settings import OWNER, RecipeSettings, check_fraction
 from openk3.train.run_config import RunConfig
 
-DEFAULTS: dict = {
-    "text_ckpt": None,                  # a text SFT training checkpoint (required)
-    "tokenizer_dir": "data/tokenizer",
-    "vision": {},                       # VisionConfig fields over tiny_vision_config()
-    "image_items": 6000,
-    "image_seed": 2,
-    "text_share": 0.5,                  # share of rows that are text SFT conversations
-    "sft_items": 12000,
-    "sft_seed": 3,
-    "sft_mixture": None,                # None: sft_data.MIXTURE; else {task: share} merged over it
-    "eval_items": 24,
-    "model_overrides": {},
-}
+@dataclass(frozen=True)
+class VisionStageSettings(RecipeSettings):
+    """The ``default-model-vision`` recipe's knobs (module docstring); defaults are the shipped run.
+
+    Attributes:
+        text_ckpt: a text SFT training checkpoint (required by the stage; None until given).
+        tokenizer_dir: the text model's tokenizer.
+        vision: VisionConfig fields over :func:`tiny_vision_config`.
+        image_items, image_seed: the image conversations.
+        text_share: share of rows that are text SFT conversations, in [0, 1).
+        sft_items, sft_seed, sft_mixture (None: ``sft_data.MIXTURE``; else ``{task: share}``
+            merged over it; :attr:`mixture` is the normalised result): those text rows.
+        eval_items: held-out image conversations.
+        model_overrides: K3Config fields replaced (tests shrink the LM).
+    Raises (construction):
+        ValueError: a value of the wrong type or out of range, naming ``extra.<field>``.
+    """
+
+    text_ckpt: str | None = None
+    tokenizer_dir: str = "data/tokenizer"
+    vision: dict[str, Any] = field(default_factory=dict)
+    image_items: int = 6000
+    image_seed: int = 2
+    text_share: float = 0.5
+    sft_items: int = 12000
+    sft_seed: int = 3
+    sft_mixture: dict[str, float] | None = None
+    eval_items: int = 24
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.sft_mixture is not None:
+            from openk3.datasets.sft_data import normalise_mixture
+
+            normalise_mixture(self.sft_mixture, f"{OWNER}.sft_mixture")
+        super().__post_init__()
+
+    def check(self) -> None:
+        check_fraction(self, "text_share")
+
+    @property
+    def mixture(self) -> dict[str, float] | None:
+        """``sft_mixture`` merged over MIXTURE and normalised to sum 1 (None: MIXTURE itself)."""
+        if self.sft_mixture is None:
+            return None
+        from openk3.datasets.sft_data import normalise_mixture
+
+        return normalise_mixture(self.sft_mixture, f"{OWNER}.sft_mixture")
 
 
-def settings(run: RunConfig) -> dict:
-    """:data:`DEFAULTS` overridden by ``run.extra``.
+def settings(run: RunConfig) -> VisionStageSettings:
+    """The run's :class:`VisionStageSettings`.
 
     Raises:
-        ValueError: an unknown key, ``text_share`` outside [0, 1), or a bad
-            ``sft_mixture`` (see :func:`openk3.datasets.sft_data.normalise_mixture`).
+        ValueError: ``run.settings`` is not a VisionStageSettings (another recipe's run).
     """
-    from openk3.recipes.default_model import check_fraction, merge_extra
-
-    x = merge_extra(run.extra, DEFAULTS)
-    check_fraction(x, "text_share")
-    return x
+    if not isinstance(run.settings, VisionStageSettings):
+        raise ValueError(f"RunConfig.settings={run.settings!r}: the vision stage needs VisionStageSettings")
+    return run.settings
 
 
 def tiny_vision_config(text_hidden_size: int = 128, **changes):
@@ -84,15 +119,15 @@ def vision_model_config(run: RunConfig):
     from openk3.tokenizer import load_tokenizer
 
     x = settings(run)
-    tok = load_tokenizer(x["tokenizer_dir"])
+    tok = load_tokenizer(x.tokenizer_dir)
     cfg = run.model_config()
     if cfg.wrapper is not None and cfg.wrapper.get("vision_config") is not None:
         return cfg  # already prepared
     cfg = cfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                       pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id)
-    if x["model_overrides"]:
-        cfg = cfg.replace(**x["model_overrides"])
-    vc = tiny_vision_config(cfg.hidden_size, **dict(x["vision"]))
+    if x.model_overrides:
+        cfg = cfg.replace(**x.model_overrides)
+    vc = tiny_vision_config(cfg.hidden_size, **dict(x.vision))
     cfg = cfg.as_k3_wrapper()
     cfg.wrapper["vision_config"] = vc.to_dict()
     return cfg
@@ -108,21 +143,21 @@ def vision_data(run: RunConfig, split: str):
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     x = settings(run)
-    tok = load_tokenizer(x["tokenizer_dir"])
+    tok = load_tokenizer(x.tokenizer_dir)
     pad = run.model_config().pad_token_id
-    items = image_items(x["image_seed"], x["image_items"]) if split == "train" else eval_image_items(0, x["eval_items"])
+    items = image_items(x.image_seed, x.image_items) if split == "train" else eval_image_items(0, x.eval_items)
     docs = [image_chat_document(it.conversation(), tok) for it in items]
     images = ImageSFTLoader(docs, run.seq_len, seed=run.seed, shuffle=split == "train", pad_id=pad)
-    if split == "eval" or x["text_share"] == 0:
+    if split == "eval" or x.text_share == 0:
         return images
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.train.mixed_data import MixedLoader
     from openk3.datasets.sft_data import sft_conversations
 
-    store = DocumentStore.from_conversations(sft_conversations(x["sft_seed"], x["sft_items"],
-                                                               mixture=x["sft_mixture"]), tok)
+    store = DocumentStore.from_conversations(sft_conversations(x.sft_seed, x.sft_items,
+                                                               mixture=x.mixture), tok)
     text = PackedLoader(store, run.seq_len, 1, seed=run.seed + 1, split_documents=False, pad_id=pad)
-    return MixedLoader(images, text, float(x["text_share"]), seed=run.seed)
+    return MixedLoader(images, text, x.text_share, seed=run.seed)
 
 
 def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
@@ -132,14 +167,14 @@ def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
         ValueError: no ``extra.text_ckpt``, or see :func:`settings`.
     """
     x = settings(run)
-    ckpt = x["text_ckpt"]
+    ckpt = x.text_ckpt
     if not ckpt:
         raise ValueError("extra.text_ckpt: required (a text SFT checkpoint, e.g. runs/default-model/checkpoints/step-0002800)")
     if not isinstance(ckpt, str) or not os.path.isfile(os.path.join(ckpt, "config.json")):
         raise ValueError(f"extra.text_ckpt={ckpt!r}: not a checkpoint directory (no config.json); give a text SFT "
                          f"checkpoint such as runs/default-model/checkpoints/step-0002800")
-    print(f"[default-model-vision] vision stage from {x['text_ckpt']} with {run.qat or 'no'} QAT", file=sys.stderr)
-    return run.replace(model=vision_model_config(run), init_from=str(x["text_ckpt"]), prepare=None)
+    print(f"[default-model-vision] vision stage from {x.text_ckpt} with {run.qat or 'no'} QAT", file=sys.stderr)
+    return run.replace(model=vision_model_config(run), init_from=str(x.text_ckpt), prepare=None)
 
 
 def default_model_vision() -> RunConfig:
@@ -147,9 +182,9 @@ def default_model_vision() -> RunConfig:
     return RunConfig(
         name="default-model-vision", model="openk3-tiny", data=vision_data, total_steps=1200, seq_len=1024,
         warmup_steps=20, lr=2e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=2, ckpt_every=100,
-        keep_checkpoints=2, seed=0, prepare=prepare_vision,
+        keep_checkpoints=2, seed=0, prepare=prepare_vision, settings=VisionStageSettings(),
     )
 
 
-__all__ = ["DEFAULTS", "settings", "tiny_vision_config", "vision_model_config", "vision_data", "prepare_vision",
+__all__ = ["VisionStageSettings", "settings", "tiny_vision_config", "vision_model_config", "vision_data", "prepare_vision",
            "default_model_vision"]

@@ -7,8 +7,25 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
+from openk3.recipes.settings import RecipeSettings, check_at_least
 from openk3.train.run_config import RunConfig
+
+
+@dataclass(frozen=True)
+class SmokeSettings(RecipeSettings):
+    """Settings of the ``smoke`` recipe.
+
+    Attributes:
+        num_docs: synthetic training documents (>= 1); the held-out set is always 200.
+    """
+
+    num_docs: int = 4000
+
+    def check(self) -> None:
+        check_at_least(self, "num_docs", 1)
+
 
 # ----------------------------------------------------------------------------- synthetic text
 _ADJ = ("small", "red", "old", "quiet", "bright", "heavy", "green", "happy")
@@ -52,7 +69,7 @@ def synthetic_store(seed: int, num_docs: int, bos: int, eos: int):
 def synthetic_data(run: RunConfig, split: str):
     """Data factory over :func:`synthetic_store`: a shuffled, endless
     :class:`~openk3.train.data.PackedLoader` for "train" (corpus seed ``run.seed``,
-    ``run.extra["num_docs"]`` documents, default 4000), and a fixed, unshuffled held-out corpus
+    ``run.settings.num_docs`` documents, :class:`SmokeSettings`), and a fixed, unshuffled held-out corpus
     (another seed, 200 documents) for "eval"."""
     from openk3.train.data import PackedLoader
 
@@ -60,10 +77,23 @@ def synthetic_data(run: RunConfig, split: str):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     cfg = run.model_config()
     if split == "train":
-        store = synthetic_store(run.seed, int(run.extra.get("num_docs", 4000)), cfg.bos_token_id, cfg.eos_token_id)
+        store = synthetic_store(run.seed, _settings(run).num_docs, cfg.bos_token_id, cfg.eos_token_id)
         return PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, pad_id=cfg.pad_token_id)
     store = synthetic_store(run.seed + 7919, 200, cfg.bos_token_id, cfg.eos_token_id)
     return PackedLoader(store, run.seq_len, run.batch_size, shuffle=False, pad_id=cfg.pad_token_id)
+
+
+def _settings(run: RunConfig) -> SmokeSettings:
+    """``run.settings``, or the defaults for a run built by hand without settings.
+
+    Raises:
+        ValueError: settings of another recipe.
+    """
+    if run.settings is None:
+        return SmokeSettings()
+    if not isinstance(run.settings, SmokeSettings):
+        raise ValueError(f"RunConfig.settings: {type(run.settings).__name__}, expected SmokeSettings for synthetic_data")
+    return run.settings
 
 
 def smoke() -> RunConfig:
@@ -71,8 +101,8 @@ def smoke() -> RunConfig:
     return RunConfig(
         name="smoke", model="k3-test-tiny", data=synthetic_data, total_steps=300, seq_len=256,
         warmup_steps=15, lr=2e-2, min_lr_ratio=0.1, eval_every=50, eval_batches=4, ckpt_every=100,
-        keep_checkpoints=2, seed=0,
+        keep_checkpoints=2, seed=0, settings=SmokeSettings(),
     )
 
 
-__all__ = ["smoke", "synthetic_store", "synthetic_data", "synthetic_document", "synthetic_entropy_per_sentence"]
+__all__ = ["smoke", "SmokeSettings", "synthetic_store", "synthetic_data", "synthetic_document", "synthetic_entropy_per_sentence"]

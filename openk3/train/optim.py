@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import math
 import re
+import typing
+from typing import Literal
 
 import torch
 from torch import nn
@@ -223,8 +225,10 @@ def wsd_with_warmup(step: int, total: int, warmup: int, decay: int, min_ratio: f
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-SCHEDULES = ("cosine", "wsd")
-"""LR schedule names (``RunConfig.schedule``): :func:`cosine_with_warmup`, :func:`wsd_with_warmup`."""
+Schedule = Literal["cosine", "wsd"]
+"""An LR schedule's name: :func:`cosine_with_warmup`, :func:`wsd_with_warmup`."""
+SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
+"""LR schedule names (``RunConfig.schedule``), in the order of :data:`Schedule`."""
 
 
 def decay_steps(total: int, warmup: int, fraction: float) -> int:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 
 from openk3.config import K3Config, preset
 from openk3.train.trainer import StepConfig
+from openk3.typed_fields import check_fields, replace_fields
 
 
 @dataclass
@@ -52,8 +52,11 @@ class RunConfig:
         init_from: a checkpoint directory (``save_pretrained`` format, e.g. the last checkpoint
             of a pretraining run) whose weights and router biases start this run; the optimizer,
             schedule and data start fresh (an SFT phase after pretraining).
-        extra: free-form settings read by the recipe's own data factory (``num_docs`` for
-            :func:`synthetic_data`).
+        settings: the recipe's own typed settings (a frozen dataclass, e.g.
+            :class:`openk3.recipes.default_model.DefaultModelSettings`; None for a recipe without
+            any), read by its data factory and stages. They validate themselves on construction;
+            :meth:`replace` changes them with ``extra={field: value}`` (the CLI's ``--set
+            extra='{...}'``) or by field name (``--set pretrain_steps=3``).
         prepare: a multi-stage recipe's earlier stages: ``prepare(run, out_dir, resume) ->
             RunConfig`` runs them (each resumable, e.g. corpus, tokenizer, pretraining) and returns
             the config of the final stage, which :func:`~openk3.train.trainer.train` then runs into
@@ -63,8 +66,8 @@ class RunConfig:
     """
 
     name: str
-    model: str | K3Config
-    data: Callable[["RunConfig", str], Any]
+    model: str | K3Config = field(metadata={"expect": "a preset name or a K3Config"})
+    data: Callable[["RunConfig", str], Any] = field(metadata={"expect": "a data factory (callable; set by the recipe)"})
     total_steps: int
     seq_len: int = 256
     batch_size: int = 1
@@ -87,14 +90,17 @@ class RunConfig:
     keep_checkpoints: int | None = 3
     seed: int = 0
     threads: int | None = None
-    device: str = "cpu"
+    device: str = field(default="cpu", metadata={"expect": 'a device string ("cpu", "cuda", "cuda:1")'})
     ep_size: int = 1
     init_from: str | None = None
-    extra: dict = field(default_factory=dict)
+    settings: Any = None
     prepare: Callable[["RunConfig", str, bool], "RunConfig"] | None = None
 
     def __post_init__(self) -> None:
-        self._check_types()
+        check_fields(self, skip=("settings",))
+        if self.settings is not None and not (dataclasses.is_dataclass(self.settings)
+                                              and not isinstance(self.settings, type)):
+            raise ValueError(f"RunConfig.settings={self.settings!r}: must be a recipe's settings dataclass or null")
         for name in ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins", "ep_size"):
             v = getattr(self, name)
             if v < 1:
@@ -124,52 +130,6 @@ class RunConfig:
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr={self.lr!r}: must be > 0")
         self.step_config()  # validates the schedule and clip fields
-
-    _INTS = ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins", "ep_size",
-             "eval_every", "eval_batches", "seed")
-    _OPT_INTS = ("warmup_steps", "keep_checkpoints", "threads")
-    _FLOATS = ("min_lr_ratio", "decay_fraction", "lr", "weight_decay")
-    _OPT_FLOATS = ("adamw_lr", "grad_clip", "qk_clip_tau", "qb_ema")
-    _STRS = ("schedule",)
-    _OPT_STRS = ("qat", "init_from")
-
-    def _check_types(self) -> None:
-        """Every field has its declared type (``--set`` values arrive as JSON): a bool is not an
-        integer here, numbers are finite.
-
-        Raises:
-            ValueError: naming the field, the value and the expected type.
-        """
-        def bad(name: str, want: str):
-            return ValueError(f"RunConfig.{name}={getattr(self, name)!r}: must be {want}")
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v) -> bool:
-            return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-        checks = ((self._INTS, False, is_int, "an integer"), (self._OPT_INTS, True, is_int, "an integer"),
-                  (self._FLOATS, False, is_num, "a finite number"), (self._OPT_FLOATS, True, is_num, "a finite number"),
-                  (self._STRS, False, lambda v: isinstance(v, str), "a string"),
-                  (self._OPT_STRS, True, lambda v: isinstance(v, str), "a string"))
-        for names, optional, ok, want in checks:
-            for n in names:
-                v = getattr(self, n)
-                if not (ok(v) or (optional and v is None)):
-                    raise bad(n, want + (" or null" if optional else ""))
-        if not isinstance(self.name, str):
-            raise bad("name", "a string")
-        if not isinstance(self.model, (str, K3Config)):
-            raise bad("model", "a preset name or a K3Config")
-        if not isinstance(self.device, str):
-            raise bad("device", 'a device string ("cpu", "cuda", "cuda:1")')
-        if not isinstance(self.extra, dict):
-            raise bad("extra", "a JSON object")
-        if not callable(self.data):
-            raise bad("data", "a data factory (callable; set by the recipe)")
-        if self.prepare is not None and not callable(self.prepare):
-            raise bad("prepare", "a callable or null")
 
     def _check_device(self) -> None:
         try:
@@ -232,6 +192,8 @@ class RunConfig:
     def to_dict(self) -> dict:
         """A JSON-friendly description (the data factory by qualified name)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.settings is not None:
+            d["settings"] = dataclasses.asdict(self.settings)
         if isinstance(self.model, K3Config):
             d["model"] = json.loads(self.model.to_json_string())
         for name in ("data", "prepare"):
@@ -241,11 +203,38 @@ class RunConfig:
         return d
 
     def replace(self, **changes) -> "RunConfig":
-        """A validated copy with ``changes``. Raises ValueError for an unknown field."""
+        """A validated copy with ``changes``.
+
+        ``changes`` name RunConfig fields, or the recipe's settings: ``extra={field: value}``
+        (applied over the current :attr:`settings`, the ``--set extra='{...}'`` spelling) or a
+        settings field by its own name (``pretrain_steps=3``; a RunConfig field of the same name
+        would win, none exists).
+
+        Raises:
+            ValueError: an unknown field (``RunConfig: unknown field 'x' (known: ...)``), an
+                unknown settings key (``RunConfig.extra: unknown key 'x' (known: ...)``), a
+                non-object ``extra``, settings given to a recipe that has none, or any field's
+                own validation error (naming the field, its value and what it must be).
+        """
         names = {f.name for f in dataclasses.fields(self)}
+        base = changes.get("settings", self.settings)
+        known_settings = {f.name for f in dataclasses.fields(base)} if base is not None else set()
+        settings_changes: dict = {}
+        if "extra" in changes:
+            extra = changes.pop("extra")
+            if not isinstance(extra, Mapping):
+                raise ValueError(f"RunConfig.extra={extra!r}: must be a JSON object")
+            settings_changes.update(extra)
+        for key in [k for k in changes if k not in names and k in known_settings]:
+            settings_changes[key] = changes.pop(key)
         unknown = sorted(set(changes) - names)
         if unknown:
-            raise ValueError(f"RunConfig: unknown field {unknown[0]!r} (known: {', '.join(sorted(names))})")
+            raise ValueError(f"RunConfig: unknown field {unknown[0]!r} (known: "
+                             f"{', '.join(sorted(names | known_settings | {'extra'}))})")
+        if settings_changes:
+            if base is None:
+                raise ValueError(f"RunConfig.extra={settings_changes!r}: recipe {self.name!r} has no settings")
+            changes["settings"] = replace_fields(base, settings_changes, owner="RunConfig.extra")
         return dataclasses.replace(self, **changes)
 
 

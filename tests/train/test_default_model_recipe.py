@@ -92,9 +92,11 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
 def test_default_model_rejects_unknown_extra_key():
     from openk3.recipes.default_model import settings
 
-    run = get_recipe("default-model", extra={"pretrain_stepz": 3})
-    with pytest.raises(ValueError, match="pretrain_stepz"):
-        settings(run)
+    with pytest.raises(ValueError, match="RunConfig.extra: unknown key 'pretrain_stepz'"):
+        get_recipe("default-model", extra={"pretrain_stepz": 3})
+    with pytest.raises(ValueError, match="extra.pretrain_steps='3': must be an integer"):
+        get_recipe("default-model", pretrain_steps="3")  # a settings field by its own name (--set KEY=VALUE)
+    assert settings(get_recipe("default-model", pretrain_steps=3)).pretrain_steps == 3
 
 
 def test_cli_lists_the_recipe_and_rejects_bad_extra(capsys):
@@ -106,7 +108,7 @@ def test_cli_lists_the_recipe_and_rejects_bad_extra(capsys):
     assert run.to_dict()["prepare"] == "openk3.recipes.default_model:prepare_default_model"
     from openk3.recipes.default_model import settings
 
-    assert settings(run)["pretrain_steps"] == 5 and settings(run)["vocab_size"] == 8192  # merged over defaults
+    assert settings(run).pretrain_steps == 5 and settings(run).vocab_size == 8192  # merged over defaults
 
 
 def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):

@@ -91,7 +91,7 @@ def test_bad_replay_is_rejected(recipe, bad):
 
 def test_mixture_reaches_the_sft_train_data(recipe, tok):
     run = recipe(sft_mixture={"chat": 1.0})
-    mix = default_model.settings(run)["sft_mixture"]
+    mix = default_model.settings(run).mixture
     expected = DocumentStore.from_conversations(sft_conversations(1, 24, mixture=mix), tok)
     assert default_model.sft_data(run, "train").store.fingerprint == expected.fingerprint
     plain_eval = default_model.sft_data(recipe(), "eval").store.fingerprint

@@ -467,7 +467,7 @@ def test_smoke_recipe_learns(tmp_path):
     recs = read_metrics(tmp_path / "metrics.jsonl")
     evals = [r["eval_loss"] for r in recs if r["kind"] == "eval"]
     train_recs = [r for r in recs if r["kind"] == "train"]
-    n_docs = run.extra.get("num_docs", 4000)
+    n_docs = run.settings.num_docs
     store = synthetic_store(run.seed, n_docs, CFG.bos_token_id, CFG.eos_token_id)
     h1, h2 = _entropies(store.ids.tolist())
     docs = [synthetic_document(run.seed, i) for i in range(n_docs)]

@@ -89,10 +89,10 @@ def test_image_loader_resume_is_exact():
 def _text_ckpt(tmp_path) -> str:
     from openk3.pretrained import build_model
     from openk3.recipes import RunConfig
-    from openk3.recipes.default_model_vision import vision_model_config
+    from openk3.recipes.default_model_vision import VisionStageSettings, vision_model_config
 
     run = RunConfig("t", "openk3-tiny", lambda run, split: None, 1,
-                    extra={"tokenizer_dir": TOK, "model_overrides": TINY_LM})
+                    settings=VisionStageSettings(tokenizer_dir=TOK, model_overrides=TINY_LM))
     cfg = vision_model_config(run)
     cfg.wrapper = None  # the text model of the same LM
     model = build_model(cfg, seed=5)
