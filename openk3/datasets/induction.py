@@ -84,39 +84,49 @@ def induction_text(seed: int, index: int, kind: str | None = None) -> str:
     raise ValueError(f"kind={kind!r}: must be one of {KINDS}")
 
 
-def span_ids(seed: int, index: int, ordinary: int, lengths: tuple[int, int] = (4, 20)) -> list[int]:
+def span_ids(seed: int, index: int, ordinary: int, lengths: tuple[int, int] = (4, 20),
+             ids: int | None = None) -> list[int]:
     """Random-span copy document ``index`` of seed ``seed``: a span of ``L`` ids drawn uniformly
     from ``[256, ordinary)`` (the BPE's merged tokens: byte ids excluded, as in the induction
-    probe), ``L`` uniform in ``lengths`` (inclusive), written twice: ``span + span``.
+    probe), or from the first ``ids`` of them (``[256, min(ordinary, 256 + ids))``), ``L`` uniform
+    in ``lengths`` (inclusive), written twice: ``span + span``.
 
     Why: in a ``repeat`` document of pool values the second copy is also predictable from the
     values' own statistics (the model learns them: 6.9 -> 3.2 nats without copying); in a random
     span only the first copy predicts the second, so copying is the one way to lower the loss.
     Deterministic in ``(seed, index)``.
 
+    Why ``ids``: over the 7.7K ordinary ids of the shipped BPE the circuit does not form (each id is
+    seen too rarely for its embedding to be told apart); over 128 ids it does, and then carries
+    over to every id within a few hundred steps (README, "Pretraining evidence").
+
     Raises:
-        ValueError: ``ordinary`` <= 257, or ``lengths`` not ``1 <= lo <= hi``, naming the value.
+        ValueError: ``ordinary`` <= 257, ``ids`` < 2, or ``lengths`` not ``1 <= lo <= hi``, naming
+            the value.
     """
     lo, hi = lengths
     if not 1 <= lo <= hi:
         raise ValueError(f"lengths={lengths!r}: must be (lo, hi) with 1 <= lo <= hi")
     if ordinary <= 257:
         raise ValueError(f"ordinary={ordinary!r}: must be > 257 (ids 256..ordinary-1 are drawn)")
+    if ids is not None and (isinstance(ids, bool) or not isinstance(ids, int) or ids < 2):
+        raise ValueError(f"ids={ids!r}: must be an integer >= 2 (None: every ordinary id)")
+    top = ordinary if ids is None else min(ordinary, 256 + ids)
     rng = random.Random(seed * 1_000_003 + index)
-    span = [rng.randrange(256, ordinary) for _ in range(rng.randint(lo, hi))]
+    span = [rng.randrange(256, top) for _ in range(rng.randint(lo, hi))]
     return span + span
 
 
-def span_store(seed: int, n: int, tokenizer, lengths: tuple[int, int] = (4, 20)):
+def span_store(seed: int, n: int, tokenizer, lengths: tuple[int, int] = (4, 20), ids: int | None = None):
     """A :class:`~openk3.train.data.DocumentStore` of ``n`` random-span copy documents
     (:func:`span_ids`; ``[BOS] span span [EOS]``, every next token a target) over the tokenizer's
-    ordinary ids (``256 .. min(special_ids) - 1``)."""
+    ordinary ids (``256 .. min(special_ids) - 1``; only the first ``ids`` of them if given)."""
     from openk3.train.data import DocumentStore, document_from_ids
 
     ordinary = min(tokenizer.special_ids) if tokenizer.special_ids else tokenizer.vocab_size
     head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    return DocumentStore.from_documents(document_from_ids(head + span_ids(seed, i, ordinary, lengths) + tail)
+    return DocumentStore.from_documents(document_from_ids(head + span_ids(seed, i, ordinary, lengths, ids) + tail)
                                         for i in range(n))
 
 

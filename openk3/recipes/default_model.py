@@ -72,8 +72,13 @@ class DefaultModelSettings(RecipeSettings):
             pretraining steps in the final decay, in [0, 1]): stage 3.
         pretrain_sft_share, pretrain_induction_share (each in [0, 1), summing to < 1; the rest
             is corpus), induction_items (>= 1, seed ``sft_seed`` + 200): pretraining's mixture.
-        pretrain_copy_steps (>= 0), pretrain_copy_span ([lo, hi], 1 <= lo <= hi),
-            pretrain_copy_items (>= 1, seed ``sft_seed`` + 300): the copy curriculum.
+        pretrain_copy_narrow_steps (>= 0), pretrain_copy_narrow_ids (>= 2),
+            pretrain_copy_narrow_span ([lo, hi]; seed ``sft_seed`` + 301): the copy curriculum's
+            first stage, spans over the first ``pretrain_copy_narrow_ids`` ordinary ids only;
+            pretrain_copy_steps (>= 0), pretrain_copy_span ([lo, hi], 1 <= lo <= hi),
+            pretrain_copy_items (>= 1, per stage; seed ``sft_seed`` + 300): its second stage,
+            spans over every ordinary id. Both stages come first, then the mixture, all within
+            ``pretrain_steps``.
         sft_seed, sft_items (>= 1), sft_eval_items (per eval suite): the SFT data.
         sft_mixture: None (:data:`openk3.datasets.sft_data.MIXTURE`) or ``{task: share}`` merged
             over it (:attr:`mixture` is the normalised result).
@@ -91,7 +96,7 @@ class DefaultModelSettings(RecipeSettings):
     tokenizer_max_mb: float | None = None
     cache_dir: str = "data/cache"
     model_overrides: dict[str, Any] = field(default_factory=dict)
-    pretrain_steps: int = 2400
+    pretrain_steps: int = 3400
     pretrain_seq_len: int = 1024
     pretrain_lr: float = 1e-2
     pretrain_eval_every: int = 400
@@ -107,7 +112,10 @@ class DefaultModelSettings(RecipeSettings):
     pretrain_sft_share: float = 0.0
     pretrain_induction_share: float = 0.3
     induction_items: int = 20000
-    pretrain_copy_steps: int = 0
+    pretrain_copy_narrow_steps: int = 1000
+    pretrain_copy_narrow_ids: int = 128
+    pretrain_copy_narrow_span: tuple[int, int] = (8, 24)
+    pretrain_copy_steps: int = 400
     pretrain_copy_span: tuple[int, int] = (4, 20)
     pretrain_copy_items: int = 100000
     long_share: float = 0.0
@@ -131,14 +139,15 @@ class DefaultModelSettings(RecipeSettings):
         if not 0.0 <= self.pretrain_decay_fraction <= 1.0:
             raise ValueError(f"{OWNER}.pretrain_decay_fraction={self.pretrain_decay_fraction!r}: must be a number in "
                              f"[0, 1]")
-        for name in ("pretrain_steps", "pretrain_copy_steps"):
+        for name in ("pretrain_steps", "pretrain_copy_steps", "pretrain_copy_narrow_steps"):
             check_at_least(self, name, 0)
+        check_at_least(self, "pretrain_copy_narrow_ids", 2)
         for name in ("long_seq_len", "long_items", "sft_items", "induction_items", "pretrain_copy_items"):
             check_at_least(self, name, 1)
-        lo, hi = self.pretrain_copy_span
-        if not 1 <= lo <= hi:
-            raise ValueError(f"{OWNER}.pretrain_copy_span={self.pretrain_copy_span!r}: must be [lo, hi] integers with "
-                             f"1 <= lo <= hi")
+        for name in ("pretrain_copy_span", "pretrain_copy_narrow_span"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{OWNER}.{name}={getattr(self, name)!r}: must be [lo, hi] integers with 1 <= lo <= hi")
 
     @property
     def mixture(self) -> dict[str, float] | None:
@@ -232,9 +241,12 @@ def pretrain_data(run: RunConfig, split: str):
     rows SFT conversations (another data seed, ``sft_seed`` + 50) and ``pretrain_induction_share``
     induction documents (:mod:`openk3.datasets.induction`, seed ``sft_seed`` + 200, every token a
     target), so the skills' formats and the copying they need are trained from the first steps.
-    With ``pretrain_copy_steps`` N > 0 the first N train batches are random-span copy documents
-    only (:func:`~openk3.datasets.induction.span_store`, seed ``sft_seed`` + 300): a curriculum in
-    which copying is the only way to lower the loss, before the mixture."""
+    Before the mixture, a copy curriculum of random-span documents only
+    (:func:`~openk3.datasets.induction.span_store`), in which copying is the only way to lower the
+    loss: ``pretrain_copy_narrow_steps`` batches of spans over the first
+    ``pretrain_copy_narrow_ids`` ordinary ids (seed ``sft_seed`` + 301; where the circuit forms),
+    then ``pretrain_copy_steps`` batches over every ordinary id (seed ``sft_seed`` + 300; where it
+    carries over to the whole vocabulary)."""
     from openk3.train.data import PackedLoader
     from openk3.datasets.induction import induction_store, span_store
     from openk3.train.mixed_data import CurriculumLoader, MixedLoader
@@ -251,10 +263,16 @@ def pretrain_data(run: RunConfig, split: str):
         ind = PackedLoader(induction_store(x.sft_seed + 200, x.induction_items, tok), run.seq_len, run.batch_size,
                            seed=run.seed, pad_id=run.model_config().pad_token_id)
         data = MixedLoader(data, ind, p_ind, seed=run.seed + 3)
+    pad = run.model_config().pad_token_id
     if x.pretrain_copy_steps > 0:
         spans = span_store(x.sft_seed + 300, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span))
-        copy = PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=run.model_config().pad_token_id)
-        data = CurriculumLoader(copy, data, x.pretrain_copy_steps)
+        data = CurriculumLoader(PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad), data,
+                                x.pretrain_copy_steps)
+    if x.pretrain_copy_narrow_steps > 0:
+        spans = span_store(x.sft_seed + 301, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_narrow_span),
+                           ids=x.pretrain_copy_narrow_ids)
+        data = CurriculumLoader(PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad), data,
+                                x.pretrain_copy_narrow_steps)
     return data
 
 

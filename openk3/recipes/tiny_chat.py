@@ -25,7 +25,8 @@ from openk3.train.run_config import RunConfig
 STEPS = 250
 #: The default-model settings at this size (the rest are the default model's).
 SETTINGS = DefaultModelSettings(tokenizer_dir="data/tokenizer-tiny-chat", vocab_size=4096, tokenizer_max_mb=8,
-                                pretrain_steps=200, pretrain_eval_every=100, sft_items=2000)
+                                pretrain_steps=200, pretrain_eval_every=100, sft_items=2000,
+                                pretrain_copy_narrow_steps=0, pretrain_copy_steps=0)  # 200 steps: too few to copy
 
 
 def tiny_chat() -> RunConfig:

@@ -52,6 +52,7 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
                             "v_head_dim": 16, "linear_head_dim": 16},
         "pretrain_steps": 2, "pretrain_seq_len": 64, "pretrain_eval_every": 2, "sft_items": 12,
         "sft_eval_items": 1, "tokenizer_sft_items": 30, "pretrain_sft_share": 0.5, "induction_items": 20,
+        "pretrain_copy_narrow_steps": 1, "pretrain_copy_steps": 0, "pretrain_copy_items": 20,
     }
     run = get_recipe("default-model", total_steps=2, seq_len=256, eval_every=2, eval_batches=1, ckpt_every=1,
                      extra=extra)
@@ -130,8 +131,9 @@ def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
     assert set(rows) == {512, 6000} and 0.1 < rows.count(6000) / 80 < 0.45
     again = default_model.sft_data(run, "train")
     assert [again.next_batch()["input_ids"].shape[1] for _ in range(80)] == rows
+    no_copy = {"pretrain_copy_narrow_steps": 0, "pretrain_copy_steps": 0}
     pre = default_model.pretrain_data(run.replace(extra={"sft_items": 30, "pretrain_sft_share": 0.5,
-                                                        "pretrain_induction_share": 0.0}), "train")
+                                                        "pretrain_induction_share": 0.0, **no_copy}), "train")
     ids = [pre.next_batch()["input_ids"] for _ in range(40)]
     corpus_rows = sum(bool((x >= 9000).all()) for x in ids)
     assert 8 < corpus_rows < 32  # about half corpus, half SFT conversations
@@ -141,14 +143,28 @@ def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
 
     cur = default_model.pretrain_data(run.replace(extra={"sft_items": 30, "pretrain_induction_share": 0.0,
                                                         "pretrain_copy_steps": 3, "pretrain_copy_items": 50,
-                                                        "pretrain_copy_span": [2, 5]}), "train")
+                                                        "pretrain_copy_span": [2, 5], "pretrain_copy_narrow_steps": 2,
+                                                        "pretrain_copy_narrow_ids": 16,
+                                                        "pretrain_copy_narrow_span": [6, 6]}), "train")
     assert isinstance(cur, CurriculumLoader)
-    rows = [cur.next_batch()["input_ids"] for _ in range(5)]
-    assert [bool((x >= 9000).all()) for x in rows] == [False, False, False, True, True]  # copy docs, then corpus
-    marks = set(rows[0][rows[0] >= min(tok.special_ids)].tolist())
-    assert int(rows[0][0, 0]) == tok.bos_id and marks == {tok.bos_id, tok.eos_id}  # [BOS] span span [EOS] only
+    rows = [cur.next_batch()["input_ids"] for _ in range(7)]
+    # narrow copy docs, then copy docs over every ordinary id, then corpus
+    assert [bool((x >= 9000).all()) for x in rows] == [False] * 5 + [True] * 2
+    ordinary = min(tok.special_ids)
+    for i, row in enumerate(rows[:5]):
+        marks = set(row[row >= ordinary].tolist())
+        assert marks <= {tok.bos_id, tok.eos_id, run.model_config().pad_token_id}
+        assert int(row[0, 0]) == tok.bos_id or i not in (0, 2)  # each stage's first row starts a document
+        spans = row[(row < ordinary)]
+        assert bool((spans >= 256).all()) and (bool((spans < 256 + 16).all()) if i < 2 else int(spans.max()) >= 272)
+    first = rows[0][0].tolist()
+    assert first[:14] == [tok.bos_id, *first[1:7], *first[1:7], tok.eos_id]  # [BOS] span span [EOS], L = 6
     with pytest.raises(ValueError, match=r"extra.pretrain_copy_span=\[3, 2\]"):
         default_model.settings(run.replace(extra={"pretrain_copy_span": [3, 2]}))
+    with pytest.raises(ValueError, match=r"extra.pretrain_copy_narrow_span=\[0, 2\]"):
+        default_model.settings(run.replace(extra={"pretrain_copy_narrow_span": [0, 2]}))
+    with pytest.raises(ValueError, match="extra.pretrain_copy_narrow_ids=1: must be an integer >= 2"):
+        default_model.settings(run.replace(extra={"pretrain_copy_narrow_ids": 1}))
     with pytest.raises(ValueError, match="extra.pretrain_copy_steps=-2"):
         default_model.settings(run.replace(extra={"pretrain_copy_steps": -2}))
     with pytest.raises(ValueError, match="extra.long_seq_len"):

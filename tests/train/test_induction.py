@@ -60,6 +60,11 @@ def test_span_documents_are_two_equal_random_spans_of_ordinary_ids():
         span_ids(0, 0, 8000, (5, 4))
     with pytest.raises(ValueError, match="ordinary=200"):
         span_ids(0, 0, 200)
+    narrow = [t for i in range(100) for t in span_ids(5, i, 8000, (4, 10), ids=8)]
+    assert set(narrow) == set(range(256, 264))  # the first 8 ordinary ids, each drawn
+    assert set(t for i in range(50) for t in span_ids(5, i, 260, (4, 10), ids=8)) == set(range(256, 260))
+    with pytest.raises(ValueError, match="ids=1"):
+        span_ids(0, 0, 8000, ids=1)
     tok = train_tokenizer([synthetic_document(0, i) for i in range(30)], 600, split_digits=True)
     store = span_store(2, 20, tok, (3, 3))
     first = store.ids[store.offsets[0]:store.offsets[1]].tolist()
