@@ -22,10 +22,7 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,21 +39,13 @@ from openk3.config_fields import (  # noqa: F401 - the layer-type values are par
     Field,
 )
 from openk3.presets import PRESETS
+from openk3.typed_fields import check_fields
 
 #: ``hidden_act`` values openk3 implements (``swiglu`` is read as ``silu``).
 ACTIVATIONS = ("situ", "silu", "gelu", "gelu_pytorch_tanh")
 
 _LA = "linear_attn_config"
 _log = logging.getLogger("openk3.config")
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _finite(value: int | float) -> bool:
-    """True for a number a float64 holds finitely (JSON admits NaN, Infinity and huge integers)."""
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
 
 
 @dataclass
@@ -76,7 +65,9 @@ class K3Config:
     without MLA layers, ``linear_*`` without KDA layers, ``n_routed_experts=None``: no MoE).
 
     Raises:
-        ValueError: from :meth:`validate`, naming the field and its value.
+        ValueError: a field whose value does not have its annotated type
+            (:func:`openk3.typed_fields.check_fields`: ``K3Config.field=value: must be ...``), or a
+            range / consistency error from :meth:`validate`; both name the field and its value.
     """
 
     vocab_size: int = 163840
@@ -143,7 +134,9 @@ class K3Config:
     source: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._check_types()
+        # Types first (bools are not ints, strings not numbers, sizes within int64), so that
+        # nothing derived below is built from a wrongly typed field.
+        check_fields(self)
         for name in ("num_hidden_layers", "moe_layer_freq"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"K3Config.{name}={getattr(self, name)!r}: must be a positive integer")
@@ -208,46 +201,6 @@ class K3Config:
         return self.layer_types[idx] == KDA
 
     # --------------------------------------------------------------- validation
-    def _check_types(self) -> None:
-        """Every field has the JSON type its annotation says (bools are not ints, strings are not
-        numbers), before anything derived from it is built.
-
-        Raises:
-            ValueError: naming the field and the value.
-        """
-        hints = typing.get_type_hints(K3Config)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            hint = hints[f.name]
-            is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-            args = typing.get_args(hint) if is_union else ()
-            optional = type(None) in args
-            base = next(a for a in args if a is not type(None)) if is_union else hint
-            if value is None:
-                if optional:
-                    continue
-                raise ValueError(f"K3Config.{f.name}=None: a value is required")
-            origin = typing.get_origin(base) or base
-            if origin is bool:
-                ok = isinstance(value, bool)
-            elif origin is int:
-                ok = isinstance(value, int) and not isinstance(value, bool)
-                if ok and not _INT64_MIN <= value <= _INT64_MAX:
-                    # Sizes become tensor shapes and ids become int64 tensors: beyond int64 is an
-                    # overflow there, so it is named here.
-                    raise ValueError(f"K3Config.{f.name}={value!r}: too large (beyond int64)")
-            elif origin is float:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if ok and not _finite(value):
-                    raise ValueError(f"K3Config.{f.name}={value!r}: must be a finite number")
-            elif origin in (str, list, dict):
-                ok = isinstance(value, origin)
-            else:
-                ok = True
-            if not ok:
-                want = getattr(origin, "__name__", str(origin))
-                raise ValueError(f"K3Config.{f.name}={value!r}: must be {want}{' or None' if optional else ''}")
-
     def validate(self) -> None:
         """Check ranges and consistency (widths of a layer kind are required only when the model
         has layers of that kind).

@@ -158,6 +158,8 @@ class RunConfig:
                               schedule=self.schedule, decay_fraction=self.decay_fraction)
         except ValueError as e:
             msg = str(e)
+            if msg.startswith("StepConfig."):  # the same field under the same name here
+                raise ValueError(f"RunConfig.{msg.removeprefix('StepConfig.')}") from None
             if msg.startswith(("schedule=", "decay_fraction=")):
                 raise ValueError(f"RunConfig.{msg}") from None
             raise

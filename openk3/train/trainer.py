@@ -41,7 +41,8 @@ from torch import nn
 from openk3.config import MLA, K3Config
 from openk3.train.balance import QuantileBalancer, all_reduce_balancers_
 from openk3.train.muon import qk_clip_
-from openk3.train.optim import SCHEDULES, cosine_with_warmup, decay_steps, default_warmup, wsd_with_warmup
+from openk3.train.optim import Schedule, cosine_with_warmup, decay_steps, default_warmup, wsd_with_warmup
+from openk3.typed_fields import check_fields
 
 _BATCH_KEYS = ("input_ids", "labels", "cu_seqlens", "lengths", "pixel_values", "grid_thws")
 _IMAGE_KEYS = ("pixel_values", "grid_thws")  # image rows only (K3ForConditionalGeneration)
@@ -84,7 +85,8 @@ class StepConfig:
         grad_clip: max global L2 norm of the gradient; None = no clipping (norm still logged).
         qk_clip_tau: QK-Clip threshold tau (K2: 100); None disables QK-Clip.
     Raises:
-        ValueError: a value out of range, naming the field.
+        ValueError: a value of the wrong type (``StepConfig.field=value: must be ...``,
+            :func:`openk3.typed_fields.check_fields`) or out of range, naming the field.
     """
 
     total_steps: int
@@ -92,15 +94,14 @@ class StepConfig:
     min_lr_ratio: float = 0.0
     grad_clip: float | None = 1.0
     qk_clip_tau: float | None = 100.0
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     decay_fraction: float = 0.2
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first; the schedule functions check the ranges
         if self.warmup_steps is None:
-            self.warmup_steps = default_warmup(self.total_steps) if isinstance(self.total_steps, int) else 0
+            self.warmup_steps = default_warmup(self.total_steps)
         cosine_with_warmup(0, self.total_steps, self.warmup_steps, self.min_lr_ratio)  # validates
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: must be one of {', '.join(SCHEDULES)}")
         self._decay = decay_steps(self.total_steps, self.warmup_steps, self.decay_fraction)  # validates
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip!r}: must be > 0 or None")

@@ -16,8 +16,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from openk3.typed_fields import check_fields
+
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")  # ViT MLP: tanh approximation (released) or exact erf
 INTERPOLATION_MODES = ("bilinear", "bicubic")  # F.interpolate modes of the position table
+# A size field's type error reads like its range error: "must be a positive integer (got '1152')".
+_POSITIVE = {"expect": "a positive integer"}
+
+
+def _message(name: str, value: Any, why: str) -> str:
+    """The published form of a vision config error: ``vision_config.<field>: <why> (got <value!r>)``."""
+    return f"vision_config.{name}: {why} (got {value!r})"
 
 
 @dataclass
@@ -43,22 +52,22 @@ class VisionConfig:
         ValueError: an unsupported or inconsistent value, naming the field and the value.
     """
 
-    vt_num_hidden_layers: int = 27
-    vt_hidden_size: int = 1024
-    vt_intermediate_size: int = 4096
-    vt_num_attention_heads: int = 12
-    qkv_hidden_size: int = 1536
-    patch_size: int = 14
-    init_pos_emb_height: int = 64
-    init_pos_emb_width: int = 64
-    init_pos_emb_time: int = 4
+    vt_num_hidden_layers: int = field(default=27, metadata=_POSITIVE)
+    vt_hidden_size: int = field(default=1024, metadata=_POSITIVE)
+    vt_intermediate_size: int = field(default=4096, metadata=_POSITIVE)
+    vt_num_attention_heads: int = field(default=12, metadata=_POSITIVE)
+    qkv_hidden_size: int = field(default=1536, metadata=_POSITIVE)
+    patch_size: int = field(default=14, metadata=_POSITIVE)
+    init_pos_emb_height: int = field(default=64, metadata=_POSITIVE)
+    init_pos_emb_width: int = field(default=64, metadata=_POSITIVE)
+    init_pos_emb_time: int = field(default=4, metadata=_POSITIVE)
     pos_emb_type: str = "divided_fixed"
     pos_emb_interpolation_mode: str = "bilinear"
     merge_kernel_size: tuple[int, int] = (2, 2)
     merge_type: str = "sd2_tpool"
     mm_projector_type: str = "patchmergerv2"
-    mm_hidden_size: int = 1024
-    text_hidden_size: int = 7168
+    mm_hidden_size: int = field(default=1024, metadata=_POSITIVE)
+    text_hidden_size: int = field(default=7168, metadata=_POSITIVE)
     projector_hidden_act: str = "gelu"
     projector_ln_eps: float = 1e-5
     norm_type: str = "rmsnorm"
@@ -71,11 +80,11 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         mk = self.merge_kernel_size
-        if isinstance(mk, int):
+        if isinstance(mk, int) and not isinstance(mk, bool):
             mk = (mk, mk)
         if not isinstance(mk, (list, tuple)) or len(mk) != 2:
             raise ValueError(f"vision_config.merge_kernel_size: expected [kh, kw], got {self.merge_kernel_size!r}")
-        self.merge_kernel_size = (int(mk[0]), int(mk[1]))
+        self.merge_kernel_size = tuple(mk)
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -90,20 +99,21 @@ class VisionConfig:
         return self.mm_hidden_size * self.merge_kernel_size[0] * self.merge_kernel_size[1]
 
     def validate(self) -> None:
-        """Check the supported subset (the released variant and scaled copies of it).
+        """Check every field's type (:func:`openk3.typed_fields.check_fields`), then the supported
+        subset (the released variant and scaled copies of it).
 
         Raises:
-            ValueError: naming the field and its value.
+            ValueError: ``vision_config.<field>: <why> (got <value!r>)``.
         """
+        check_fields(self, message=_message)
 
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"vision_config.{name}: {why} (got {getattr(self, name)!r})")
+            raise ValueError(_message(name, getattr(self, name), why))
 
         for name in ("vt_num_hidden_layers", "vt_hidden_size", "vt_intermediate_size", "vt_num_attention_heads",
                      "qkv_hidden_size", "patch_size", "init_pos_emb_height", "init_pos_emb_width",
                      "init_pos_emb_time", "mm_hidden_size", "text_hidden_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if getattr(self, name) <= 0:
                 bad(name, "must be a positive integer")
         if min(self.merge_kernel_size) <= 0:
             bad("merge_kernel_size", "entries must be positive")
@@ -113,7 +123,7 @@ class VisionConfig:
             bad("qkv_hidden_size", "head dim (qkv_hidden_size / heads) must be divisible by 4 for the 2D rotary embedding")
         if self.mm_hidden_size != self.vt_hidden_size:
             bad("mm_hidden_size", f"must equal vt_hidden_size={self.vt_hidden_size} (the projector reads tower outputs)")
-        if not isinstance(self.projector_ln_eps, (int, float)) or self.projector_ln_eps <= 0:
+        if self.projector_ln_eps <= 0:
             bad("projector_ln_eps", "must be a positive number")
         fixed = {"pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
                  "norm_type": "rmsnorm", "mlp_type": "mlp2", "projector_hidden_act": "gelu"}
@@ -124,9 +134,6 @@ class VisionConfig:
             bad("activation_func", f"must be one of {ACTIVATIONS}")
         if self.pos_emb_interpolation_mode not in INTERPOLATION_MODES:
             bad("pos_emb_interpolation_mode", f"must be one of {INTERPOLATION_MODES}")
-        for name in ("attn_bias", "linear_bias", "patch_embed_proj_bias"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "must be a boolean")
 
     # ------------------------------------------------------------- serialization
     def to_dict(self) -> dict[str, Any]:
