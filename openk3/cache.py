@@ -16,24 +16,66 @@ and the per-row number of tokens already cached.
 
 Layers talk to a cache entry through a small interface, so an engine can keep its state in pools:
 
-* KDA: ``conv`` / ``recurrent`` (read the incoming state) and ``store(conv, recurrent)`` (write the
-  outgoing one). :class:`KDALayerState` owns dense tensors; :class:`SlotKDAState` is a view of rows
-  ``slots`` of a per-layer slot pool (gathered on read, scattered on store).
-* MLA: ``batch_size``, ``capacity``, ``write(rows, cols, latent, k_rope)`` and ``read(used)``.
-  :class:`MLALayerCache` owns a dense [B, S, *] buffer; :class:`PagedMLACache` addresses a paged
-  block pool through per-row block tables (token position p of row b lives in physical block
-  ``block_tables[b, p // L]`` at offset ``p % L``). Reads gather the visible prefix of one layer
-  only, so the transient copy is one layer's history, never the whole model's.
+* KDA (:class:`KDAStateEntry`): ``conv`` / ``recurrent`` (read the incoming state) and
+  ``store(conv, recurrent)`` (write the outgoing one). :class:`KDALayerState` owns dense tensors;
+  :class:`SlotKDAState` is a view of rows ``slots`` of a per-layer slot pool (gathered on read,
+  scattered on store).
+* MLA (:class:`MLACacheEntry`): ``batch_size``, ``capacity``, ``write(rows, cols, latent, k_rope)``
+  and ``read(used)``. :class:`MLALayerCache` owns a dense [B, S, *] buffer; :class:`PagedMLACache`
+  addresses a paged block pool through per-row block tables (token position p of row b lives in
+  physical block ``block_tables[b, p // L]`` at offset ``p % L``). Reads gather the visible prefix
+  of one layer only, so the transient copy is one layer's history, never the whole model's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from openk3.config import KDA, K3Config
 from openk3.ops.cast import cast
+
+
+class KDAStateEntry(Protocol):
+    """The KDA layer's view of one layer's decode state (B rows); see the module docstring."""
+
+    @property
+    def conv(self) -> torch.Tensor:
+        """[B, 3, P, W-1] pre-conv inputs of (q, k, v), oldest first; model dtype."""
+        ...
+
+    @property
+    def recurrent(self) -> torch.Tensor:
+        """[B, H, K, V] fp32 recurrent state S."""
+        ...
+
+    def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Replace the state of the B rows with conv [B, 3, P, W-1] and recurrent [B, H, K, V]."""
+        ...
+
+
+class MLACacheEntry(Protocol):
+    """The MLA layer's view of one layer's latent cache (B rows of S positions each)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Rows B."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """S, positions each row can hold."""
+        ...
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Store latent [M, C] and k_rope [M, R] of M tokens at (row, position) ``rows`` / ``cols`` [M]."""
+        ...
+
+    def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``used`` positions of every row: latent [B, used, C], k_rope [B, used, R]."""
+        ...
 
 
 @dataclass
@@ -203,12 +245,12 @@ class HybridCache:
     """One state per decoder layer plus per-row cached lengths.
 
     Attributes:
-        layers: ``KDALayerState`` (or ``SlotKDAState``) for KDA layers, ``MLALayerCache`` (or
-            ``PagedMLACache``) for MLA layers.
+        layers: a :class:`KDAStateEntry` (``KDALayerState``, ``SlotKDAState``) per KDA layer, an
+            :class:`MLACacheEntry` (``MLALayerCache``, ``PagedMLACache``) per MLA layer.
         lengths: [B] int64, tokens already processed per row (before the current forward).
     """
 
-    layers: list
+    layers: list[KDAStateEntry | MLACacheEntry]
     lengths: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @classmethod

@@ -67,7 +67,7 @@ def _kimi_linear_tiny() -> dict[str, Any]:
 
 
 def _openk3_tiny() -> dict[str, Any]:
-    """The shipped default model (issue 8): every K3 component live at CPU-trainable size.
+    """The shipped default model: every K3 component live at CPU-trainable size.
 
     8 layers in the K3 pattern (layers 4 and 8 gated MLA, the rest KDA with the lower-bounded
     gate and full-rank output gate), dense first layer, Stable LatentMoE (16 routed experts, top-2,

@@ -10,7 +10,7 @@ Measured, interleaved, medians: decode ms/step (``new_tokens`` greedy tokens aft
 ``prompt_len``-token prompt, B = 1 and B = ``batch``), and prefill time of the prompt (TTFT).
 Ratio = with / without. Asserted: each engine's greedy tokens equal an independent full-forward
 argmax decode of its own model (no cache), so neither path is wrong.
-Target (issue 4): AttnRes adds <= 5% to decode time.
+Target (performance.md §6.4, AttnRes overhead): AttnRes adds <= 5% to decode time.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ time), medians over interleaved repetitions. Scheduler overhead: forward hooks t
 sampling, stop checks, bookkeeping) is overhead; reported over all steps and over the pure decode
 steps with every request running. Asserted: each request's tokens are identical in both runs.
 
-Targets (issue 4): concurrent / serial aggregate tokens/s >= 4; overhead <= 10% of step time.
+Targets (performance.md §6.4, continuous batching): concurrent / serial aggregate tokens/s >= 4;
+overhead <= 10% of step time.
 """
 
 from __future__ import annotations

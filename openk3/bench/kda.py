@@ -11,8 +11,8 @@ chunk size 64 everywhere. For every T the three contenders run interleaved, medi
 
 Asserted: outputs and final states of all three agree (max abs difference <= 1e-4 times the
 output scale; the measured differences are reported). Throughput = B*T / median seconds.
-Targets (issue 4): chunked >= recurrent for every T >= 512; chunked >= 5x transformers' chunked
-fallback (every T).
+Targets (performance.md §6.4, KDA kernels): chunked >= recurrent for every T >= 512; chunked
+>= 5x transformers' chunked fallback (every T).
 """
 
 from __future__ import annotations

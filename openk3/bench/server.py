@@ -1,5 +1,5 @@
 """B7: what ``openk3 serve`` adds on top of the engine — streaming over loopback vs the
-``AsyncEngine`` called in-process, same checkpoint, same run (issue 5).
+``AsyncEngine`` called in-process, same checkpoint, same run.
 
 Setup: a servable checkpoint written to a temporary directory: a byte-level BPE (~1k tokens, the
 K3 special tokens) trained on a few sentences, and the K3-shaped model of
@@ -26,8 +26,8 @@ Reported: p50 over requests of each side, their difference, and the p50 of the p
 paired differences (server - in-process for the same request, run back to back), which is the
 added latency the targets use: pairing cancels the drift of a shared machine's speed that moves
 both sides' p50s by more than the overhead. Requests alternate server / in-process.
-Targets (issue 5): added TTFT <= 5 ms, added per-token latency <= 1 ms (p50 of the paired
-differences).
+Targets (performance.md §6.4, server overhead): added TTFT <= 5 ms, added per-token latency
+<= 1 ms (p50 of the paired differences).
 """
 
 from __future__ import annotations

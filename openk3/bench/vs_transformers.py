@@ -15,7 +15,8 @@ greedy tokens each, no stop token), interleaved, medians:
 
 The engine runs with the prefix cache off (the same prompts repeat across repetitions) and a step
 budget that prefills the whole batch in one step. Correctness: every row's tokens are identical.
-Targets (issue 4): decode >= 5x at B=1, >= 10x at B=8; TTFT <= 0.5x.
+Targets (performance.md §6.4, engine vs HF ``generate``): decode >= 5x at B=1, >= 10x at B=8;
+TTFT <= 0.5x.
 
 Also reported: the *GEMV floor* (:func:`gemv_floor`), the time of the weight products alone of one
 decode step, and the largest decode speed-up over transformers that it leaves room for.

@@ -1,4 +1,4 @@
-"""Synthetic image-question SFT data for the vision stage of the default model (issue 9 item 5).
+"""Synthetic image-question SFT data for the vision stage of the default model.
 
 Shape legend: T tokens per packed row, L patches of the row's images, P patch size, G images.
 

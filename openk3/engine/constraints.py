@@ -1,6 +1,7 @@
 """Constrained decoding with llguidance: per-request token masks for JSON, JSON Schema and K3 tool calls.
 
-Implements issue 4 item 6 / the ``Constraint`` side of ``engine_api.md``: the server builds one
+The ``Constraint`` side of the engine contract (:meth:`openk3.engine.engine.Engine.add_request`
+takes one per request): the server builds one
 :class:`Constraint` per request with :func:`make_constraint`; the engine calls
 ``allowed_tokens()`` before sampling, ``accept(token)`` after, and stops when ``is_finished()``.
 The grammar (``openk3.engine.grammars``) covers the whole output after the generation prompt
@@ -40,7 +41,7 @@ COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ?", "key_sepa
 
 @runtime_checkable
 class Constraint(Protocol):
-    """What the engine needs from a per-request constraint (engine_api.md)."""
+    """What the engine needs from a per-request constraint (``Engine.add_request(..., constraint)``)."""
 
     def allowed_tokens(self) -> torch.Tensor:
         """bool [V]: tokens that may be sampled next."""

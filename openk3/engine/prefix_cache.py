@@ -23,7 +23,7 @@ Design (the three granularities of §2.5 item 2, kept apart):
   tokens)``. A hit copies them into a private block (copy-on-write), so prompts shorter than one
   block and prompts of any length still hit (vllm #40696, #50235).
 
-* **Image positions** (issue 9): a block or tail that overlaps an image's pad run also hashes the
+* **Image positions**: a block or tail that overlaps an image's pad run also hashes the
   image's content hash and position (the ``salt`` arguments, :mod:`openk3.engine.mm`), so identical
   ids with different images never share those blocks or snapshots.
 

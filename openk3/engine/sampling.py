@@ -20,7 +20,7 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """Per-request decoding settings (engine API contract, ``notes/engine_api.md``).
+    """Per-request decoding settings (engine contract: :meth:`openk3.engine.engine.Engine.add_request`).
 
     Attributes:
         max_tokens: most tokens to generate (the engine also caps it by ``max_model_len``).

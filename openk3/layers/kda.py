@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.cache import KDALayerState
+from openk3.cache import KDAStateEntry
 from openk3.config import KDA, K3Config
 from openk3.layers.norm import GatedRMSNorm
 from openk3.ops.cast import cast, fp32
@@ -98,7 +98,7 @@ class KimiDeltaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: KDALayerState | None = None,
+        cache: KDAStateEntry | None = None,
         *,
         lengths: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
@@ -160,7 +160,7 @@ class KimiDeltaAttention(nn.Module):
         if tuple(recurrent.shape) != (B, H, K, K):
             raise ValueError(f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(recurrent.shape)}")
 
-    def _forward_rows(self, x: torch.Tensor, cache: KDALayerState | None, lengths: torch.Tensor | None,
+    def _forward_rows(self, x: torch.Tensor, cache: KDAStateEntry | None, lengths: torch.Tensor | None,
                       mode: str, validate: bool = True) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim

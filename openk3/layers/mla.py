@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.cache import MLALayerCache, PagedMLACache
+from openk3.cache import MLACacheEntry
 from openk3.config import K3Config
 from openk3.layers.norm import RMSNorm
 from openk3.ops.attention import causal_attention, latent_attention
@@ -113,7 +113,7 @@ class GatedMLA(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: MLALayerCache | PagedMLACache | None = None,
+        cache: MLACacheEntry | None = None,
         *,
         lengths: torch.Tensor | None = None,
         past_lengths: torch.Tensor | None = None,
@@ -180,7 +180,7 @@ class GatedMLA(nn.Module):
     def _forward_cached(
         self,
         x: torch.Tensor,
-        cache: MLALayerCache | PagedMLACache,
+        cache: MLACacheEntry,
         lengths: torch.Tensor | None,
         past_lengths: torch.Tensor | None,
         max_logits_out: torch.Tensor | None,

@@ -179,7 +179,8 @@ class Experts(nn.Module):
     ``qat``: None (default) or a :class:`openk3.quant.qat.QuantScheme`; when set, every GEMM uses
     fake-quantized weights (MXFP4 along its K) and inputs (MXFP8) with straight-through gradients
     (architecture.md §10). Switch it with :func:`openk3.quant.qat.model_qat`. Inference from packed
-    weights uses :class:`openk3.quant.packed.PackedExperts` instead of this module.
+    weights uses :class:`openk3.quant.packed.PackedExperts` instead of this module. All three
+    routed-expert classes are :class:`openk3.quant.qat.RoutedExperts`.
     """
 
     qat = None  # class default: QAT off; model_qat sets an instance attribute

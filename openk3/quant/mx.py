@@ -278,7 +278,7 @@ def mxfp4_linear_reference(
 ) -> torch.Tensor:
     """Readable dequantize-then-matmul for a packed MXFP4 weight: ``x @ W.T (+ bias)`` in fp32.
 
-    The ground truth a fused packed GEMM must match (issue 7 item 4).
+    The ground truth a fused packed GEMM must match.
     Args:
         x: [*, K] any float dtype. weight_packed: [O, K/2] uint8. weight_scale: [O, K/32] uint8.
         bias: [O] or None.

@@ -11,7 +11,7 @@ experts of a layer are stacked: :class:`MXFP4Weight` holds [E, O, K/2] and [E, O
 state-dict names ``...experts.w1.weight_packed`` map 1:1 onto the file's per-expert
 ``...experts.{e}.w1.weight_packed`` (:mod:`openk3.checkpoint` splits/stacks them).
 
-Inference (issue 7 item 4): :class:`PackedExperts` is a drop-in for
+Inference: :class:`PackedExperts` is a drop-in for
 :class:`openk3.layers.moe.Experts`. Its grouped matmul never materialises the dense expert stack:
 
 * ``"native"`` (CPU, float inputs, no autograd): :mod:`openk3.quant.mxfp4_cpu`, which decodes each
@@ -136,7 +136,8 @@ class PackedExperts(nn.Module):
 
     Submodules ``w1``, ``w3`` (:class:`MXFP4Weight` [E, F, L]) and ``w2`` ([E, L, F]); state-dict
     names ``w1.weight_packed`` etc. ``qat``: None or a :class:`~openk3.quant.qat.QuantScheme`
-    whose input format (MXFP8) is then applied to every GEMM input, as in QAT training.
+    whose input format (MXFP8) is then applied to every GEMM input, as in QAT training. A
+    :class:`~openk3.quant.qat.RoutedExperts`, like ``Experts``.
 
     Raises:
         ValueError: L or F not a multiple of 32 (naming the config field).

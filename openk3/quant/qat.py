@@ -21,7 +21,7 @@ high precision (§10 scope; the released ignore list).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -120,12 +120,30 @@ def resolve_scheme(quantization: str | QuantScheme | None | bool) -> QuantScheme
     raise ValueError(f"quantization={quantization!r}: must be one of {sorted(SCHEMES)} or None")
 
 
-def _expert_modules(model: nn.Module) -> list[nn.Module]:
-    """The routed-expert modules of ``model``: those that declare a ``qat`` scheme slot next to their
-    ``w1`` / ``w3`` / ``w2`` weights (dense ``Experts``, ``PackedExperts``, expert-parallel experts).
-    Found by that interface, not by class, so this module imports none of the expert classes (they
-    import the schemes from here)."""
-    return [m for m in model.modules() if hasattr(m, "qat") and hasattr(m, "w1")]
+@runtime_checkable
+class RoutedExperts(Protocol):
+    """What QAT and the packed-checkpoint code need from a routed-expert module.
+
+    Implemented by the dense :class:`~openk3.layers.moe.Experts`, the packed
+    :class:`~openk3.quant.packed.PackedExperts` and the expert-parallel
+    :class:`~openk3.train.distributed.expert_parallel.ExpertParallelExperts`. The protocol lives
+    here, not with any of them, because all three import their schemes from this module.
+
+    Attributes:
+        w1, w3: gate and up weights [E, F, L] (a parameter, or an ``MXFP4Weight`` with that
+            ``shape``); w2: down weight [E, L, F]. L and F are the GEMM reduction dims of MX blocks.
+        qat: the :class:`QuantScheme` every expert GEMM applies, or None (full precision).
+    """
+
+    w1: Any
+    w3: Any
+    w2: Any
+    qat: QuantScheme | None
+
+
+def _expert_modules(model: nn.Module) -> list[RoutedExperts]:
+    """The :class:`RoutedExperts` modules of ``model`` (``model`` included), in module order."""
+    return [m for m in model.modules() if isinstance(m, RoutedExperts)]
 
 
 def model_qat(model: nn.Module, mode: str | QuantScheme | None) -> int:

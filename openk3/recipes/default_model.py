@@ -1,4 +1,4 @@
-"""The ``default-model`` recipe: the shipped ``openk3-tiny`` trained end to end (issue 8 item 2).
+"""The ``default-model`` recipe: the shipped ``openk3-tiny`` trained end to end.
 
 Stages (``openk3 train --recipe default-model --out runs/default-model``)::
 
@@ -365,7 +365,7 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
 
 
 def default_model() -> RunConfig:
-    """openk3-tiny end to end: corpus -> BPE -> pretraining -> SFT with MXFP4 QAT (issue 8)."""
+    """openk3-tiny end to end: corpus -> BPE -> pretraining -> SFT with MXFP4 QAT."""
     return RunConfig(
         name="default-model", model="openk3-tiny", data=sft_data, total_steps=2800, seq_len=1024,
         warmup_steps=None, lr=5e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=4, ckpt_every=100,

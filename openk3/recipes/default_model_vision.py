@@ -1,4 +1,4 @@
-"""The ``default-model-vision`` recipe: a MoonViT tower for the shipped ``openk3-tiny`` (issue 9 item 5).
+"""The ``default-model-vision`` recipe: a MoonViT tower for the shipped ``openk3-tiny``.
 
 One stage after the text model (``default-model``, whose pretraining / SFT stay text-only)::
 
@@ -178,7 +178,7 @@ def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
 
 
 def default_model_vision() -> RunConfig:
-    """openk3-tiny + a tiny MoonViT trained on synthetic image questions (issue 9 item 5)."""
+    """openk3-tiny + a tiny MoonViT trained on synthetic image questions."""
     return RunConfig(
         name="default-model-vision", model="openk3-tiny", data=vision_data, total_steps=1200, seq_len=1024,
         warmup_steps=20, lr=2e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=2, ckpt_every=100,

@@ -90,7 +90,10 @@ def usage_dict(prompt_tokens: int, cached: int, completion: int) -> dict:
 
 
 def _is_overloaded(exc: BaseException) -> bool:
-    return type(exc).__name__ == "EngineOverloaded"
+    """True for the engine's full-queue refusal (answered 429)."""
+    from openk3.engine import EngineOverloaded  # torch: imported only once an engine has answered
+
+    return isinstance(exc, EngineOverloaded)
 
 
 class Generation:

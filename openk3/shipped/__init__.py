@@ -1,4 +1,4 @@
-"""Models shipped inside the package (issue 8): names that resolve to a checkpoint directory.
+"""Models shipped inside the package: names that resolve to a checkpoint directory.
 
 ``openk3-tiny`` is the default model: a tiny K3 trained by openk3's own ``default-model`` recipe
 (``openk3/shipped/openk3-tiny/MODEL_CARD.md``). Its directory is a normal checkpoint

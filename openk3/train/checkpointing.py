@@ -7,8 +7,9 @@ Layout of ``<dir>/step-0000120/`` (``<dir>`` is ``<out>/checkpoints``):
   Balancing bias is the model buffer ``e_score_correction_bias``);
 * ``trainer_state.pt``: optimizer state (Muon momenta, AdamW moments, ``initial_lr``), each
   balancer's state, torch / Python RNG states (read back with ``torch.load(weights_only=True)``);
-* ``trainer_state.json``: step, data-stream position (``DataSource.state_dict()``, must be JSON),
-  the run configuration and the last metrics, readable by people and scripts;
+* ``trainer_state.json``: step, data-stream position
+  (:meth:`~openk3.train.data.DataSource.state_dict`, must be JSON), the run configuration and
+  the last metrics, readable by people and scripts;
 * ``checksums.sha256``: the SHA-256 of every other file, in ``sha256sum`` format (so
   ``sha256sum -c checksums.sha256`` checks a copy by hand); :meth:`CheckpointManager.load`
   verifies them before reading anything, and a mismatch is an error naming the file. A
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 from openk3.checkpoint import from_hf_state_dict, read_safetensors
+from openk3.train.data import DataSource
 
 STATE_PT = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
@@ -285,14 +287,15 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------- save
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             balancers: Mapping[int, object], data=None, run=None, metrics: Mapping | None = None) -> str:
+             balancers: Mapping[int, object], data: DataSource | None = None, run=None,
+             metrics: Mapping | None = None) -> str:
         """Write the checkpoint of ``step`` (completed steps) atomically; returns its path.
 
         Args:
             step: completed optimizer steps. model: ``K3ForCausalLM`` (``save_pretrained``).
             optimizer: its ``state_dict()`` is saved. balancers: {layer: QuantileBalancer}.
-            data: an object with ``state_dict()`` returning JSON-serialisable data (the stream
-                position), or None.
+            data: the run's :class:`~openk3.train.data.DataSource` (its ``state_dict()``, the
+                stream position, must be JSON-serialisable), or None.
             run: the run configuration (recorded as JSON for people; not read back).
             metrics: last metrics to record.
         Raises:
@@ -372,7 +375,8 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------- load
     def load(self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             balancers: Mapping[int, object] | None = None, data=None, *, restore_rng: bool = True) -> dict:
+             balancers: Mapping[int, object] | None = None, data: DataSource | None = None, *,
+             restore_rng: bool = True) -> dict:
         """Restore a checkpoint in place into freshly built training objects.
 
         The model must have the checkpoint's architecture and the optimizer the same parameter

@@ -14,7 +14,7 @@ document, however the documents are packed or cut.
 :class:`PackedLoader` fills rows of ``T`` tokens with documents in a seeded per-epoch order. Each
 document (piece) is one segment of ``cu_seqlens``: the model resets the KDA state and restricts MLA
 attention at every boundary (``K3ForCausalLM.forward(..., cu_seqlens=...)``; architecture.md §3.4,
-§3.6; issue 6: no leakage across documents). Two packing modes: ``split_documents=True``
+§3.6: no attention or state leaks across documents). Two packing modes: ``split_documents=True``
 (pretraining) cuts documents at row ends and continues them in the next row, wasting nothing; the
 last position of a cut piece keeps its target, which is the next token *of the same document*
 (served at the start of the next row). ``False`` (SFT) starts a document that does not fit on a new
@@ -31,7 +31,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -223,6 +223,43 @@ class DocumentStore:
         return store
 
 
+# ---------------------------------------------------------------------------------- the protocol
+@runtime_checkable
+class DataSource(Protocol):
+    """What the trainer reads data from: a deterministic, resumable stream of micro-batches.
+
+    ``RunConfig.data(run, split)`` returns one (:mod:`openk3.train.run_config`);
+    :func:`openk3.train.trainer.train` draws ``grad_accum`` micro-batches per step (times the world
+    size under ``torchrun``) and :class:`~openk3.train.checkpointing.CheckpointManager` saves and
+    restores its position. Implemented by :class:`PackedLoader`,
+    :class:`~openk3.train.vision_loader.ImageSFTLoader`,
+    :class:`~openk3.train.mixed_data.MixedLoader` and :class:`~openk3.train.mixed_data.CurriculumLoader`.
+    """
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The next micro-batch: ``input_ids`` [B, T] int64 and ``labels`` [B, T] int64 (aligned
+        next-token targets, -100 ignored), optionally ``cu_seqlens`` [N+1] (a packed row, B = 1)
+        or ``lengths`` [B], and for image rows ``pixel_values`` [L, 3, P, P] + ``grid_thws`` [G, 3].
+
+        Raises:
+            StopIteration: a finite source is exhausted.
+        """
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream position, JSON-serialisable (written into ``trainer_state.json``)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the following batches equal those an uninterrupted
+        stream would have served.
+
+        Raises:
+            ValueError: a state of another version or source configuration (field named).
+        """
+        ...
+
+
 # --------------------------------------------------------------------------------------- batches
 @dataclass
 class Batch:
@@ -370,7 +407,7 @@ class PackedLoader:
         return self
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        """The trainer's data protocol: the next batch as one packed row, :meth:`Batch.packed`
+        """:meth:`DataSource.next_batch`: the next batch as one packed row, :meth:`Batch.packed`
         (``input_ids`` / ``labels`` [1, B*T], ``cu_seqlens``).
 
         Raises:

@@ -2,9 +2,9 @@
 
 SFT alone overwrites the pretrained language model (openk3-tiny: corpus val loss 5.12 -> 12.09);
 mixing a fraction of pretraining rows back into the SFT stream ("replay") keeps it. The sources
-are DataSources in the trainer's sense (:mod:`openk3.recipes` docstring): ``next_batch()``
--> ``{"input_ids" [1, T'], "labels" [1, T'], "cu_seqlens" [N+1]}`` with T' = batch_size x seq_len,
-``state_dict()`` / ``load_state_dict()``. Both must produce the same T' (same ``seq_len`` and
+are :class:`~openk3.train.data.DataSource` s: ``next_batch()`` -> ``{"input_ids" [1, T'],
+"labels" [1, T'], "cu_seqlens" [N+1]}`` with T' = batch_size x seq_len, ``state_dict()`` /
+``load_state_dict()``; so are both loaders here. Both must produce the same T' (same ``seq_len`` and
 ``batch_size``), so a step's token count does not depend on which source served it.
 """
 
@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from openk3.train.data import DataSource
 
 MIXED_STATE_VERSION = 1
 
@@ -37,7 +39,7 @@ class MixedLoader:
         ValueError: ``fraction`` outside [0, 1).
     """
 
-    def __init__(self, primary: Any, secondary: Any, fraction: float, seed: int = 0):
+    def __init__(self, primary: DataSource, secondary: DataSource, fraction: float, seed: int = 0):
         if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 <= fraction < 1.0:
             raise ValueError(f"fraction={fraction!r}: must lie in [0, 1)")
         self.primary, self.secondary = primary, secondary
@@ -103,7 +105,7 @@ class CurriculumLoader:
         ValueError: ``steps`` not an integer >= 0.
     """
 
-    def __init__(self, first: Any, then: Any, steps: int):
+    def __init__(self, first: DataSource, then: DataSource, steps: int):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps={steps!r}: must be an integer >= 0")
         self.first, self.then, self.steps = first, then, steps

@@ -1,7 +1,7 @@
 """What one training run needs: :class:`RunConfig`, the input of :func:`openk3.train.trainer.train`.
 
 A run config names the model (a preset or a :class:`~openk3.config.K3Config`), the data (a
-factory ``data(run, split) -> DataSource`` for ``split`` in {"train", "eval"}; the protocol is
+factory ``data(run, split) -> DataSource`` for ``split`` in {"train", "eval"}, the protocol
 :class:`openk3.train.data.DataSource`), the schedule, the batch (``seq_len`` tokens per
 micro-batch, ``grad_accum`` micro-batches per step), QAT, eval and checkpoint cadence. Recipes
 (:mod:`openk3.recipes`) are functions that return one.
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from openk3.config import K3Config, preset
+from openk3.train.data import DataSource
 from openk3.train.trainer import StepConfig
 from openk3.typed_fields import check_fields, replace_fields
 
@@ -67,7 +68,7 @@ class RunConfig:
 
     name: str
     model: str | K3Config = field(metadata={"expect": "a preset name or a K3Config"})
-    data: Callable[["RunConfig", str], Any] = field(metadata={"expect": "a data factory (callable; set by the recipe)"})
+    data: Callable[["RunConfig", str], DataSource] = field(metadata={"expect": "a data factory (callable; set by the recipe)"})
     total_steps: int
     seq_len: int = 256
     batch_size: int = 1

@@ -6,7 +6,7 @@ E routed experts, k experts per token.
 
 Sources: architecture.md §7 (QB: bias from the step's own routing, used from the NEXT step),
 §9 (Muon + AdamW, cosine schedule with 1 % warmup, QK-Clip after each optimizer step from the
-forward's per-head max logits); issue 6 item 5 (the trainer's contract).
+forward's per-head max logits).
 
 One step (:func:`train_step`)::
 

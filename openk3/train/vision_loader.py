@@ -1,4 +1,4 @@
-"""Packed training rows with their images, for the vision stage (issue 9 item 5).
+"""Packed training rows with their images, for the vision stage.
 
 Shape legend: T tokens per row (``seq_len``), N segments of a row, L patches of the row's images,
 P patch size, G images of the row.

@@ -16,7 +16,7 @@ from openk3.layers.norm import RMSNorm
 from openk3.ops.backends import use_backend
 from openk3.pretrained import build_model
 from openk3.quant.mx import dequantize_mxfp4, dequantize_mxfp8, quantize_mxfp4, quantize_mxfp8
-from openk3.quant.qat import SCHEMES, QuantScheme, model_qat, qat_scheme, resolve_scheme
+from openk3.quant.qat import SCHEMES, QuantScheme, RoutedExperts, model_qat, qat_scheme, resolve_scheme
 from tests.conftest import assert_close
 
 
@@ -121,6 +121,28 @@ def test_model_qat_switch_keeps_master_weights_and_state_dict():
     model.model.layers[1].block_sparse_moe.experts.qat = SCHEMES["mxfp4"]
     with pytest.raises(ValueError, match="different QAT schemes"):
         qat_scheme(model)
+
+
+def test_routed_experts_are_found_by_protocol_not_class():
+    """Dense and packed experts are RoutedExperts (model_qat switches both); a module with a
+    ``qat`` slot and ``w1`` but no ``w2`` / ``w3`` is not one and is left alone."""
+    from openk3.quant.packed import PackedExperts
+
+    dense = _experts()
+    packed = PackedExperts.from_experts(dense)
+    assert isinstance(dense, RoutedExperts) and isinstance(packed, RoutedExperts)
+
+    class HalfExperts(nn.Module):
+        qat = None
+
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.zeros(2, 32, 32))
+
+    half = HalfExperts()
+    assert not isinstance(half, RoutedExperts)
+    assert model_qat(nn.ModuleList([dense, packed, half]), "mxfp4") == 2
+    assert dense.qat is packed.qat is SCHEMES["mxfp4"] and half.qat is None
 
 
 def test_qat_errors_and_scheme_resolution():

@@ -13,7 +13,7 @@ import openk3
 from openk3.chat_format import render_assistant_output
 from openk3.pretrained import build_model
 from openk3.train.data import (
-    IGNORE_INDEX, DocumentStore, PackedLoader, chat_document, document_from_ids, text_document,
+    IGNORE_INDEX, DataSource, DocumentStore, PackedLoader, chat_document, document_from_ids, text_document,
 )
 from openk3.train.tokenizer_train import train_tokenizer
 from tests.conftest import assert_close
@@ -160,6 +160,28 @@ def test_next_batch_is_the_packed_row():
     one_pass.next_batch()
     with pytest.raises(StopIteration):
         one_pass.next_batch()
+
+
+def test_the_trainer_sources_are_data_sources():
+    """Every loader the recipes hand the trainer has the :class:`DataSource` methods; an object
+    without ``load_state_dict`` (it could not resume) does not."""
+    from openk3.recipes import get_recipe
+    from openk3.train.mixed_data import CurriculumLoader, MixedLoader
+
+    store = DocumentStore.from_documents(_range_docs([7, 30, 2, 19]))
+    a, b = PackedLoader(store, 12, 1, seed=1), PackedLoader(store, 12, 1, seed=2)
+    run = get_recipe("smoke")
+    for source in (a, MixedLoader(a, b, 0.5), CurriculumLoader(a, b, 2), run.data(run, "train")):
+        assert isinstance(source, DataSource), type(source).__name__
+
+    class NoResume:
+        def next_batch(self):
+            return {}
+
+        def state_dict(self):
+            return {}
+
+    assert not isinstance(NoResume(), DataSource)
 
 
 def test_shuffle_is_seeded_and_varies_by_epoch():

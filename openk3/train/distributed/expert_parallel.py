@@ -195,7 +195,8 @@ class ExpertParallelExperts(nn.Module):
     ``qat``: the QAT scheme (:class:`openk3.quant.qat.QuantScheme` or None), copied from
     ``experts`` and switched by :func:`openk3.quant.qat.model_qat` like :class:`Experts`. When
     set, the local expert weights are MXFP4 fake-quantised and the GEMM input rows MXFP8, with
-    straight-through gradients, as :meth:`Experts.forward` does (architecture.md §10).
+    straight-through gradients, as :meth:`Experts.forward` does (architecture.md §10). A
+    :class:`~openk3.quant.qat.RoutedExperts`, like ``Experts``.
 
     Args:
         experts: the single-device module to split (its weights must be equal on every rank,

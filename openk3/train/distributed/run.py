@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-IGNORE_INDEX = -100
+from openk3.train.data import IGNORE_INDEX, DataSource
 
 
 def distributed_requested() -> bool:
@@ -93,7 +93,7 @@ class SingleProcess:
         """Returns ``(model, optimizer)`` unchanged."""
         return model, optimizer
 
-    def step_batch(self, source, grad_accum: int) -> tuple[list, float | None]:
+    def step_batch(self, source: DataSource, grad_accum: int) -> tuple[list, float | None]:
         """The next ``grad_accum`` micro-batches and the default token normaliser (None)."""
         return [source.next_batch() for _ in range(grad_accum)], None
 
@@ -196,7 +196,7 @@ class DistributedRun:
         return model, sharded
 
     # ------------------------------------------------------------------------------ the data
-    def step_batch(self, source, grad_accum: int) -> tuple[list, float]:
+    def step_batch(self, source: DataSource, grad_accum: int) -> tuple[list, float]:
         """Draw the global step (``grad_accum x R`` micro-batches) and keep this rank's share
         (every R-th, from index ``rank``).
 
