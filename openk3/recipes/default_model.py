@@ -96,7 +96,7 @@ class DefaultModelSettings(RecipeSettings):
     tokenizer_max_mb: float | None = None
     cache_dir: str = "data/cache"
     model_overrides: dict[str, Any] = field(default_factory=dict)
-    pretrain_steps: int = 3400
+    pretrain_steps: int = 3200
     pretrain_seq_len: int = 1024
     pretrain_lr: float = 1e-2
     pretrain_eval_every: int = 400
@@ -112,7 +112,7 @@ class DefaultModelSettings(RecipeSettings):
     pretrain_sft_share: float = 0.0
     pretrain_induction_share: float = 0.3
     induction_items: int = 20000
-    pretrain_copy_narrow_steps: int = 1000
+    pretrain_copy_narrow_steps: int = 1800
     pretrain_copy_narrow_ids: int = 128
     pretrain_copy_narrow_span: tuple[int, int] = (8, 24)
     pretrain_copy_steps: int = 400
