@@ -204,7 +204,7 @@ def _eager_vs_compiled(model, B: int, P: int, W: int, reps: int, vocab: int) -> 
     return {"eager_step_ms": 1e3 * eager, "compiled_step_ms": 1e3 * compiled, "speedup": eager / compiled,
             "warmup_s": warm_s, "graphs": graphs,
             "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs,
-            "buckets": sorted(engines["compiled"].decode_step.shapes)}
+            "buckets": sorted(engines["compiled"].runner.decode_step.shapes)}
 
 
 @torch.no_grad()

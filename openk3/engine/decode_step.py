@@ -13,7 +13,7 @@ writes the same values to the same places as the row it copies, so padding chang
 static form, :func:`openk3.ops.grouped_mm.routed_experts_static`). One ``torch.compile`` graph
 (Inductor, ``dynamic=False``) then serves every step of a bucket; a new bucket compiles once.
 
-The eager forward of :meth:`Engine._forward` stays the reference (the default, and what every
+The eager forward of :meth:`~openk3.engine.runner.ModelRunner.forward` stays the reference (the default, and what every
 prefill runs); this module only changes the shapes it is fed and who runs it.
 """
 

@@ -18,9 +18,11 @@ One :meth:`Engine.step`:
    finished requests release their slot and blocks immediately, and computed full blocks and KDA
    snapshots are published to the prefix cache.
 
-The model runs unchanged: each forward gets a :class:`~openk3.cache.HybridCache` whose entries are
-pool views (:class:`~openk3.cache.SlotKDAState` rows of the slot pool,
-:class:`~openk3.cache.PagedMLACache` block tables into the latent pool).
+The :class:`~openk3.engine.runner.ModelRunner` builds each forward's tensors and runs the model
+unchanged: each forward gets a :class:`~openk3.cache.HybridCache` whose entries are pool views
+(:class:`~openk3.cache.SlotKDAState` rows of the slot pool, :class:`~openk3.cache.PagedMLACache`
+block tables into the latent pool). The step plan is made of
+:class:`~openk3.engine.request.Piece` rows (request, start, end).
 
 Images: a request whose images need the vision tower waits in an encoding queue, not in the
 scheduler. Each step, after its forwards and sampling, runs pieces of the tower on the head of that
@@ -46,16 +48,14 @@ from typing import Any, Callable
 
 import torch
 
-from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
-from openk3.config import KDA
-from openk3.engine.decode_step import StaticDecodeStep
 from openk3.engine.kv_pool import MLABlockPool, SlotPool, SnapshotPool, cache_layout
-from openk3.engine.mm import check_images, image_span, merged_count
+from openk3.engine.mm import check_images, image_span
 from openk3.engine.planner import kda_state_bytes, sequence_bytes
 from openk3.engine.prefix_cache import PrefixCache, extend_keys
+from openk3.engine.request import Request
+from openk3.engine.runner import ModelRunner
 from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
-from openk3.engine.scheduler import Request, Scheduler
-from openk3.vision.encoder import encode_in_pieces
+from openk3.engine.scheduler import Scheduler
 
 
 log = logging.getLogger("openk3.engine")
@@ -215,22 +215,13 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, self.slots, self.prefix, max_num_seqs=min(cfg.max_num_seqs, lay.num_slots),
                                    prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill, block_size=L,
                                    forward_cost=cfg.prefill_forward_cost)
-        self._kda_index = {}
-        self._mla_index = {}
-        for l, t in enumerate(mc.layer_types):
-            index = self._kda_index if t == KDA else self._mla_index
-            index[l] = len(index)
-        self.decode_step = None
-        if cfg.compile:
-            pools = [("kda", self._kda_index[l]) if l in self._kda_index else ("mla", self._mla_index[l])
-                     for l in range(len(mc.layer_types))]
-            self.decode_step = StaticDecodeStep(model, self.blocks, self.slots, pools,
-                                                max_batch=self.scheduler.max_num_seqs,
-                                                max_blocks=-(-self.max_model_len // L), compile=True)
+        self.encoder_step_flops = cfg.encoder_step_flops or (2**38 if self.device.type == "cuda" else 2**28)
+        self.runner = ModelRunner(model, self.blocks, self.slots, compile=cfg.compile,
+                                  max_batch=self.scheduler.max_num_seqs, max_blocks=-(-self.max_model_len // L),
+                                  encoder_step_flops=self.encoder_step_flops)
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._encoding: deque[Request] = deque()  # requests whose image features are not complete yet
-        self.encoder_step_flops = cfg.encoder_step_flops or (2**38 if self.device.type == "cuda" else 2**28)
         self._arrival = itertools.count()
         self._seeds = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         self.failures = 0  # step work that raised (each failed its requests, see step())
@@ -360,7 +351,7 @@ class Engine:
     def _to_encode(self, req: Request) -> bool:
         """Set ``req.image_features`` (precomputed features, None where the tower must run) and
         say whether the tower must run: an image with pixels that the prefix cache does not hold
-        now (a later eviction is covered by :meth:`_features`)."""
+        now (a later eviction is covered by :meth:`ModelRunner.features`)."""
         if not req.images:
             return False
         req.image_features = [im.features.to(self.device) if im.features is not None else None for im in req.images]
@@ -409,33 +400,36 @@ class Engine:
         plan = self.scheduler.schedule()
         rows: list[tuple[Request, torch.Tensor]] = []
         if plan.decode:
-            items = [(r, r.num_computed, r.num_computed + 1) for r in plan.decode]
             try:
-                if self.decode_step is not None:
-                    logits = self._static_decode(plan.decode)
-                else:
-                    logits = self._forward(items, [True] * len(items))
+                for r in plan.decode:
+                    self.scheduler.ensure_blocks(r, r.num_computed + 1)
+                logits = self.runner.decode(plan.decode)
                 for i, r in enumerate(plan.decode):
+                    r.num_computed += 1
                     self._computed(r, logits[i])
                     rows.append((r, logits[i]))
             except Exception as e:  # noqa: BLE001 - isolated to these requests
                 outputs += self._fail(plan.decode, e)
         for rnd in plan.prefill:
-            rnd = [piece for piece in rnd if not piece[0].finished]  # a failed request's later pieces
+            rnd = [p for p in rnd if not p.request.finished]  # a failed request's later pieces
             if not rnd:
                 continue
             try:
-                need = [e == len(r.tokens) for r, _, e in rnd]
-                logits = self._forward(rnd, need)
+                for p in rnd:
+                    self.scheduler.ensure_blocks(p.request, p.end)
+                need = [p.end == len(p.request.tokens) for p in rnd]
+                logits = self.runner.forward(rnd, need)
+                for p in rnd:
+                    p.request.num_computed = p.end
                 j = 0
-                for (r, _, _), nd in zip(rnd, need):
+                for p, nd in zip(rnd, need):
                     row = logits[j] if nd else None
                     j += nd
-                    self._computed(r, row)
+                    self._computed(p.request, row)
                     if nd:
-                        rows.append((r, row))
+                        rows.append((p.request, row))
             except Exception as e:  # noqa: BLE001 - isolated to these requests
-                outputs += self._fail([r for r, _, _ in rnd], e)
+                outputs += self._fail([p.request for p in rnd], e)
         for r in plan.ready:
             if not r.finished:
                 rows.append((r, r.pending_logits))
@@ -513,95 +507,6 @@ class Engine:
             problems.append(f"KDA slots in use {self.slots.num_used} != {slots} held by requests")
         return problems
 
-    def _forward(self, items: list[tuple[Request, int, int]], need: list[bool]) -> torch.Tensor | None:
-        """One batched forward of rows (request, start, end); returns logits [sum(need), V] fp32 at
-        the last valid position of the rows flagged in ``need``."""
-        dev = self.device
-        B = len(items)
-        T = max(e - s for _, s, e in items)
-        for r, _, e in items:
-            self.scheduler.ensure_blocks(r, e)
-        ids = torch.tensor([r.tokens[s:e] + [0] * (T - (e - s)) for r, s, e in items], dtype=torch.long, device=dev)
-        lens = torch.tensor([e - s for _, s, e in items], dtype=torch.long, device=dev)
-        MB = max(len(r.blocks) for r, _, _ in items)
-        tables = torch.tensor([r.blocks + [0] * (MB - len(r.blocks)) for r, _, _ in items], dtype=torch.long, device=dev)
-        slots = torch.tensor([r.slot for r, _, _ in items], dtype=torch.long, device=dev)
-        layers = []
-        for l in range(len(self.model_config.layer_types)):
-            if l in self._kda_index:
-                i = self._kda_index[l]
-                layers.append(SlotKDAState(self.slots.conv[i], self.slots.recurrent[i], slots))
-            else:
-                i = self._mla_index[l]
-                layers.append(PagedMLACache(self.blocks.latent[i], self.blocks.k_rope[i], tables))
-        past = torch.tensor([s for _, s, _ in items], dtype=torch.long, device=dev)
-        cache = HybridCache(layers=layers, lengths=past)
-        full = all(e - s == T for _, s, e in items)
-        embeds = self._image_embeds(items, ids)
-        # validate=False: ids were checked by add_request or sampled, lengths and tables built
-        # here, room allocated above; the model then reads no tensor value on the host.
-        hidden = self.model.model(None if embeds is not None else ids, cache, inputs_embeds=embeds,
-                                  lengths=None if full else lens, validate=False)
-        for r, _, e in items:
-            r.num_computed = e
-        rows = [i for i in range(B) if need[i]]
-        if not rows:
-            return None
-        idx = torch.tensor(rows, device=dev)
-        h = hidden[idx, lens[idx] - 1]
-        return self.model.lm_head(h).float()
-
-    def _static_decode(self, reqs: list[Request]) -> torch.Tensor:
-        """The decode rows ``reqs`` through :attr:`decode_step`: logits [B, V] fp32."""
-        for r in reqs:
-            self.scheduler.ensure_blocks(r, r.num_computed + 1)
-        logits = self.decode_step([(r.tokens, r.slot, r.blocks, r.num_computed) for r in reqs])
-        for r in reqs:
-            r.num_computed += 1
-        return logits
-
-    def _image_embeds(self, items: list[tuple[Request, int, int]], ids: torch.Tensor) -> torch.Tensor | None:
-        """[B, T, D] inputs for rows whose piece overlaps an image (None when no row does):
-        token embeddings with each overlapped pad position replaced by its feature row."""
-        hits = [(row, r, s, e) for row, (r, s, e) in enumerate(items)
-                if r.images and any(im.positions.start < e and s < im.positions.stop for im in r.images)]
-        if not hits:
-            return None
-        embeds = self.model.model.embed_tokens(ids)
-        for row, r, s, e in hits:
-            feats = self._features(r)
-            for im, f in zip(r.images, feats):
-                a, b = max(s, im.positions.start), min(e, im.positions.stop)
-                if a < b:
-                    off = im.positions.start
-                    embeds[row, a - s:b - s] = f[a - off:b - off].to(embeds.dtype)
-        return embeds
-
-    def _features(self, r: Request) -> list:
-        """Per image of ``r``, its [N, D] features on the model's device (None for images entirely
-        below ``num_computed``, i.e. served by the prefix cache). Normally complete before
-        admission (:meth:`_encode`); an image the prefix cache held at arrival but evicted since is
-        encoded here, whole."""
-        if r.image_features is None:
-            r.image_features = [None] * len(r.images)
-        for i, im in enumerate(r.images):
-            if r.image_features[i] is None and im.positions.stop > r.num_computed:
-                gen = self._tower(im)
-                while True:
-                    try:
-                        next(gen)
-                    except StopIteration as done:
-                        r.image_features[i] = done.value
-                        break
-        return r.image_features
-
-    def _tower(self, im):
-        """The resumable tower + projector work of one image (a generator, see
-        :func:`~openk3.vision.encoder.encode_in_pieces`)."""
-        m = self.model
-        return encode_in_pieces(m.vision_tower, im.pixel_values.to(self.device), im.grid_thw, m.mm_projector,
-                                piece_flops=max(1, self.encoder_step_flops // 4))
-
     def _encode(self) -> list[RequestOutput]:
         """Run tower pieces for the head of the encoding queue until ``encoder_step_flops`` are
         spent; a request whose images are all encoded moves to the scheduler's queue. A tower
@@ -616,7 +521,7 @@ class Engine:
                         self.scheduler.waiting.append(r)
                         continue
                     i = r.to_encode.pop(0)
-                    r.tower_job = (i, self._tower(r.images[i]))
+                    r.tower_job = (i, self.runner.tower(r.images[i]))
                 i, gen = r.tower_job
                 try:
                     spent += next(gen)

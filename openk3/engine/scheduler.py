@@ -30,72 +30,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from openk3.engine.kv_pool import MLABlockPool, SlotPool
-from openk3.engine.mm import spans_salt
 from openk3.engine.prefix_cache import PrefixCache, extend_keys
-from openk3.engine.sampling import SamplingParams
-
-
-@dataclass(eq=False)
-class Request:
-    """Engine-side state of one request.
-
-    ``tokens`` = prompt + sampled tokens still to be fed (the stop token is never appended);
-    ``num_computed`` tokens of it are in the caches (KDA slot + MLA blocks). Image requests:
-    ``images`` (:class:`~openk3.engine.mm.ImageInput`, dropped once the prompt is computed),
-    ``image_features`` (per image, [N, D] on the model's device, computed on first use) and
-    ``spans`` (kept: they salt the prefix-cache keys, :meth:`salt`).
-    """
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    constraint: Any
-    arrival: int
-    max_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)
-    completion_tokens: int = 0
-    num_computed: int = 0
-    cached_tokens: int = 0
-    slot: int | None = None
-    blocks: list[int] = field(default_factory=list)
-    reserved: int = 0
-    keys: list[bytes] = field(default_factory=list)
-    published: int = 0
-    pending_logits: torch.Tensor | None = None
-    generator: torch.Generator | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    images: list = field(default_factory=list)
-    spans: list = field(default_factory=list)
-    image_features: list | None = None
-    tower_job: Any = None  # (image index, generator) of the tower work in progress
-    to_encode: list = field(default_factory=list)  # indices of images still to encode, in order
-
-    def salt(self, start: int, end: int) -> bytes:
-        """Prefix-cache key material of the images overlapping positions ``[start, end)``."""
-        return spans_salt(self.spans, start, end) if self.spans else b""
-
-    @property
-    def key_salt(self):
-        """:meth:`salt` for image requests, None for text-only ones (keys hash tokens only)."""
-        return self.salt if self.spans else None
-
-    @property
-    def remaining(self) -> int:
-        """Tokens to feed before the next sample."""
-        return len(self.tokens) - self.num_computed
-
-    @property
-    def in_prefill(self) -> bool:
-        """True until every prompt token is computed."""
-        return self.num_computed < len(self.prompt)
+from openk3.engine.request import Piece, Request
 
 
 def length_groups(lengths: list[int], forward_cost: int) -> list[list[int]]:
@@ -141,12 +79,12 @@ def length_groups(lengths: list[int], forward_cost: int) -> list[list[int]]:
 @dataclass
 class StepPlan:
     """What one engine step runs: ``decode`` (one token each, one forward), ``prefill`` forwards
-    of (request, start, end) pieces in order (the length groups of each round, round by round),
-    and ``ready`` requests sampled from stored logits (full hits)."""
+    of :class:`Piece` rows in order (the length groups of each round, round by round), and
+    ``ready`` requests sampled from stored logits (full hits)."""
 
-    decode: list = field(default_factory=list)
-    prefill: list = field(default_factory=list)
-    ready: list = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[list[Piece]] = field(default_factory=list)
+    ready: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -229,22 +167,22 @@ class Scheduler:
         req.images, req.image_features, req.tower_job, req.to_encode = [], None, None, []
 
     # ------------------------------------------------------------------ planning
-    def _pieces(self, req: Request, n: int) -> list[tuple[Request, int, int]]:
+    def _pieces(self, req: Request, n: int) -> list[Piece]:
         """Split ``req``'s next ``n`` tokens at snapshot boundaries (when the prefix cache is on)."""
         start, end = req.num_computed, req.num_computed + n
         if not self.prefix.enabled:
-            return [(req, start, end)]
+            return [Piece(req, start, end)]
         step = self.prefix.interval
         cuts = list(range((start // step + 1) * step, end, step))
         bounds = [start] + cuts + [end]
-        return [(req, a, b) for a, b in zip(bounds, bounds[1:])]
+        return [Piece(req, a, b) for a, b in zip(bounds, bounds[1:])]
 
     def schedule(self) -> StepPlan:
         """Admit what fits and decide this step's work (see the module docstring)."""
         plan = StepPlan()
         plan.decode = [r for r in self.running if r.pending_logits is None and r.remaining == 1]
         left = max(self.budget - len(plan.decode), min(self.budget, self.block_size))
-        pieces: list[list] = []
+        pieces: list[list[Piece]] = []
         started = False
 
         def take(r: Request) -> bool:
@@ -281,6 +219,6 @@ class Scheduler:
             if self.forward_cost is None or len(rnd) == 1:
                 plan.prefill.append(rnd)
             else:
-                groups = length_groups([e - s for _, s, e in rnd], self.forward_cost)
+                groups = length_groups([p.length for p in rnd], self.forward_cost)
                 plan.prefill += [[rnd[j] for j in g] for g in groups]
         return plan

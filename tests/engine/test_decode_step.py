@@ -98,12 +98,10 @@ def test_bucketed_decode_rows_equal_the_eager_step(model):
                  on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()))
     eng = Engine(model, EngineConfig(block_size=8, enable_prefix_cache=False),
                  on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()))
-    pools = [("kda", eng._kda_index[l]) if l in eng._kda_index else ("mla", eng._mla_index[l])
-             for l in range(model.config.num_hidden_layers)]
-    eng.decode_step = StaticDecodeStep(model, eng.blocks, eng.slots, pools, max_batch=16, max_blocks=64,
-                                       compile=False)
+    eng.runner.decode_step = StaticDecodeStep(model, eng.blocks, eng.slots, eng.runner.layer_pools,
+                                              max_batch=16, max_blocks=64, compile=False)
     assert _greedy_run(eng, prompts, 6, got_logits) == _greedy_run(ref, prompts, 6, ref_logits)
-    assert eng.decode_step.shapes == {(4, 4)}  # 3 rows -> 4, 2-4 blocks -> 4
+    assert eng.runner.decode_step.shapes == {(4, 4)}  # 3 rows -> 4, 2-4 blocks -> 4
     for a, b in zip(ref_logits.values(), got_logits.values()):
         for x, y in zip(a, b):
             assert_close(y, x, atol=1e-5, rtol=0, what="bucketed decode logits")
@@ -140,7 +138,7 @@ def test_compiled_decode_step_equals_eager_without_recompiles(kimi_linear_model)
             tokens[out.request_id] += out.new_token_ids
         graphs.append(counters["stats"]["unique_graphs"])
     assert [tokens[rid] for rid in ids] == ref_tokens
-    assert eng.decode_step.shapes == {(4, 4)}
+    assert eng.runner.decode_step.shapes == {(4, 4)}
     # step 1 prefills (eager), step 2 compiles the bucket, the remaining decode steps reuse it
     assert graphs == [0] + [1] * (n_new - 1), graphs
     assert counters["recompiles"] == {} and not counters["graph_break"]

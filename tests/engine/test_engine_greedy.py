@@ -22,17 +22,17 @@ def test_batch_of_mixed_prompts_matches_full_forward(model, prefix, chunked):
                                      enable_prefix_cache=prefix, snapshot_interval=16))
     ids = [eng.add_request(p, greedy(N_NEW)) for p in prompts]
     widths: list[set] = []  # per step: the T of every forward it ran
-    forward, step = eng._forward, eng.step
+    forward, step = eng.runner.forward, eng.step
 
-    def spy_forward(items, need):
-        widths[-1].add(max(e - s for _, s, e in items))
-        return forward(items, need)
+    def spy_forward(pieces, need):
+        widths[-1].add(max(p.length for p in pieces))
+        return forward(pieces, need)
 
     def spy_step():
         widths.append(set())
         return step()
 
-    eng._forward, eng.step = spy_forward, spy_step
+    eng.runner.forward, eng.step = spy_forward, spy_step
     res = run(eng)
     for rid, ref, p in zip(ids, refs, prompts):
         assert res[rid]["tokens"] == ref, f"prompt of {len(p)} tokens"

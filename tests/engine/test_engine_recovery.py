@@ -19,19 +19,17 @@ ALLOC_ERROR = "DefaultCPUAllocator: can't allocate memory: you tried to allocate
 def _poison_forward(engine: Engine, poisoned: set[str], times: int = 1) -> list:
     """Make ``engine``'s forward raise (as a failed allocation does) whenever its batch holds a
     request in ``poisoned``, ``times`` times; returns the list of failed batches' request ids."""
-    original = engine._forward
+    original = engine.runner.forward
     failed: list = []
 
-    def forward(items, need):
-        ids = {r.request_id for r, _, _ in items}
+    def forward(pieces, need):
+        ids = {p.request.request_id for p in pieces}
         if ids & poisoned and len(failed) < times:
             failed.append(sorted(ids))
-            r0 = items[0][0]
-            engine.scheduler.ensure_blocks(r0, items[0][2])  # it had taken its blocks, as the real one does
-            raise RuntimeError(ALLOC_ERROR)
-        return original(items, need)
+            raise RuntimeError(ALLOC_ERROR)  # the engine had allocated the pieces' blocks already
+        return original(pieces, need)
 
-    engine._forward = forward
+    engine.runner.forward = forward
     return failed
 
 

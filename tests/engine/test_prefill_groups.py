@@ -59,13 +59,13 @@ def test_grouped_prefill_matches_full_forward(model, cost):
                                      prefill_forward_cost=cost))
     ids = [eng.add_request(p, greedy(5)) for p in prompts]
     shapes = []
-    forward = eng._forward
+    forward = eng.runner.forward
 
-    def spy(items, need):
-        shapes.append(sorted(e - s for _, s, e in items))
-        return forward(items, need)
+    def spy(pieces, need):
+        shapes.append(sorted(p.length for p in pieces))
+        return forward(pieces, need)
 
-    eng._forward = spy
+    eng.runner.forward = spy
     res = run(eng)
     for rid, ref in zip(ids, refs):
         assert res[rid]["tokens"] == ref

@@ -98,16 +98,16 @@ class _LiveApp:
         """The next ``n`` forwards that compute a request past ``after_tokens`` generated tokens
         raise like a failed allocation; returns the list of failures so far."""
         engine = self.aengine.engine
-        original = engine._forward
+        original = engine.runner.forward
         failed: list = []
 
-        def forward(items, need):
-            if len(failed) < n and any(r.completion_tokens >= after_tokens for r, _, _ in items):
-                failed.append([r.request_id for r, _, _ in items])
+        def forward(pieces, need):
+            if len(failed) < n and any(p.request.completion_tokens >= after_tokens for p in pieces):
+                failed.append([p.request.request_id for p in pieces])
                 raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
-            return original(items, need)
+            return original(pieces, need)
 
-        engine._forward = forward
+        engine.runner.forward = forward
         return failed
 
     def close(self):
