@@ -219,7 +219,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     check(diff <= 1e-4 * max(1.0, scale) and int(logits1.argmax()) == int(ref1.argmax()),
           f"chunked prefill of {n1} tokens: first-token logits differ from the full forward by {diff:.3g} "
           f"(scale {scale:.3g}; argmax {int(logits1.argmax())} vs {int(ref1.argmax())})")
-    check(usage2.cached_tokens >= n1 - n1 % eng.layout.block_size,
+    check(usage2.cached_tokens >= n1 - n1 % eng.cache.layout.block_size,
           f"turn 2 ({len(ids2)} tokens) reused {usage2.cached_tokens} cached tokens; turn 1 had {n1}")
     _, _, _, cold2 = first(engine(model, enable_prefix_cache=False), ids2)
     diff2, scale2 = _close(logits2, cold2)
@@ -259,7 +259,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         ttft1, _, _, _ = first(eng, ids1, p["reply_tokens"])
         cpu1 = cpu_ttft["s"]
         ttft2, _, use2, _ = first(eng, ids2)
-        check(use2.cached_tokens >= n1 - n1 % eng.layout.block_size, f"round {i}: turn 2 missed the prefix cache")
+        check(use2.cached_tokens >= n1 - n1 % eng.cache.layout.block_size, f"round {i}: turn 2 missed the prefix cache")
         row = {"matmul_gflops": rate, "matmul_gflops_cpu": rate_cpu, "k3_ttft_s": ttft1, "k3_ttft_cpu_s": cpu1,
                "turn2_ttft_s": ttft2, "turn2_ttft_cpu_s": cpu_ttft["s"],
                "k3_fraction": flops1["total"] / ttft1 / (rate * 1e9),
@@ -297,8 +297,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                    "prompt": p["request"] or "synthetic Claude Code default request (openk3.bench.agent_prompt)",
                    "scale": p["scale"] / 1000, "tools": len(request["tools"]), "prompt_tokens": n1,
                    "turn2_prompt_tokens": len(ids2), "reply_tokens": len(reply), "reps": reps,
-                   "prefill_chunk": eng.config.prefill_chunk, "block_size": eng.layout.block_size,
-                   "snapshot_interval": eng.prefix.interval, "matmul": f"{MATMUL_N}^3 fp32",
+                   "prefill_chunk": eng.config.prefill_chunk, "block_size": eng.cache.layout.block_size,
+                   "snapshot_interval": eng.cache.prefix.interval, "matmul": f"{MATMUL_N}^3 fp32",
                    "peer": "transformers KimiLinearForCausalLM (sdpa) on a Kimi Linear checkpoint of the same "
                            "dimensions" if peer is not None else None},
         "flops": {"k3": flops1, "kimi_linear": flops_peer},

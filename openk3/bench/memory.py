@@ -42,11 +42,12 @@ def _engine(model, tokens: int):
 def measure(model, tokens: int) -> dict:
     """Planner bytes vs bytes of the pools an engine allocates for one ``tokens``-token sequence."""
     eng, planned = _engine(model, tokens)
-    lay, L = eng.layout, eng.layout.block_size
-    check(eng.blocks.num_blocks * L >= tokens and eng.slots.n >= 1,
-          f"T={tokens}: the planner's budget gives {eng.blocks.num_blocks} blocks x {L} and {eng.slots.n} slots")
-    per_block = eng.blocks.nbytes / eng.blocks.num_blocks
-    per_slot = eng.slots.nbytes / eng.slots.n
+    lay, L = eng.cache.layout, eng.cache.layout.block_size
+    blocks, slots = eng.cache.blocks, eng.cache.slots
+    check(blocks.num_blocks * L >= tokens and slots.n >= 1,
+          f"T={tokens}: the planner's budget gives {blocks.num_blocks} blocks x {L} and {slots.n} slots")
+    per_block = blocks.nbytes / blocks.num_blocks
+    per_slot = slots.nbytes / slots.n
     check(per_block == lay.block_bytes and per_slot == lay.slot_bytes,
           f"T={tokens}: pool tensors ({per_block}, {per_slot} B) differ from the layout "
           f"({lay.block_bytes}, {lay.slot_bytes} B)")
@@ -94,9 +95,10 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     eng.add_request(torch.randint(0, cfg.vocab_size, (n,)).tolist(), SamplingParams(max_tokens=2, temperature=0.0))
     while not any(o.new_token_ids for o in eng.step()):  # chunked prefill: until the first token
         pass
-    used_blocks, used_slots = eng.blocks.num_used, eng.slots.num_used
-    real = used_slots * eng.layout.slot_bytes + used_blocks * eng.layout.block_bytes
-    planned = eng.layout.slot_bytes + -(-n // eng.layout.block_size) * eng.layout.block_bytes
+    used_blocks, used_slots = eng.cache.blocks.num_used, eng.cache.slots.num_used
+    lay = eng.cache.layout
+    real = used_slots * lay.slot_bytes + used_blocks * lay.block_bytes
+    planned = lay.slot_bytes + -(-n // lay.block_size) * lay.block_bytes
     eng.abort_all()
     results["bench"]["real_request"] = {"tokens": n, "blocks_used": used_blocks, "slots_used": used_slots,
                                         "bytes_in_use": real, "planner_bytes": planned}

@@ -134,7 +134,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         "config": {"model": "k3-test-tiny scaled", "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
                    "params": sum(t.numel() for t in model.parameters()), "dtype": "float32",
                    **{k: v for k, v in p.items() if k != "reps"},
-                   "reps": reps, "block_size": cached.layout.block_size, "snapshot_interval": cached.prefix.interval},
+                   "reps": reps, "block_size": cached.cache.layout.block_size,
+                   "snapshot_interval": cached.cache.prefix.interval},
         "ttft": {"cold": m["cold"], "hit": m["hit"], "hit_over_cold": ratio,
                  "hit_logits_max_abs_diff": worst["max_abs"], "logits_scale": worst["scale"]},
         "session": {"turns": p["turns"], "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
@@ -142,7 +143,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                     "per_turn_prompt": [u.prompt_tokens for u in use_c],
                     "kda_pool": {"queries": kda_q, "hits": kda_h}, "mla_pool_tokens": {"queries": mla_q, "hits": mla_h},
                     "seconds_with_cache": t_c, "seconds_without_cache": t_p, "tokens_identical": True},
-        "snapshot_bytes": cached.layout.snapshot_bytes, "snapshots_used": stats["kda_snapshots"]["used"],
+        "snapshot_bytes": cached.cache.layout.snapshot_bytes, "snapshots_used": stats["kda_snapshots"]["used"],
         "targets": {
             "hit_ttft_ratio": target(ratio, "<=", 0.2, f"TTFT of a {P}+{S} prompt, prefix hit / cold"),
             "session_hit_rate": target(hit_rate, ">=", 0.8, f"{p['turns']}-turn session: cached / prompt tokens"),

@@ -48,10 +48,9 @@ from typing import Any, Callable
 
 import torch
 
-from openk3.engine.kv_pool import MLABlockPool, SlotPool, SnapshotPool, cache_layout
+from openk3.engine.cache_manager import CacheManager
 from openk3.engine.mm import check_images, image_span
 from openk3.engine.planner import kda_state_bytes, sequence_bytes
-from openk3.engine.prefix_cache import PrefixCache, extend_keys
 from openk3.engine.request import Request
 from openk3.engine.runner import ModelRunner
 from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
@@ -201,22 +200,17 @@ class Engine:
         self.detokenize = detokenize
         self.on_logits = on_logits
         L = cfg.block_size
-        interval = cfg.snapshot_interval or L * -(-512 // L)
         frac = cfg.snapshot_fraction if cfg.enable_prefix_cache else 0.0
         memory = cfg.cache_memory if cfg.cache_memory is not None else self._default_cache_memory(frac)
-        self.layout = cache_layout(mc, memory, block_size=L, max_num_seqs=cfg.max_num_seqs,
-                                   snapshot_fraction=frac, dtype=self.dtype)
-        lay = self.layout
-        self.blocks = MLABlockPool(mc, lay.num_blocks, L, self.device, self.dtype)
-        self.slots = SlotPool(mc, lay.num_slots, self.device, self.dtype)
-        self.snapshots = SnapshotPool(mc, lay.num_snapshots, L, self.device, self.dtype)
-        self.prefix = PrefixCache(self.blocks, self.snapshots, L, interval, cfg.enable_prefix_cache)
+        self.cache = CacheManager(mc, memory, block_size=L, max_num_seqs=cfg.max_num_seqs,
+                                  snapshot_interval=cfg.snapshot_interval, snapshot_fraction=frac,
+                                  enable_prefix_cache=cfg.enable_prefix_cache, device=self.device, dtype=self.dtype)
         self.max_model_len = self._resolve_max_model_len(memory)
-        self.scheduler = Scheduler(self.blocks, self.slots, self.prefix, max_num_seqs=min(cfg.max_num_seqs, lay.num_slots),
+        self.scheduler = Scheduler(self.cache, max_num_seqs=min(cfg.max_num_seqs, self.cache.layout.num_slots),
                                    prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill, block_size=L,
                                    forward_cost=cfg.prefill_forward_cost)
         self.encoder_step_flops = cfg.encoder_step_flops or (2**38 if self.device.type == "cuda" else 2**28)
-        self.runner = ModelRunner(model, self.blocks, self.slots, compile=cfg.compile,
+        self.runner = ModelRunner(model, self.cache.blocks, self.cache.slots, compile=cfg.compile,
                                   max_batch=self.scheduler.max_num_seqs, max_blocks=-(-self.max_model_len // L),
                                   encoder_step_flops=self.encoder_step_flops)
         self._requests: dict[str, Request] = {}
@@ -247,7 +241,7 @@ class Engine:
                 and the bytes the pool would need).
         """
         want = self._requested_max_model_len()
-        lay = self.layout
+        lay = self.cache.layout
         room = lay.num_blocks * lay.block_size
         # A sequence of n tokens caches n - 1 of them: its last sampled token is never fed back.
         if want - 1 > room:
@@ -355,10 +349,7 @@ class Engine:
         if not req.images:
             return False
         req.image_features = [im.features.to(self.device) if im.features is not None else None for im in req.images]
-        cached = 0
-        if self.prefix.enabled:
-            extend_keys(req.keys, req.prompt, self.layout.block_size, req.key_salt)
-            cached = self.prefix.match(req.prompt, req.keys, req.key_salt).length
+        cached = self.cache.cached_length(req)
         req.to_encode = [i for i, (im, f) in enumerate(zip(req.images, req.image_features))
                          if f is None and im.positions.stop > cached]
         return bool(req.to_encode)
@@ -402,7 +393,7 @@ class Engine:
         if plan.decode:
             try:
                 for r in plan.decode:
-                    self.scheduler.ensure_blocks(r, r.num_computed + 1)
+                    self.cache.allocate(r, r.num_computed + 1)
                 logits = self.runner.decode(plan.decode)
                 for i, r in enumerate(plan.decode):
                     r.num_computed += 1
@@ -416,7 +407,7 @@ class Engine:
                 continue
             try:
                 for p in rnd:
-                    self.scheduler.ensure_blocks(p.request, p.end)
+                    self.cache.allocate(p.request, p.end)
                 need = [p.end == len(p.request.tokens) for p in rnd]
                 logits = self.runner.forward(rnd, need)
                 for p in rnd:
@@ -442,12 +433,13 @@ class Engine:
         return outputs
 
     def _release(self, r: Request) -> None:
-        """Give back everything ``r`` holds: its place in the encoding queue and its partial tower
-        work, or its scheduler resources (:meth:`Scheduler.release`)."""
+        """Give back everything ``r`` holds: its place in the encoding queue or the scheduler's,
+        its partial tower work and image inputs, and its cache resources (:meth:`CacheManager.release`)."""
         if r in self._encoding:
             self._encoding.remove(r)
-        r.tower_job = None
-        self.scheduler.release(r)
+        self.scheduler.remove(r)
+        self.cache.release(r)
+        r.images, r.image_features, r.tower_job, r.to_encode = [], None, None, []
 
     def _fail(self, reqs: list[Request], exc: BaseException) -> list[RequestOutput]:
         """Finish ``reqs`` with ``finish_reason="error"`` after ``exc`` was raised while computing
@@ -485,7 +477,7 @@ class Engine:
         """Resource accounting against the live requests (empty when consistent): block
         references, reservations and slots held equal those of the running requests, and every
         known request is queued or running exactly once. O(blocks + requests)."""
-        sch, b = self.scheduler, self.blocks
+        sch = self.scheduler
         live = list(sch.running) + list(sch.waiting)
         problems = []
         every = live + list(self._encoding)
@@ -493,19 +485,9 @@ class Engine:
             problems.append(f"{len(self._requests)} known requests, {len(sch.running)} running + "
                             f"{len(sch.waiting)} waiting + {len(self._encoding)} encoding")
         for r in self._encoding:
-            if r.blocks or r.reserved or r.slot is not None:
+            if self.cache.holds(r):
                 problems.append(f"request {r.request_id} holds cache resources while encoding")
-        refs = sum(len(r.blocks) for r in live)
-        if sum(b.refcount) != refs:
-            problems.append(f"MLA block references {sum(b.refcount)} != {refs} held by requests")
-        if b.reserved != sum(r.reserved for r in live):
-            problems.append(f"MLA reservations {b.reserved} != {sum(r.reserved for r in live)} held by requests")
-        if b.num_free + b.num_evictable + sum(1 for c in b.refcount if c > 0) != b.num_blocks:
-            problems.append("MLA blocks neither free, cached nor referenced")
-        slots = sum(1 for r in live if r.slot is not None)
-        if self.slots.num_used != slots:
-            problems.append(f"KDA slots in use {self.slots.num_used} != {slots} held by requests")
-        return problems
+        return problems + self.cache.check(live)
 
     def _encode(self) -> list[RequestOutput]:
         """Run tower pieces for the head of the encoding queue until ``encoder_step_flops`` are
@@ -534,19 +516,11 @@ class Engine:
         return outputs
 
     def _computed(self, r: Request, logits: torch.Tensor | None) -> None:
-        """Publish newly full blocks and take the snapshots due at ``r.num_computed``."""
+        """After a forward brought ``r`` to ``num_computed``: drop its image inputs once the prompt
+        is done; the cache publishes blocks and takes the snapshots due (:meth:`CacheManager.on_computed`)."""
         if r.images and r.num_computed >= len(r.prompt):
             r.images, r.image_features = [], None  # prompt done: pixels and features are no longer needed
-        if not self.prefix.enabled:
-            return
-        L = self.layout.block_size
-        extend_keys(r.keys, r.tokens, L, r.key_salt)
-        r.published = self.prefix.publish_blocks(r.keys, r.blocks, r.num_computed // L, r.published)
-        p = r.num_computed
-        if p == len(r.prompt) and logits is not None:
-            self.prefix.save(r.tokens, r.keys, p, self.slots, r.slot, r.blocks, logits, salt=r.key_salt)
-        elif p % self.prefix.interval == 0:
-            self.prefix.save(r.tokens, r.keys, p, self.slots, r.slot, r.blocks, salt=r.key_salt)
+        self.cache.on_computed(r, logits)
 
     # ------------------------------------------------------------------ sampling and stopping
     def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:
@@ -618,10 +592,8 @@ class Engine:
         return None
 
     def _finish(self, r: Request, new: list[int], reason: str, stop_reason, lps) -> RequestOutput:
-        if reason in ("stop", "length") and self.prefix.enabled and r.slot is not None:
-            # Sequence-end snapshot: a follow-up turn that extends this conversation resumes here.
-            extend_keys(r.keys, r.tokens, self.layout.block_size, r.key_salt)
-            self.prefix.save(r.tokens, r.keys, r.num_computed, self.slots, r.slot, r.blocks, salt=r.key_salt)
+        if reason in ("stop", "length"):
+            self.cache.on_finished(r)  # a follow-up turn that extends this conversation resumes there
         self._release(r)
         self._requests.pop(r.request_id, None)
         r.finished, r.finish_reason, r.stop_reason = True, reason, stop_reason
@@ -634,18 +606,11 @@ class Engine:
     def stats(self) -> dict:
         """Pool occupancy, prefix-cache counters per pool, queue lengths, failed step work
         (``failures``, see :meth:`step`), memory layout."""
-        b, s, n, lay = self.blocks, self.slots, self.snapshots, self.layout
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "encoding": len(self._encoding),
             "failures": self.failures,
             "max_model_len": self.max_model_len,
-            "mla_blocks": {"total": b.num_blocks, "used": b.num_used, "cached": b.num_evictable,
-                           "free": b.num_free, "reserved": b.reserved, "evictions": b.evictions},
-            "kda_slots": {"total": s.n, "used": s.num_used, "free": s.num_free},
-            "kda_snapshots": {"total": n.n, "used": n.num_used, "free": n.num_free, "evictions": n.evictions},
-            "prefix_cache": self.prefix.stats(),
-            "memory": {"block_bytes": lay.block_bytes, "slot_bytes": lay.slot_bytes,
-                       "snapshot_bytes": lay.snapshot_bytes, "total": lay.total_bytes},
+            **self.cache.stats(),
         }

@@ -1,5 +1,6 @@
-"""Continuous-batching scheduler: request state, FCFS admission with memory reservations, and the
-per-step plan (one batched decode + chunked prefill pieces under a shared token budget).
+"""Continuous-batching scheduler: FCFS admission, and the per-step plan (one batched decode +
+chunked prefill pieces under a shared token budget). It decides; the memory a decision takes is
+the :class:`~openk3.engine.cache_manager.CacheManager`'s (reservations at admission).
 
 Policy, per step:
 
@@ -31,8 +32,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from openk3.engine.kv_pool import MLABlockPool, SlotPool
-from openk3.engine.prefix_cache import PrefixCache, extend_keys
+from openk3.engine.cache_manager import CacheManager
 from openk3.engine.request import Piece, Request
 
 
@@ -88,19 +88,20 @@ class StepPlan:
 
 
 class Scheduler:
-    """Waiting queue, running set and the resources they hold.
+    """Waiting queue, running set and the plan of each step; the cache resources are the
+    :class:`~openk3.engine.cache_manager.CacheManager`'s.
 
     Args:
-        blocks, slots: the MLA block pool and KDA slot pool; prefix: the prefix cache.
+        cache: the engine's cache manager (admission, block allocation, snapshot points).
         max_num_seqs: most running requests. prefill_chunk: step token budget.
         chunked_prefill: split prompts across steps. block_size: L.
         forward_cost: price of one extra prefill forward in padded token positions
             (:func:`length_groups`); None = every round is one forward.
     """
 
-    def __init__(self, blocks: MLABlockPool, slots: SlotPool, prefix: PrefixCache, *, max_num_seqs: int,
-                 prefill_chunk: int, chunked_prefill: bool, block_size: int, forward_cost: int | None = None) -> None:
-        self.blocks, self.slots, self.prefix = blocks, slots, prefix
+    def __init__(self, cache: CacheManager, *, max_num_seqs: int, prefill_chunk: int, chunked_prefill: bool,
+                 block_size: int, forward_cost: int | None = None) -> None:
+        self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.budget = prefill_chunk
         self.chunked = chunked_prefill
@@ -109,70 +110,26 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
-    # ------------------------------------------------------------------ resources
-    def blocks_needed(self, req: Request) -> int:
-        """MLA blocks a request writes over its life: positions 0 .. prompt + max_tokens - 2."""
-        return -(-(len(req.prompt) + req.max_tokens - 1) // self.block_size)
-
     def _try_admit(self, req: Request) -> bool:
-        if self.slots.num_free == 0 or len(self.running) >= self.max_num_seqs:
+        if len(self.running) >= self.max_num_seqs:
             return False
-        extend_keys(req.keys, req.prompt, self.block_size, req.key_salt)
-        hit = self.prefix.match(req.prompt, req.keys, req.key_salt)
-        need = self.blocks_needed(req) - len(hit.blocks)
-        revived = sum(1 for b in hit.blocks if self.blocks.refcount[b] == 0)  # leave the evictable set
-        if need > self.blocks.num_available - revived:
-            return False
-        for b in hit.blocks:
-            self.blocks.incref(b)
-        self.blocks.reserve(need)
-        req.reserved = need
-        req.blocks = list(hit.blocks)
-        req.slot = self.slots.allocate()
-        if hit.snapshot is not None:
-            tail = self.allocate_block(req) if hit.snapshot.tail_len else None
-            req.pending_logits = self.prefix.restore(hit, self.slots, req.slot, tail, len(req.prompt))
-        req.num_computed = req.cached_tokens = hit.length
-        req.published = len(hit.blocks)
-        self.prefix.commit(hit, len(req.prompt))
-        return True
+        return self.cache.admit(req)
 
-    def allocate_block(self, req: Request) -> int:
-        """Append one block to ``req``'s table, out of its reservation."""
-        b = self.blocks.allocate()
-        req.reserved -= 1
-        req.blocks.append(b)
-        return b
-
-    def ensure_blocks(self, req: Request, end: int) -> None:
-        """Make ``req``'s block table cover positions ``[0, end)``."""
-        while len(req.blocks) * self.block_size < end:
-            self.allocate_block(req)
-
-    def release(self, req: Request) -> None:
-        """Return every block reference, the unused reservation and the slot of ``req`` at once."""
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of the running set or the waiting queue (its cache resources are
+        released by the caller, :meth:`CacheManager.release`)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        for b in req.blocks:
-            self.blocks.decref(b)
-        req.blocks = []
-        self.blocks.unreserve(req.reserved)
-        req.reserved = 0
-        if req.slot is not None:
-            self.slots.release(req.slot)
-            req.slot = None
-        req.pending_logits = None
-        req.images, req.image_features, req.tower_job, req.to_encode = [], None, None, []
 
     # ------------------------------------------------------------------ planning
     def _pieces(self, req: Request, n: int) -> list[Piece]:
         """Split ``req``'s next ``n`` tokens at snapshot boundaries (when the prefix cache is on)."""
         start, end = req.num_computed, req.num_computed + n
-        if not self.prefix.enabled:
+        step = self.cache.snapshot_interval
+        if step is None:
             return [Piece(req, start, end)]
-        step = self.prefix.interval
         cuts = list(range((start // step + 1) * step, end, step))
         bounds = [start] + cuts + [end]
         return [Piece(req, a, b) for a, b in zip(bounds, bounds[1:])]

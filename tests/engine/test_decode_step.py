@@ -98,7 +98,7 @@ def test_bucketed_decode_rows_equal_the_eager_step(model):
                  on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()))
     eng = Engine(model, EngineConfig(block_size=8, enable_prefix_cache=False),
                  on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()))
-    eng.runner.decode_step = StaticDecodeStep(model, eng.blocks, eng.slots, eng.runner.layer_pools,
+    eng.runner.decode_step = StaticDecodeStep(model, eng.cache.blocks, eng.cache.slots, eng.runner.layer_pools,
                                               max_batch=16, max_blocks=64, compile=False)
     assert _greedy_run(eng, prompts, 6, got_logits) == _greedy_run(ref, prompts, 6, ref_logits)
     assert eng.runner.decode_step.shapes == {(4, 4)}  # 3 rows -> 4, 2-4 blocks -> 4

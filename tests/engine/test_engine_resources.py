@@ -63,8 +63,8 @@ def test_admission_control_under_a_tiny_budget(model):
     memory = tiny_budget(model, 2, 34, 8)
     eng = Engine(model, EngineConfig(block_size=8, cache_memory=memory, enable_prefix_cache=False, max_num_seqs=2,
                                      max_model_len=272))
-    assert (eng.layout.num_slots, eng.layout.num_blocks, eng.max_model_len) == (2, 34, 272)
-    assert eng.layout.total_bytes <= memory
+    assert (eng.cache.layout.num_slots, eng.cache.layout.num_blocks, eng.max_model_len) == (2, 34, 272)
+    assert eng.cache.layout.total_bytes <= memory
     long_a, long_b, short_c = prompts_of((20, 20, 5), seed=22)
     ref_a, ref_b, ref_c = (full_forward_greedy(model, p, 4) for p in (long_a, long_b, short_c))
     # the long requests may run 130 tokens, but stop early on their 3rd greedy token
@@ -126,20 +126,20 @@ def test_default_budget_gives_every_sequence_a_slot_and_its_tokens(model, prefix
     # max_num_seqs slots when they take at most half the (non-snapshot) budget.
     eng = Engine(model, EngineConfig(block_size=8, max_num_seqs=seqs, max_model_len=max_len,
                                      enable_prefix_cache=prefix))
-    assert eng.layout.num_slots == seqs and eng.scheduler.max_num_seqs == seqs
-    assert eng.layout.num_blocks * 8 >= seqs * max_len
+    assert eng.cache.layout.num_slots == seqs and eng.scheduler.max_num_seqs == seqs
+    assert eng.cache.layout.num_blocks * 8 >= seqs * max_len
     assert eng.max_model_len == max_len
 
 
 def test_allocations_equal_the_planner_formulas(model):
     eng = Engine(model, EngineConfig(block_size=8, cache_memory=4_000_000, max_model_len=1024))
-    cfg, lay = model.config, eng.layout
+    cfg, lay = model.config, eng.cache.layout
     assert lay.block_bytes == 8 * kv_bytes_per_token(cfg, torch.float32)
     assert lay.slot_bytes == kda_state_bytes(cfg, torch.float32)["total"]
     assert lay.snapshot_bytes == snapshot_bytes(cfg, 8, torch.float32)
-    assert eng.blocks.nbytes == lay.num_blocks * lay.block_bytes
-    assert eng.slots.nbytes == lay.num_slots * lay.slot_bytes
-    assert eng.snapshots.nbytes == lay.num_snapshots * lay.snapshot_bytes
+    assert eng.cache.blocks.nbytes == lay.num_blocks * lay.block_bytes
+    assert eng.cache.slots.nbytes == lay.num_slots * lay.slot_bytes
+    assert eng.cache.snapshots.nbytes == lay.num_snapshots * lay.snapshot_bytes
     assert lay.total_bytes <= 4_000_000
     # and the formula itself, from the config: 2 MLA layers x (16 + 8) values x 4 bytes per token
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * (16 + 8) * 4
@@ -156,7 +156,7 @@ def test_max_model_len_is_honoured_or_refused_never_capped(model):
     eng = Engine(model, EngineConfig(block_size=8, cache_memory=budget, enable_prefix_cache=False, max_num_seqs=2,
                                      max_model_len=273))
     rid = eng.add_request(list(range(100)), greedy(1000))
-    assert eng.scheduler.waiting[0].max_tokens == 173 and eng.scheduler.blocks_needed(eng.scheduler.waiting[0]) == 34
+    assert eng.scheduler.waiting[0].max_tokens == 173 and eng.cache.blocks_needed(eng.scheduler.waiting[0]) == 34
     eng.abort(rid)
     with pytest.raises(ValueError) as e:  # ... and one token more does not fit
         Engine(model, EngineConfig(block_size=8, cache_memory=budget, enable_prefix_cache=False, max_num_seqs=2,
@@ -182,7 +182,7 @@ def test_default_budget_holds_one_sequence_of_a_million_tokens(model, prefix):
     big.load_state_dict(model.state_dict())
     eng = Engine(big.eval(), EngineConfig(block_size=16, max_num_seqs=4, enable_prefix_cache=prefix))
     assert eng.max_model_len == 1 << 20
-    assert eng.layout.num_blocks * 16 >= 1 << 20 and eng.layout.num_slots == 4
+    assert eng.cache.layout.num_blocks * 16 >= 1 << 20 and eng.cache.layout.num_slots == 4
     # a prompt far past the old 8K limit is accepted with its output budget capped by the room left
     rid = eng.add_request([i % 500 for i in range(20_000)], greedy(1 << 30))
     assert eng.scheduler.waiting[0].max_tokens == (1 << 20) - 20_000

@@ -129,7 +129,7 @@ def test_eviction_under_pool_pressure(mild_model):
     memory = 3 * snap_b + slot_b + 17 * block_b
     eng, log = logged_engine(model, block_size=L, snapshot_interval=8, max_num_seqs=4, cache_memory=memory,
                              max_model_len=17 * L, snapshot_fraction=3 * snap_b / memory + 1e-9)
-    assert (eng.layout.num_snapshots, eng.layout.num_slots, eng.layout.num_blocks) == (3, 1, 17)
+    assert (eng.cache.layout.num_snapshots, eng.cache.layout.num_slots, eng.cache.layout.num_blocks) == (3, 1, 17)
     a = prompts_of((24,), seed=7)[0]
     check_hit(model, eng, log, a, 0)
     check_hit(model, eng, log, a, 24)
@@ -144,10 +144,10 @@ def test_eviction_under_pool_pressure(mild_model):
     check_hit(model, eng, log, b, 0)
     keys = []
     extend_keys(keys, b, L)
-    evict_block(eng.blocks, eng.blocks.lookup(keys[1]))
-    assert eng.snapshots.get(keys[1]) is not None  # the 16-token snapshot is still stored
+    evict_block(eng.cache.blocks, eng.cache.blocks.lookup(keys[1]))
+    assert eng.cache.snapshots.get(keys[1]) is not None  # the 16-token snapshot is still stored
     check_hit(model, eng, log, b + [1], 8)
-    evict_block(eng.blocks, eng.blocks.lookup(keys[0]))
+    evict_block(eng.cache.blocks, eng.cache.blocks.lookup(keys[0]))
     check_hit(model, eng, log, b + [2], 0)
     assert_idle(eng)
 
@@ -163,7 +163,7 @@ def test_the_logits_gate_detects_a_wrong_kda_state(mild_model):
     for part in ("recurrent", "conv"):
         eng, log = logged_engine(model, block_size=8, snapshot_interval=8)
         generate(eng, log, a, 1)
-        stored = getattr(eng.snapshots, part)
+        stored = getattr(eng.cache.snapshots, part)
         stored.add_(1e-3 * torch.randn_like(stored))
         _, cached, logits = generate(eng, log, ext)
         assert cached == 16
@@ -179,7 +179,7 @@ def test_many_short_prompts_share_one_parent(mild_model):
     memory = 4 * snap_b + kda_state_bytes(cfg, torch.float32)["total"] * 2 + 60 * 8 * kv_bytes_per_token(cfg, torch.float32)
     eng, log = logged_engine(model, block_size=8, snapshot_interval=8, cache_memory=memory, max_num_seqs=1,
                              max_model_len=480, snapshot_fraction=4 * snap_b / memory + 1e-9)
-    assert eng.layout.num_snapshots == 4
+    assert eng.cache.layout.num_snapshots == 4
     shared = prompts_of((8,), seed=13)[0]
     ta, tb, *more = prompts_of((5, 5, 5, 5, 5, 5), seed=14)
     for t in (ta, tb):  # one snapshot at 8 (shared), one tail of 5 tokens each
@@ -189,7 +189,7 @@ def test_many_short_prompts_share_one_parent(mild_model):
         check_hit(model, eng, log, shared + t, 8, n=1)
         check_hit(model, eng, log, t + shared, 0, n=1)
     assert eng.stats()["kda_snapshots"]["evictions"] >= 6
-    snaps = eng.snapshots
+    snaps = eng.cache.snapshots
     indexed = {k for tails in snaps._tails.values() for k in tails}
     assert indexed == {k for k, v in snaps._index.items() if v.parent is not None}
     assert_idle(eng)
