@@ -8,7 +8,8 @@ MB block-table width, L block size.
 One :meth:`Engine.step`:
 
 1. the :class:`~openk3.engine.scheduler.Scheduler` admits waiting requests (FCFS, memory
-   reserved up front) and plans the step;
+   reserved up front by the :class:`~openk3.engine.cache_manager.CacheManager`), plans the step
+   and allocates every MLA block the step writes;
 2. all single-token rows (decodes) run as **one** batched forward in the recurrent KDA mode;
 3. prefill pieces run as batched forwards (chunked KDA form), split at snapshot boundaries, rows
    of similar length together (the scheduler's length groups);
@@ -16,7 +17,8 @@ One :meth:`Engine.step`:
    sampler call (constraint masks, temperature, top-k/top-p, per-request generators);
 5. new tokens are checked against stop ids / stop strings / constraint completion / max_tokens,
    finished requests release their slot and blocks immediately, and computed full blocks and KDA
-   snapshots are published to the prefix cache.
+   snapshots are published to the prefix cache (the cache manager's ``on_computed`` /
+   ``on_finished``).
 
 The :class:`~openk3.engine.runner.ModelRunner` builds each forward's tensors and runs the model
 unchanged: each forward gets a :class:`~openk3.cache.HybridCache` whose entries are pool views
@@ -392,8 +394,6 @@ class Engine:
         rows: list[tuple[Request, torch.Tensor]] = []
         if plan.decode:
             try:
-                for r in plan.decode:
-                    self.cache.allocate(r, r.num_computed + 1)
                 logits = self.runner.decode(plan.decode)
                 for i, r in enumerate(plan.decode):
                     r.num_computed += 1
@@ -406,8 +406,6 @@ class Engine:
             if not rnd:
                 continue
             try:
-                for p in rnd:
-                    self.cache.allocate(p.request, p.end)
                 need = [p.end == len(p.request.tokens) for p in rnd]
                 logits = self.runner.forward(rnd, need)
                 for p in rnd:

@@ -8,8 +8,8 @@ Every forward gets a :class:`~openk3.cache.HybridCache` whose entries are pool v
 (:class:`~openk3.cache.SlotKDAState` rows of the slot pool, :class:`~openk3.cache.PagedMLACache`
 block tables into the latent pool), so the model runs unchanged. The runner reads a request's
 tokens, slot, block table and image inputs; it never changes a request's progress
-(``num_computed``) or the resources it holds: the caller has allocated the blocks a piece writes
-before the forward and records the progress after it.
+(``num_computed``) or the resources it holds: the scheduler allocated the blocks a piece writes
+when it planned the step, and the engine records the progress after the forward.
 
 Decode rows run either through the same eager forward (the reference) or, with ``compile``,
 through :class:`~openk3.engine.decode_step.StaticDecodeStep` (bucketed static shapes).
@@ -87,7 +87,7 @@ class ModelRunner:
         full = all(p.length == T for p in pieces)
         embeds = self.image_embeds(pieces, ids)
         # validate=False: ids were checked by add_request or sampled, lengths and tables built
-        # here, room allocated by the caller; the model then reads no tensor value on the host.
+        # here, room allocated by the scheduler; the model then reads no tensor value on the host.
         hidden = self.model.model(None if embeds is not None else ids, cache, inputs_embeds=embeds,
                                   lengths=None if full else lens, validate=False)
         rows = [i for i in range(B) if need[i]]

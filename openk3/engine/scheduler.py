@@ -135,7 +135,9 @@ class Scheduler:
         return [Piece(req, a, b) for a, b in zip(bounds, bounds[1:])]
 
     def schedule(self) -> StepPlan:
-        """Admit what fits and decide this step's work (see the module docstring)."""
+        """Admit what fits, decide this step's work (see the module docstring) and allocate the
+        MLA blocks all of it writes (out of the reservations made at admission, so this cannot
+        fail): the decode rows' first, then the prefill forwards' in the order they run."""
         plan = StepPlan()
         plan.decode = [r for r in self.running if r.pending_logits is None and r.remaining == 1]
         left = max(self.budget - len(plan.decode), min(self.budget, self.block_size))
@@ -178,4 +180,9 @@ class Scheduler:
             else:
                 groups = length_groups([p.length for p in rnd], self.forward_cost)
                 plan.prefill += [[rnd[j] for j in g] for g in groups]
+        for r in plan.decode:
+            self.cache.allocate(r, r.num_computed + 1)
+        for forward in plan.prefill:
+            for p in forward:
+                self.cache.allocate(p.request, p.end)
         return plan

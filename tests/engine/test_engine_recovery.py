@@ -26,7 +26,7 @@ def _poison_forward(engine: Engine, poisoned: set[str], times: int = 1) -> list:
         ids = {p.request.request_id for p in pieces}
         if ids & poisoned and len(failed) < times:
             failed.append(sorted(ids))
-            raise RuntimeError(ALLOC_ERROR)  # the engine had allocated the pieces' blocks already
+            raise RuntimeError(ALLOC_ERROR)  # schedule() had allocated the pieces' blocks already
         return original(pieces, need)
 
     engine.runner.forward = forward
