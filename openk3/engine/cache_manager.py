@@ -137,7 +137,8 @@ class CacheManager:
         req.published = self.prefix.publish_blocks(req.keys, req.blocks, req.num_computed // L, req.published)
         p = req.num_computed
         if p == len(req.prompt) and logits is not None:
-            self.prefix.save(req.tokens, req.keys, p, self.slots, req.slot, req.blocks, logits, salt=req.key_salt)
+            self.prefix.save(req.tokens, req.keys, p, self.slots, req.slot, req.blocks, logits,
+                             salt=req.key_salt)
         elif p % self.prefix.interval == 0:
             self.prefix.save(req.tokens, req.keys, p, self.slots, req.slot, req.blocks, salt=req.key_salt)
 
@@ -176,8 +177,9 @@ class CacheManager:
         refs = sum(len(r.blocks) for r in live)
         if sum(b.refcount) != refs:
             problems.append(f"MLA block references {sum(b.refcount)} != {refs} held by requests")
-        if b.reserved != sum(r.reserved for r in live):
-            problems.append(f"MLA reservations {b.reserved} != {sum(r.reserved for r in live)} held by requests")
+        reserved = sum(r.reserved for r in live)
+        if b.reserved != reserved:
+            problems.append(f"MLA reservations {b.reserved} != {reserved} held by requests")
         if b.num_free + b.num_evictable + sum(1 for c in b.refcount if c > 0) != b.num_blocks:
             problems.append("MLA blocks neither free, cached nor referenced")
         slots = sum(1 for r in live if r.slot is not None)

@@ -185,6 +185,11 @@ class Engine:
         detokenize: ``list[int] -> str``, needed for stop strings.
         on_logits: optional ``(request_id, logits [V] fp32) -> None`` called for every sampled row
             (tests and debugging).
+    Attributes:
+        cache: the :class:`~openk3.engine.cache_manager.CacheManager` (layout, pools, prefix cache).
+        scheduler: the :class:`~openk3.engine.scheduler.Scheduler` (queues and step plans).
+        runner: the :class:`~openk3.engine.runner.ModelRunner` (forwards, decode step, vision tower).
+        The engine itself keeps the requests, the encoding queue, sampling and stopping.
     Raises:
         ValueError: bad config, or a ``cache_memory`` too small for one sequence.
     """
@@ -206,14 +211,16 @@ class Engine:
         memory = cfg.cache_memory if cfg.cache_memory is not None else self._default_cache_memory(frac)
         self.cache = CacheManager(mc, memory, block_size=L, max_num_seqs=cfg.max_num_seqs,
                                   snapshot_interval=cfg.snapshot_interval, snapshot_fraction=frac,
-                                  enable_prefix_cache=cfg.enable_prefix_cache, device=self.device, dtype=self.dtype)
+                                  enable_prefix_cache=cfg.enable_prefix_cache, device=self.device,
+                                  dtype=self.dtype)
         self.max_model_len = self._resolve_max_model_len(memory)
         self.scheduler = Scheduler(self.cache, max_num_seqs=min(cfg.max_num_seqs, self.cache.layout.num_slots),
-                                   prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill, block_size=L,
+                                   prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill,
                                    forward_cost=cfg.prefill_forward_cost)
         self.encoder_step_flops = cfg.encoder_step_flops or (2**38 if self.device.type == "cuda" else 2**28)
         self.runner = ModelRunner(model, self.cache.blocks, self.cache.slots, compile=cfg.compile,
-                                  max_batch=self.scheduler.max_num_seqs, max_blocks=-(-self.max_model_len // L),
+                                  max_batch=self.scheduler.max_num_seqs,
+                                  max_blocks=-(-self.max_model_len // L),
                                   encoder_step_flops=self.encoder_step_flops)
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []

@@ -92,25 +92,25 @@ class Scheduler:
     :class:`~openk3.engine.cache_manager.CacheManager`'s.
 
     Args:
-        cache: the engine's cache manager (admission, block allocation, snapshot points).
+        cache: the engine's cache manager (admission, block allocation, snapshot points, L).
         max_num_seqs: most running requests. prefill_chunk: step token budget.
-        chunked_prefill: split prompts across steps. block_size: L.
+        chunked_prefill: split prompts across steps.
         forward_cost: price of one extra prefill forward in padded token positions
             (:func:`length_groups`); None = every round is one forward.
     """
 
     def __init__(self, cache: CacheManager, *, max_num_seqs: int, prefill_chunk: int, chunked_prefill: bool,
-                 block_size: int, forward_cost: int | None = None) -> None:
+                 forward_cost: int | None = None) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.budget = prefill_chunk
         self.chunked = chunked_prefill
-        self.block_size = block_size
         self.forward_cost = forward_cost
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
     def _try_admit(self, req: Request) -> bool:
+        """Admit ``req`` if a running place is free and the cache can take it (all or nothing)."""
         if len(self.running) >= self.max_num_seqs:
             return False
         return self.cache.admit(req)
@@ -140,7 +140,7 @@ class Scheduler:
         fail): the decode rows' first, then the prefill forwards' in the order they run."""
         plan = StepPlan()
         plan.decode = [r for r in self.running if r.pending_logits is None and r.remaining == 1]
-        left = max(self.budget - len(plan.decode), min(self.budget, self.block_size))
+        left = max(self.budget - len(plan.decode), min(self.budget, self.cache.block_size))
         pieces: list[list[Piece]] = []
         started = False
 

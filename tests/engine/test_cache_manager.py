@@ -24,7 +24,8 @@ def _manager(model, L: int = 4) -> CacheManager:
 
 def _request(rid: str, n: int, max_tokens: int) -> Request:
     prompt = list(range(1, n + 1))
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), None, 0, max_tokens, tokens=list(prompt))
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(rid, prompt, params, None, 0, max_tokens, tokens=list(prompt))
 
 
 def test_admit_takes_everything_or_nothing_and_release_gives_it_back(model):
