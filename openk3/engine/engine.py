@@ -1,5 +1,5 @@
 """The inference engine: continuous batching over a paged MLA latent pool, KDA state slots and a
-KDA-aware prefix cache. Token ids in, token ids out (engine API contract, notes/engine_api.md);
+KDA-aware prefix cache. Token ids in, token ids out (the contract: :class:`Engine` and its methods);
 image requests also carry :class:`~openk3.engine.mm.ImageInput` (features for the pad positions).
 
 Shape legend: B rows of one batched forward, T tokens per row (right padded), V vocabulary,
