@@ -8,15 +8,24 @@ Sources: architecture.md §7 (QB: bias from the step's own routing, used from th
 §9 (Muon + AdamW, cosine schedule with 1 % warmup, QK-Clip after each optimizer step from the
 forward's per-head max logits).
 
-One step (:func:`train_step`)::
+One step (:func:`train_step`), a named function per stage::
 
-    for micro-batch in step:            # bias b fixed for the whole step
-        forward -> loss, routing (per MoE layer), per-head max logits (per MLA layer)
-        QB observe(scores, b)           # counts only, no communication
-        (loss_mb * n_mb / N).backward() # N = labelled tokens of the whole step
-    clip grads; lr = initial_lr * cfg.lr_multiplier(step) (cosine or WSD); optimizer.step()
-    QK-Clip(max logits of the step)     # after the update (K2)
-    all-reduce QB counts; b <- QB(b)    # routes the next step only
+    _forward_backward:                  # bias b fixed for the whole step
+        for micro-batch in step:
+            forward -> loss, routing (per MoE layer), per-head max logits (per MLA layer)
+            QB observe(scores, b)       # counts only, no communication
+            finite check of loss_mb
+            (loss_mb * n_mb / N).backward()  # N = labelled tokens of the whole step
+    _clip_and_update: clip grads; lr = initial_lr * cfg.lr_multiplier(step) (cosine or WSD);
+        optimizer.step()
+    _qk_clip: QK-Clip(max logits of the step)      # after the update (K2)
+    _update_router_biases: QB counts; b <- QB(b)   # routes the next step only
+    metrics
+
+What differs under ``torchrun`` (all-reduces of the finite flag, max logits and QB counts, the
+sharded gradient clip and QK-Clip, a zero backward for an unlabelled micro-batch) is a method of
+the run context (:class:`~openk3.train.distributed.run.SingleProcess` /
+:class:`~openk3.train.distributed.run.DistributedRun`); the step itself has no distributed branch.
 
 A micro-batch is a mapping with ``input_ids`` [B, T] int64, ``labels`` [B, T] int64 (already
 aligned next-token targets, -100 ignored) and optionally ``cu_seqlens`` [N+1] (packed row, B = 1)
@@ -35,12 +44,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from openk3.config import MLA, K3Config
-from openk3.train.balance import QuantileBalancer, all_reduce_balancers_
-from openk3.train.muon import qk_clip_
+from openk3.train.balance import QuantileBalancer
+from openk3.train.distributed.run import ONE_PROCESS, DistributedRun, SingleProcess
 from openk3.train.optim import Schedule, cosine_with_warmup, decay_steps, default_warmup, wsd_with_warmup
 from openk3.typed_fields import check_fields
 
@@ -169,11 +177,14 @@ def train_step(
     *,
     step: int,
     token_normalizer: float | None = None,
-    group=None,
-    clip_grad_norm_fn=None,
-    qk_clip_fn=None,
+    ctx: SingleProcess | DistributedRun | None = None,
 ) -> dict:
     """One optimizer step over the micro-batches of ``batch`` (gradient accumulation).
+
+    The step is the sequence of the module docstring: :func:`_forward_backward` (with QB
+    observation and the finite-loss check), :func:`_clip_and_update`, :func:`_qk_clip`,
+    :func:`_update_router_biases`, then the metrics. What differs under ``torchrun`` (the
+    collectives, the sharded clip and QK-Clip, when a non-finite loss stops) is asked of ``ctx``.
 
     Args:
         model: a :class:`~openk3.model.K3ForCausalLM` in train mode (or a wrapper with the same
@@ -189,14 +200,9 @@ def train_step(
         token_normalizer: what the summed token losses are divided by; default: the labelled
             tokens of this step. Data-parallel callers whose gradient all-reduce averages over
             R ranks pass ``global_tokens / R``, so the result is the global token mean.
-        group: process group for the QB count SUM and the max-logit MAX all-reduces (no-op
-            without torch.distributed).
-        clip_grad_norm_fn: ``(params, max_norm) -> total norm``; default
-            ``torch.nn.utils.clip_grad_norm_`` (sharded models pass
-            :func:`openk3.train.distributed.parallel.clip_grad_norm_`).
-        qk_clip_fn: ``(model, {layer: [H] max logits}, tau) -> {layer: gamma [H]}``; default
-            :func:`openk3.train.muon.qk_clip_` (sharded models pass
-            :func:`openk3.train.distributed.muon.qk_clip_sharded_`).
+        ctx: the run context (:mod:`openk3.train.distributed.run`); default one process.
+            :func:`train` passes its :class:`~openk3.train.distributed.run.DistributedRun` under
+            ``torchrun``.
     Returns:
         metrics: ``loss`` (token-mean over the step, float), ``tokens``, ``grad_norm``
         (before clipping), ``lr`` (of the first group), ``qb_max_over_mean`` (worst MoE layer),
@@ -205,11 +211,12 @@ def train_step(
     Raises:
         NonFiniteError: a micro-batch loss or the gradient norm is NaN/inf (before any update).
             Under torch.distributed every rank raises in the same step: a non-finite loss is
-            flagged after the step's backward passes (MAX all-reduce over ``group``). A
-            micro-batch without labels still runs a zero backward there, for the collectives.
+            flagged after the step's backward passes (MAX all-reduce). A micro-batch without
+            labels still runs a zero backward there, for the collectives.
         ValueError: an empty batch, a micro-batch without input_ids/labels, or a routing record
             count that does not match the MoE layers.
     """
+    ctx = ctx if ctx is not None else ONE_PROCESS
     if not batch:
         raise ValueError("batch: needs at least one micro-batch")
     device = model.lm_head.weight.device
@@ -222,9 +229,39 @@ def train_step(
     denom = float(token_normalizer) if token_normalizer is not None else float(max(n_step, 1))
     max_logits = new_max_logits(model)
     optimizer.zero_grad(set_to_none=True)
+
+    loss_sum = _forward_backward(model, inputs, counts, denom, routers, balancers, max_logits, ctx, step)
+    grad_norm = _clip_and_update(optimizer, cfg, ctx, step)
+    clipped, max_logit = _qk_clip(model, max_logits, cfg, ctx)
+    per_layer, loads = _update_router_biases(routers, balancers, ctx)
+    return {
+        "loss": loss_sum / max(n_step, 1),
+        "tokens": n_step,
+        "grad_norm": grad_norm,
+        "lr": optimizer.param_groups[0]["lr"],
+        "qb_max_over_mean": max(per_layer.values(), default=None),
+        "qb_layer_max_over_mean": per_layer,
+        "expert_loads": loads,
+        "max_logit": max_logit,
+        "qk_clipped_heads": clipped,
+    }
+
+
+def _forward_backward(model, inputs: list[dict], counts: list[int], denom: float, routers: dict,
+                      balancers: Mapping[int, QuantileBalancer], max_logits: dict[int, torch.Tensor], ctx,
+                      step: int) -> float:
+    """Forward and backward of every micro-batch, the gradients accumulating as
+    ``sum(loss_mb * n_mb) / denom``; each forward's routing is observed by the balancers (bias
+    fixed for the whole step) and its per-head max logits go into ``max_logits`` (in place).
+
+    Returns:
+        The summed token losses of the step (``sum(loss_mb * n_mb)``).
+    Raises:
+        NonFiniteError: a non-finite micro-batch loss, at once in one process; under
+            ``torchrun`` after every rank's backward passes (any rank's flag stops all).
+        ValueError: a routing record count that does not match the MoE layers.
+    """
     loss_sum = 0.0
-    distributed = dist.is_available() and dist.is_initialized()
-    bad_loss = None  # distributed: a non-finite loss is reported after every rank's backward
     for x, n_mb in zip(inputs, counts):
         sink: list = []
         out = model(x["input_ids"], labels=x["labels"], cu_seqlens=x.get("cu_seqlens"), lengths=x.get("lengths"),
@@ -236,26 +273,30 @@ def train_step(
                 balancers[idx].observe(route.scores, router.e_score_correction_bias, topk_idx=route.topk_idx)
         del sink
         if n_mb == 0:  # nothing to learn from; its routing still counts for QB
-            if distributed:  # but FSDP / expert-parallel backward collectives need every rank
-                (out.logits.float().sum() * 0.0).backward()
+            ctx.backward_unlabelled(out)
             continue
         loss = out.loss
-        if not bool(torch.isfinite(loss.detach())):
-            if not distributed:
-                raise NonFiniteError(step, "loss", float(loss.detach()))
-            bad_loss = float(loss.detach()) if bad_loss is None else bad_loss
-        loss_sum += float(loss.detach()) * n_mb
+        value = float(loss.detach())
+        if not math.isfinite(value) and ctx.stop_on_nonfinite_loss(value):
+            raise NonFiniteError(step, "loss", value)
+        loss_sum += value * n_mb
         (loss * (n_mb / denom)).backward()
-    if distributed:  # every rank stops in the same step (raising alone would leave the others waiting)
-        flag = torch.tensor([0.0 if bad_loss is None else 1.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if bool(flag.item()):
-            raise NonFiniteError(step, "loss", bad_loss if bad_loss is not None else math.nan)
+    bad = ctx.nonfinite_loss_on_any_rank()
+    if bad is not None:
+        raise NonFiniteError(step, "loss", bad)
+    return loss_sum
 
+
+def _clip_and_update(optimizer: torch.optim.Optimizer, cfg: StepConfig, ctx, step: int) -> float:
+    """Clip the gradient to ``cfg.grad_clip`` (global L2 norm), set the scheduled LR, step the
+    optimizer and clear the gradients. Returns the norm before clipping.
+
+    Raises:
+        NonFiniteError: a non-finite gradient norm (nothing updated).
+    """
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     clip = cfg.grad_clip if cfg.grad_clip is not None else math.inf
-    clip_fn = clip_grad_norm_fn or torch.nn.utils.clip_grad_norm_
-    grad_norm = float(clip_fn(params, clip)) if params else 0.0
+    grad_norm = float(ctx.clip_grad_norm(params, clip)) if params else 0.0
     if not math.isfinite(grad_norm):
         raise NonFiniteError(step, "gradient norm", grad_norm)
     mult = cfg.lr_multiplier(step)
@@ -264,41 +305,44 @@ def train_step(
         g["lr"] = g["initial_lr"] * mult
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
-    if distributed and max_logits:
-        stacked = torch.stack([max_logits[i] for i in sorted(max_logits)])
-        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
-        max_logits = {i: stacked[j] for j, i in enumerate(sorted(max_logits))}
-    clipped = 0
+
+def _qk_clip(model: nn.Module, max_logits: dict[int, torch.Tensor], cfg: StepConfig, ctx) -> tuple[int, float | None]:
+    """QK-Clip after the update (K2) from the step's per-head max logits (the maximum over every
+    rank). Layers whose max is not finite (no token reached them) are skipped.
+
+    Returns:
+        ``(heads clipped, largest max logit or None without MLA)``.
+    """
+    max_logits = ctx.reduce_max_logits(max_logits)
     seen = {i: s for i, s in max_logits.items() if bool(torch.isfinite(s).all())}
+    clipped = 0
     if cfg.qk_clip_tau is not None and seen:
-        if qk_clip_fn is None:
-            gammas = qk_clip_(model, seen, cfg.qk_clip_tau, _config_of(model))
-        else:
-            gammas = qk_clip_fn(model, seen, cfg.qk_clip_tau)
+        gammas = ctx.qk_clip(model, seen, cfg.qk_clip_tau, _config_of(model))
         clipped = int(sum(int((gm < 1).sum()) for gm in gammas.values()))
+    return clipped, max((float(s.max()) for s in seen.values()), default=None)
 
-    metrics_loads, per_layer = {}, {}
-    if balancers:
-        all_reduce_balancers_(list(balancers.values()), group)
-        for idx, bal in balancers.items():
-            bias = routers[idx].e_score_correction_bias
-            bias.copy_(bal.step(bias))  # used from the next step on, never on this batch
-            if bal.last_stats:
-                metrics_loads[idx] = bal.last_stats["loads"].tolist()
-                per_layer[idx] = bal.last_stats["max_over_mean"]
-    max_logit = max((float(s.max()) for s in seen.values()), default=None)
-    return {
-        "loss": loss_sum / max(n_step, 1),
-        "tokens": n_step,
-        "grad_norm": grad_norm,
-        "lr": optimizer.param_groups[0]["lr"],
-        "qb_max_over_mean": max(per_layer.values(), default=None),
-        "qb_layer_max_over_mean": per_layer,
-        "expert_loads": metrics_loads,
-        "max_logit": max_logit,
-        "qk_clipped_heads": clipped,
-    }
+
+def _update_router_biases(routers: dict, balancers: Mapping[int, QuantileBalancer],
+                          ctx) -> tuple[dict[int, float], dict[int, list[int]]]:
+    """Quantile Balancing: the step's routing counts (summed over ranks) set each router's
+    ``e_score_correction_bias``, used from the next step on, never on this batch.
+
+    Returns:
+        ``({layer: max/mean load}, {layer: [E] expert loads})`` of the layers with statistics.
+    """
+    per_layer, loads = {}, {}
+    if not balancers:
+        return per_layer, loads
+    ctx.reduce_balancers(list(balancers.values()))
+    for idx, bal in balancers.items():
+        bias = routers[idx].e_score_correction_bias
+        bias.copy_(bal.step(bias))
+        if bal.last_stats:
+            loads[idx] = bal.last_stats["loads"].tolist()
+            per_layer[idx] = bal.last_stats["max_over_mean"]
+    return per_layer, loads
 
 
 @torch.no_grad()
@@ -428,7 +472,6 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
             if ckpt_path is not None:
                 start = ckpts.load(ckpt_path, model, optimizer, balancers, train_data)["step"]
         model, optimizer = ctx.parallelize(model, optimizer)
-        step_kwargs = ctx.step_kwargs()
         end = run.total_steps if max_steps is None else min(run.total_steps, max_steps)
         log = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), truncate_after=start) if ctx.is_writer else NullLog()
         last: dict = {}
@@ -443,7 +486,7 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
                     t_step = time.perf_counter()
                     try:
                         m = train_step(model, batch, optimizer, balancers, step_cfg, step=step,
-                                       token_normalizer=normalizer, **step_kwargs)
+                                       token_normalizer=normalizer, ctx=ctx)
                     except NonFiniteError as e:
                         where = ckpt_path or "none saved yet (nothing to resume from)"
                         msg = (f"training stopped: {e}; parameters not updated by that step. Last good checkpoint: "

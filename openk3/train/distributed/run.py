@@ -40,7 +40,7 @@ Design of :class:`DistributedRun` (R ranks):
 * **Stopping.** After every step the ranks agree on a stop (MAX all-reduce of the received
   signal number), so SIGTERM/SIGINT delivered to any rank stops all of them after the same step,
   with one checkpoint. A non-finite loss on any rank stops every rank in the same step, because
-  :func:`~openk3.train.trainer.train_step` all-reduces a flag. A non-finite gradient norm is
+  :meth:`DistributedRun.nonfinite_loss_on_any_rank` all-reduces a flag after the backward passes. A non-finite gradient norm is
   global anyway.
 
 Not supported under ``torchrun``: multi-stage recipes (``run.prepare``). They raise ValueError;
@@ -49,6 +49,7 @@ run their earlier stages in one process first.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -57,7 +58,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from openk3.train.balance import all_reduce_balancers_
 from openk3.train.data import IGNORE_INDEX, DataSource
+from openk3.train.muon import qk_clip_
 
 
 def distributed_requested() -> bool:
@@ -86,8 +89,8 @@ class SingleProcess:
 
     world, rank, is_writer = 1, 0, True
 
-    def __init__(self, run) -> None:
-        self.device = run.device
+    def __init__(self, run=None) -> None:
+        self.device = run.device if run is not None else "cpu"
 
     def parallelize(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         """Returns ``(model, optimizer)`` unchanged."""
@@ -97,9 +100,32 @@ class SingleProcess:
         """The next ``grad_accum`` micro-batches and the default token normaliser (None)."""
         return [source.next_batch() for _ in range(grad_accum)], None
 
-    def step_kwargs(self) -> dict:
-        """Extra keywords for :func:`~openk3.train.trainer.train_step` (none)."""
-        return {}
+    # ------------------------------------------------------- the step (train_step asks these)
+    def backward_unlabelled(self, out) -> None:
+        """Nothing: a micro-batch without labelled tokens needs no backward here."""
+
+    def stop_on_nonfinite_loss(self, value: float) -> bool:
+        """True: a non-finite micro-batch loss stops the step at once."""
+        return True
+
+    def nonfinite_loss_on_any_rank(self) -> float | None:
+        """None: a non-finite loss has already stopped the step."""
+        return None
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_``: the total norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def reduce_max_logits(self, max_logits: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Identity: this process saw every token of the step."""
+        return max_logits
+
+    def qk_clip(self, model: nn.Module, max_logits: Mapping[int, torch.Tensor], tau: float, config) -> dict:
+        """:func:`openk3.train.muon.qk_clip_`: ``{layer: gamma [H]}``."""
+        return qk_clip_(model, max_logits, tau, config)
+
+    def reduce_balancers(self, balancers: list) -> None:
+        """Nothing: the counts are this process's and complete."""
 
     def reduce_metrics(self, metrics: dict) -> dict:
         """Identity: a single process's metrics are already global."""
@@ -157,6 +183,7 @@ class DistributedRun:
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.is_writer = self.rank == 0
+        self._bad_loss: float | None = None  # this step's first non-finite loss on this rank
         try:
             self.dp_mesh, self.ep_mesh = init_meshes(run.ep_size, device_type)
         except ValueError:
@@ -208,16 +235,56 @@ class DistributedRun:
         n = sum(int((torch.as_tensor(mb["labels"]) != IGNORE_INDEX).sum()) for mb in batch)
         return batch[self.rank::self.world], max(n, 1) / self.world
 
-    def step_kwargs(self) -> dict:
-        """:func:`~openk3.train.trainer.train_step` keywords for sharded parameters: the global
-        gradient-norm clip, and QK-Clip on row shards (train_step MAX-reduces the logits)."""
-        from openk3.train.distributed.muon import qk_clip_sharded_
+    # ------------------------------------------------------- the step (train_step asks these)
+    def backward_unlabelled(self, out) -> None:
+        """A zero backward through ``out.logits``: FSDP's and expert parallelism's backward
+        collectives need every rank, also one whose micro-batch has no labelled token."""
+        (out.logits.float().sum() * 0.0).backward()
+
+    def stop_on_nonfinite_loss(self, value: float) -> bool:
+        """False: remembered (the first value of the step) and reported by
+        :meth:`nonfinite_loss_on_any_rank` after the step's backward passes, because raising on
+        one rank alone would leave the others waiting in a collective."""
+        if self._bad_loss is None:
+            self._bad_loss = value
+        return False
+
+    def nonfinite_loss_on_any_rank(self) -> float | None:
+        """The non-finite loss to report if any rank had one this step (this rank's value, or NaN
+        for another rank's), else None; resets for the next step. Collective (MAX all-reduce)."""
+        bad, self._bad_loss = self._bad_loss, None
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not bool(flag.item()):
+            return None
+        return bad if bad is not None else math.nan
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """:func:`openk3.train.distributed.parallel.clip_grad_norm_`: the global norm of the
+        sharded gradients. Collective."""
         from openk3.train.distributed.parallel import clip_grad_norm_
 
-        def qk_clip(model, max_logits, tau):
-            return qk_clip_sharded_(model, max_logits, tau, reduce_max=False)
+        return clip_grad_norm_(params, max_norm)
 
-        return {"clip_grad_norm_fn": clip_grad_norm_, "qk_clip_fn": qk_clip}
+    def reduce_max_logits(self, max_logits: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The per-head max logits over every rank's tokens (one MAX all-reduce). Collective."""
+        if not max_logits:
+            return max_logits
+        layers = sorted(max_logits)
+        stacked = torch.stack([max_logits[i] for i in layers])
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+        return {i: stacked[j] for j, i in enumerate(layers)}
+
+    def qk_clip(self, model: nn.Module, max_logits: Mapping[int, torch.Tensor], tau: float, config) -> dict:
+        """:func:`openk3.train.distributed.muon.qk_clip_sharded_` on the row shards, from the
+        already reduced ``max_logits``: ``{layer: gamma [H]}``."""
+        from openk3.train.distributed.muon import qk_clip_sharded_
+
+        return qk_clip_sharded_(model, max_logits, tau, config, reduce_max=False)
+
+    def reduce_balancers(self, balancers: list) -> None:
+        """SUM all-reduce of every balancer's routing counts and loads (in place). Collective."""
+        all_reduce_balancers_(balancers)
 
     def reduce_metrics(self, metrics: dict) -> dict:
         """Global ``loss`` (token mean over all ranks) and ``tokens`` (sum). The other
@@ -335,5 +402,9 @@ class _FullOptimizer:
         return self._state
 
 
+#: The context of a step run outside :func:`~openk3.train.trainer.train` (tests, benchmarks):
+#: one process, no collectives.
+ONE_PROCESS = SingleProcess()
+
 __all__ = ["distributed_requested", "run_context", "SingleProcess", "DistributedRun", "NullLog",
-           "full_optimizer_state"]
+           "full_optimizer_state", "ONE_PROCESS"]
