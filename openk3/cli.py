@@ -370,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="memory one request's images may need (pixels, features, vision-tower work); larger "
                             "ones get a 400 (default: an eighth of the memory available at start-up)")
     serve.add_argument("--quiet", action="store_true", help="no access log line per request")
+    serve.add_argument("--compile", action="store_true",
+                       help="decode steps as a static-shape torch.compile graph (each batch / block-table bucket "
+                            "compiles on first use: minutes on a small CPU); OPENK3_DECODE_BACKEND=reference "
+                            "forces the eager reference")
     add_runtime_args(serve)
     serve.add_argument("--greedy", action="store_true",
                        help="evaluation switch, not platform behaviour: decode greedily (temperature 0) instead of the "

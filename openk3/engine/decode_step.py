@@ -14,16 +14,64 @@ static form, :func:`openk3.ops.grouped_mm.routed_experts_static`). One ``torch.c
 (Inductor, ``dynamic=False``) then serves every step of a bucket; a new bucket compiles once.
 
 The eager forward of :meth:`~openk3.engine.runner.ModelRunner.forward` stays the reference (the default, and what every
-prefill runs); this module only changes the shapes it is fed and who runs it.
+prefill runs); this module only changes the shapes it is fed and who runs it. Which of the two a
+decode step runs is the ``"decode"`` op of :mod:`openk3.ops.backends` (:func:`decode_backend`):
+``OPENK3_DECODE_BACKEND=reference`` forces the reference whatever the configuration says.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
+from openk3.ops.backends import env_var, forced_backend
+
+log = logging.getLogger("openk3.engine")
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why ``torch.compile`` (Inductor) cannot build kernels for ``device``, or None when it can:
+    on CPU it needs a C++ compiler (``$CXX`` or ``g++``), on CUDA Triton."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - InvalidCxxCompiler and whatever the search raises
+        return f"no C++ compiler for Inductor ({type(e).__name__})"
+    return None
+
+
+def decode_backend(compile: bool, device: torch.device) -> str:
+    """The engine's decode step: ``"compiled"`` (:class:`StaticDecodeStep` under ``torch.compile``)
+    or ``"reference"`` (the eager forward).
+
+    The override of :mod:`openk3.ops.backends` wins (``use_backend("decode", name)``, then
+    ``OPENK3_DECODE_BACKEND``); without one, ``compile`` (``EngineConfig.compile``) chooses, and
+    a compile request on a machine where Inductor cannot build kernels falls back to the
+    reference with a warning (logger ``openk3.engine``).
+
+    Raises:
+        ValueError: ``OPENK3_DECODE_BACKEND`` names an unknown backend, or forces ``compiled``
+            where Inductor cannot build kernels (naming the variable and the reason).
+    """
+    forced = forced_backend("decode")
+    want = forced or ("compiled" if compile else "reference")
+    if want == "reference":
+        return want
+    missing = compiler_missing(device)
+    if missing is None:
+        return want
+    if forced:
+        raise ValueError(f"{env_var('decode')}=compiled (or use_backend): {missing}")
+    log.warning("compile=True: %s; decode steps run the eager reference", missing)
+    return "reference"
 
 
 def bucket(n: int, most: int) -> int:
@@ -52,8 +100,11 @@ class StaticDecodeStep:
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.compiled = compile
         # fullgraph=False: code compile cannot trace (e.g. a native kernel of packed MXFP4
-        # experts) runs eagerly between graphs instead of failing the step.
-        self.forward: Callable = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        # experts) runs eagerly between graphs instead of failing the step. size_asserts off:
+        # the guards of a dynamic=False graph already match every input's sizes and strides, and
+        # the wrapper's ~100 repeated asserts per call were Python time on every decode step.
+        self.forward: Callable = (torch.compile(self._forward, dynamic=False, options={"size_asserts": False})
+                                  if compile else self._forward)
         self.shapes: set[tuple[int, int]] = set()  # (Bp, MB) buckets run so far
 
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,

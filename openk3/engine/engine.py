@@ -99,6 +99,8 @@ class EngineConfig:
         compile: run decode steps as a static-shape forward through ``torch.compile``
             (:mod:`~openk3.engine.decode_step`; one compilation per batch and block-table
             bucket, minutes each on a small CPU). False: the eager forward (the reference).
+            ``OPENK3_DECODE_BACKEND=reference`` / ``=compiled`` overrides it
+            (:func:`~openk3.engine.decode_step.decode_backend`).
     """
 
     max_num_seqs: int = 16

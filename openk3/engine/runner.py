@@ -21,7 +21,7 @@ import torch
 
 from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
 from openk3.config import KDA
-from openk3.engine.decode_step import StaticDecodeStep
+from openk3.engine.decode_step import StaticDecodeStep, decode_backend
 from openk3.engine.kv_pool import MLABlockPool, SlotPool
 from openk3.engine.request import Piece, Request
 from openk3.vision.encoder import encode_in_pieces
@@ -34,7 +34,9 @@ class ModelRunner:
         model: a :class:`~openk3.model.K3ForCausalLM` (or the multimodal model; its device and
             dtype are the pools').
         blocks, slots: the MLA block pool and the KDA slot pool the forwards read and write.
-        compile: decode rows through a compiled :class:`StaticDecodeStep`; False: the eager forward.
+        compile: decode rows through a compiled :class:`StaticDecodeStep`; False: the eager forward
+            (:func:`~openk3.engine.decode_step.decode_backend` decides: ``OPENK3_DECODE_BACKEND``
+            wins, and without a compiler the eager forward runs).
         max_batch: largest decode batch (the scheduler's ``max_num_seqs``; the static step's cap).
         max_blocks: blocks of one ``max_model_len`` sequence (the static step's table cap).
         encoder_step_flops: vision-tower FLOPs one engine step may spend; the tower runs in pieces
@@ -57,7 +59,7 @@ class ModelRunner:
             self.layer_pools.append((kind, counts[kind]))
             counts[kind] += 1
         self.decode_step = None
-        if compile:
+        if decode_backend(compile, self.device) == "compiled":
             self.decode_step = StaticDecodeStep(model, blocks, slots, self.layer_pools, max_batch=max_batch,
                                                 max_blocks=max_blocks, compile=True)
 

@@ -12,10 +12,15 @@ inputs; this module only records an override):
   where torch's grouped GEMM applies, else ``bmm``).
 * ``"mxfp4"`` (:func:`openk3.quant.packed.packed_routed_experts`): ``"native"`` (the CPU kernel of
   :mod:`openk3.quant.mxfp4_cpu`), ``"torch"`` (default: native where it applies).
+* ``"decode"`` (the engine's decode step, :func:`openk3.engine.decode_step.decode_backend`):
+  ``"reference"`` (the eager forward), ``"compiled"`` (the static-shape step under
+  ``torch.compile``; default: compiled when ``EngineConfig.compile`` asks for it and a compiler is
+  available, else reference).
 
 Precedence: an op's explicit ``backend=`` / ``impl=`` argument, then :func:`use_backend` (in-process,
 tests and benchmarks), then the environment variable ``OPENK3_<OP>_BACKEND`` (``OPENK3_KDA_BACKEND``,
-``OPENK3_ATTENTION_BACKEND``, ``OPENK3_GROUPED_MM_BACKEND``, ``OPENK3_MXFP4_BACKEND``; it reaches
+``OPENK3_ATTENTION_BACKEND``, ``OPENK3_GROUPED_MM_BACKEND``, ``OPENK3_MXFP4_BACKEND``,
+``OPENK3_DECODE_BACKEND``; it reaches
 torchrun workers and servers), then the op's automatic choice. A forced backend that cannot run the
 given inputs raises the op's ``ValueError`` rather than falling back silently.
 """
@@ -31,6 +36,7 @@ BACKENDS: dict[str, list[str]] = {
     "attention": ["sdpa", "reference"],
     "grouped_mm": ["grouped_mm", "bmm", "static", "loop"],
     "mxfp4": ["native", "torch"],
+    "decode": ["reference", "compiled"],
 }
 _forced: dict[str, str | None] = {op: None for op in BACKENDS}
 

@@ -498,7 +498,7 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
                   cache_memory: int | None = None, enable_prefix_cache: bool = True,
                   max_waiting: int | None = None, max_model_len: int | None = None,
                   limits: Limits = Limits(), max_request_memory: int | None = None, device: Any = "cpu",
-                  dtype: Any = None, greedy: bool = False) -> tuple[ChatServing, Any]:
+                  dtype: Any = None, greedy: bool = False, compile: bool = False) -> tuple[ChatServing, Any]:
     """Load a checkpoint directory (config + safetensors + tokenizer files) onto `device` in `dtype`
     (None: float32; :mod:`openk3.runtime` resolves ``--device`` / ``--dtype``) and start its engine.
     A checkpoint with a vision tower (``K3ForConditionalGeneration``) serves image input
@@ -510,7 +510,11 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     at start-up (``MemAvailable``): the engine encodes one image at a time, so this bounds what
     each request in flight holds, and eight requests at the limit still fit in what was free
     beside the cache pools and the weights. ``greedy``: decode every request greedily (temperature 0;
-    evaluation only, the platform samples at its fixed temperature).
+    evaluation only, the platform samples at its fixed temperature). ``compile``: decode steps run
+    the static-shape step under ``torch.compile`` (``EngineConfig.compile``; each batch and
+    block-table bucket compiles on its first step, minutes on a small CPU;
+    ``OPENK3_DECODE_BACKEND=reference`` overrides it, see
+    :func:`openk3.engine.decode_step.decode_backend`).
 
     Returns:
         ``(serving, async_engine)``.
@@ -530,7 +534,7 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     tokenizer = load_tokenizer(model_path)
     model = load_pretrained(model_path, device=device, dtype=dtype or torch.float32)
     kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, "cache_memory": cache_memory,
-                              "enable_prefix_cache": enable_prefix_cache}
+                              "enable_prefix_cache": enable_prefix_cache, "compile": compile}
     if max_waiting is not None:
         kwargs["max_waiting"] = max_waiting
     if max_model_len is not None:
@@ -626,7 +630,7 @@ def main(args: Any) -> int:
             cache_memory=args.cache_memory, enable_prefix_cache=not args.no_prefix_cache,
             max_waiting=getattr(args, "max_waiting", None), max_model_len=getattr(args, "max_model_len", None),
             max_request_memory=getattr(args, "max_request_memory", None), device=device, dtype=dtype,
-            greedy=bool(getattr(args, "greedy", False)))
+            greedy=bool(getattr(args, "greedy", False)), compile=bool(getattr(args, "compile", False)))
     except (FileNotFoundError, ValueError) as e:
         sock.close()
         print(f"openk3 serve: cannot start with {path!r}: {e}", file=sys.stderr)
@@ -649,6 +653,8 @@ def main(args: Any) -> int:
     # while a large request is prepared.
     sys.setswitchinterval(0.001)
     where = f"{device}, {str(dtype).removeprefix('torch.')}"
+    if async_engine.engine.runner.decode_step is not None:
+        where += ", compiled decode step"
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager

@@ -146,3 +146,43 @@ def test_compiled_decode_step_equals_eager_without_recompiles(kimi_linear_model)
         assert len(a) == len(b) == n_new
         for x, y in zip(a, b):
             assert_close(y, x, atol=1e-5, rtol=0, what="compiled decode logits")
+
+
+def test_one_switch_chooses_the_decode_step(model, monkeypatch, caplog):
+    """``decode_backend``: the override (``use_backend`` > ``OPENK3_DECODE_BACKEND``) wins over
+    ``EngineConfig.compile``; a compile request without a compiler falls back to the reference
+    with a warning, a forced ``compiled`` without one is an error naming the variable."""
+    from openk3.engine import decode_step
+    from openk3.ops.backends import use_backend
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("OPENK3_DECODE_BACKEND", raising=False)
+    monkeypatch.setattr(decode_step, "compiler_missing", lambda device: None)
+    assert [decode_step.decode_backend(c, cpu) for c in (False, True)] == ["reference", "compiled"]
+    monkeypatch.setenv("OPENK3_DECODE_BACKEND", "reference")
+    assert decode_step.decode_backend(True, cpu) == "reference"
+    # the engine follows the switch: compile=True but the environment forces the reference
+    assert Engine(model, EngineConfig(block_size=8, compile=True)).runner.decode_step is None
+    monkeypatch.setenv("OPENK3_DECODE_BACKEND", "compiled")
+    assert decode_step.decode_backend(False, cpu) == "compiled"
+    with use_backend("decode", "reference"):
+        assert decode_step.decode_backend(True, cpu) == "reference"
+    monkeypatch.setenv("OPENK3_DECODE_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"OPENK3_DECODE_BACKEND='fast': unknown; known: \['compiled', 'reference'\]"):
+        Engine(model, EngineConfig(block_size=8))
+
+    monkeypatch.setattr(decode_step, "compiler_missing", lambda device: "no C++ compiler for Inductor (test)")
+    monkeypatch.delenv("OPENK3_DECODE_BACKEND")
+    with caplog.at_level("WARNING", logger="openk3.engine"):
+        assert decode_step.decode_backend(True, cpu) == "reference"
+    assert "compile=True: no C++ compiler for Inductor (test); decode steps run the eager reference" in caplog.text
+    monkeypatch.setenv("OPENK3_DECODE_BACKEND", "compiled")
+    with pytest.raises(ValueError, match=r"OPENK3_DECODE_BACKEND=compiled \(or use_backend\): no C\+\+ compiler"):
+        decode_step.decode_backend(False, cpu)
+
+
+def test_this_machine_can_compile():
+    """The compiled-step tests above need Inductor's C++ compiler; say so plainly when it is gone."""
+    from openk3.engine.decode_step import compiler_missing
+
+    assert compiler_missing(torch.device("cpu")) is None

@@ -16,6 +16,7 @@ def test_every_op_has_one_variable_and_the_known_names():
     assert {op: env_var(op) for op in backends.BACKENDS} == {
         "kda": "OPENK3_KDA_BACKEND", "attention": "OPENK3_ATTENTION_BACKEND",
         "grouped_mm": "OPENK3_GROUPED_MM_BACKEND", "mxfp4": "OPENK3_MXFP4_BACKEND",
+        "decode": "OPENK3_DECODE_BACKEND",
     }
     assert set(attention.BACKENDS) == {"sdpa", "reference"}
     assert set(grouped_mm.BACKENDS) == {"grouped_mm", "bmm", "static", "loop"}
@@ -24,7 +25,8 @@ def test_every_op_has_one_variable_and_the_known_names():
 
 
 @pytest.mark.parametrize("op, name", [("kda", "reference"), ("attention", "reference"),
-                                      ("grouped_mm", "loop"), ("mxfp4", "torch")])
+                                      ("grouped_mm", "loop"), ("mxfp4", "torch"),
+                                      ("decode", "reference")])
 def test_precedence_and_errors(op, name, monkeypatch):
     monkeypatch.delenv(env_var(op), raising=False)
     assert forced_backend(op) is None

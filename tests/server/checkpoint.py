@@ -85,8 +85,9 @@ def check_steering(model, tok) -> None:
     assert bool((mass > 0.99).all()), f"steering failed: favoured mass min {mass.min().item():.4f}"
 
 
-def build_checkpoint(directory: Path) -> Path:
-    """Write tokenizer + steered tiny K3 into `directory` (a servable ``openk3 serve`` checkpoint)."""
+def build_checkpoint(directory: Path, **config) -> Path:
+    """Write tokenizer + steered tiny K3 into `directory` (a servable ``openk3 serve`` checkpoint);
+    ``config``: :class:`~openk3.config.K3Config` fields replacing the ``k3-test-tiny`` preset's."""
     import openk3
     from openk3.pretrained import build_model
 
@@ -94,7 +95,8 @@ def build_checkpoint(directory: Path) -> Path:
     tok = train_tokenizer(directory)
     cfg = openk3.preset("k3-test-tiny").replace(
         vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.end_of_msg_id,
-        pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id, max_position_embeddings=4096)
+        pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id, max_position_embeddings=4096,
+        **config)
     model = build_model(cfg, seed=0).eval()
     steer(model, tok)
     check_steering(model, tok)
