@@ -14,9 +14,10 @@ greedy tokens each, no stop token), interleaved, medians:
 * decode: ``B * (new_tokens - 1)`` tokens over the time from the first to the last token.
 
 The engine runs with the prefix cache off (the same prompts repeat across repetitions) and a step
-budget that prefills the whole batch in one step. Correctness: every row's tokens are identical.
-Targets (performance.md §6.4, engine vs HF ``generate``): decode >= 5x at B=1, >= 10x at B=8;
-TTFT <= 0.5x.
+budget that prefills the whole batch in one step; ``--set compile=true`` runs its decode steps
+compiled (``EngineConfig(compile=True)``; the unmeasured warm-up repetition compiles the bucket).
+Correctness: every row's tokens are identical. Targets (performance.md §6.4, engine vs HF
+``generate``): decode >= 5x at B=1, >= 10x at B=8; TTFT <= 0.5x.
 
 Also reported: the *GEMV floor* (:func:`gemv_floor`), the time of the weight products alone of one
 decode step, and the largest decode speed-up over transformers that it leaves room for.
@@ -34,8 +35,9 @@ from openk3.bench.common import (
     check, drive, environment, interleaved, kimi_linear_config, medians, random_prompts, settings, target,
 )
 
-FULL = {"hidden": 256, "layers": 4, "prompt_len": 128, "new_tokens": 32, "batches": (1, 8), "reps": 5}
-QUICK = {"hidden": 64, "layers": 4, "prompt_len": 16, "new_tokens": 4, "batches": (1, 2), "reps": 1}
+FULL = {"hidden": 256, "layers": 4, "prompt_len": 128, "new_tokens": 32, "batches": (1, 8), "reps": 5,
+        "compile": False}
+QUICK = {"hidden": 64, "layers": 4, "prompt_len": 16, "new_tokens": 4, "batches": (1, 2), "reps": 1, "compile": False}
 
 
 class _Stamps:
@@ -52,11 +54,10 @@ class _Stamps:
 
 
 @torch.no_grad()
-def gemv_floor(model, B: int, reps: int) -> dict:
-    """Median seconds of only the weight products of one decode step at batch ``B``: every
+def weight_products(model, B: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The weight products of one decode step at batch ``B`` as (input, weight) pairs: every
     ``nn.Linear`` on a [B, in] input, plus per MoE layer the routed experts' three products for
-    ``min(E, B * top_k)`` distinct experts. What any eager fp32 implementation must spend at least
-    (embedding lookups, attention, KDA state updates, norms and sampling come on top)."""
+    ``min(E, B * top_k)`` distinct experts (fp32 random inputs)."""
     k = model.config.num_experts_per_tok
     ops = []
     for mod in model.modules():
@@ -68,11 +69,24 @@ def gemv_floor(model, B: int, reps: int) -> dict:
             rows = -(-B * k // used)
             for e in range(used):
                 ops += [(torch.randn(rows, w.shape[2]), w[e]) for w in (mod.w1, mod.w3, mod.w2)]
+    return ops
+
+
+def run_products(ops: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One pass of :func:`weight_products`' products (``F.linear`` each)."""
+    for x, w in ops:
+        torch.nn.functional.linear(x, w)
+
+
+def gemv_floor(model, B: int, reps: int) -> dict:
+    """Median seconds of only the weight products of one decode step at batch ``B``
+    (:func:`weight_products`). What any eager fp32 implementation must spend at least
+    (embedding lookups, attention, KDA state updates, norms and sampling come on top)."""
+    ops = weight_products(model, B)
     times = []
     for _ in range(reps + 1):
         t = time.perf_counter()
-        for x, w in ops:
-            torch.nn.functional.linear(x, w)
+        run_products(ops)
         times.append(time.perf_counter() - t)
     return {"seconds": sorted(times[1:])[len(times[1:]) // 2], "products": len(ops)}
 
@@ -108,12 +122,13 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                                "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}",
                                "vocab": cfg.vocab_size, "params": sum(t.numel() for t in ours.parameters()),
                                "dtype": "float32", "prompt_len": P, "new_tokens": N, "reps": reps,
-                               "transformers_attn": "eager", "engine": "prefix cache off, one-step prefill"},
+                               "transformers_attn": "eager",
+                               "engine": "prefix cache off, one-step prefill" + (", compiled decode" if p["compile"] else "")},
                     "batches": {}, "targets": {}}
     for B in p["batches"]:
         prompts = random_prompts(B, P, cfg.vocab_size, seed=100 + B)
         ids = torch.tensor(prompts)
-        engine = Engine(ours, EngineConfig(max_num_seqs=max(B, 1), enable_prefix_cache=False,
+        engine = Engine(ours, EngineConfig(max_num_seqs=max(B, 1), enable_prefix_cache=False, compile=p["compile"],
                                            prefill_chunk=max(512, B * P), max_model_len=P + N + 16))
         got: dict[str, list] = {}
 
