@@ -28,6 +28,13 @@ added latency the targets use: pairing cancels the drift of a shared machine's s
 both sides' p50s by more than the overhead. Requests alternate server / in-process.
 Targets (performance.md §6.4, server overhead): added TTFT <= 5 ms, added per-token latency
 <= 1 ms (p50 of the paired differences).
+
+``concurrent_streams``: after the paired requests (the in-process engine stopped), for each n in
+``streams`` (default 1 and 8), ``stream_rounds`` rounds of n streamed requests sent to the server
+at once: per stream its completion tokens over its end-to-end time (tokens/s per stream, p50 and
+summary), and per round all tokens over the round's wall time. ``--set model=openk3-tiny`` (or
+any checkpoint directory) serves that model instead of the random benchmark checkpoint (``hidden``
+and ``layers`` then do not apply).
 """
 
 from __future__ import annotations
@@ -46,8 +53,9 @@ from typing import Any
 
 from openk3.bench.common import check, environment, k3_config, percentile, settings, summary, target
 
-FULL = {"hidden": 128, "layers": 4, "new_tokens": 32, "requests": 40}
-QUICK = {"hidden": 64, "layers": 4, "new_tokens": 4, "requests": 1}
+FULL = {"hidden": 128, "layers": 4, "new_tokens": 32, "requests": 40, "streams": (1, 8), "stream_rounds": 3,
+        "model": ""}
+QUICK = {"hidden": 64, "layers": 4, "new_tokens": 4, "requests": 1, "streams": (1, 2), "stream_rounds": 1, "model": ""}
 _STARTUP = re.compile(r"openk3 serve: model (\S+) at (http://\S+)/v1")
 MODEL_ID = "openk3-bench"
 PROMPT = ("You are reviewing a pull request that adds a benchmark suite to an inference engine. "
@@ -86,13 +94,13 @@ class _Server:
     """``openk3 serve`` on a free loopback port, its output in a log file."""
 
     def __init__(self, ckpt: Path, log: Path, timeout: float = 180.0, device: str = "cpu",
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", max_num_seqs: int = 4) -> None:
         self._log = open(log, "w+")
         self.log = log
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("OPENK3_API_KEY", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "openk3.cli", "serve", str(ckpt), "--port", "0",
-                                      "--no-prefix-cache", "--max-num-seqs", "4", "--served-model-name", MODEL_ID,
+                                      "--no-prefix-cache", "--max-num-seqs", str(max_num_seqs), "--served-model-name", MODEL_ID,
                                       "--device", device, "--dtype", dtype, "--quiet"],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
@@ -145,6 +153,28 @@ def _stream_server(client, body: dict) -> dict:
             if choice.get("finish_reason") is not None:
                 last, usage = now, choice.get("usage") or ev.get("usage")
     return {"first_text": first_text, "final": last, "text": "".join(text), "usage": usage}
+
+
+def _concurrent_streams(client, n: int, rounds: int, new_tokens: int) -> dict:
+    """``rounds`` rounds of ``n`` streamed requests sent at once (one thread each): per stream its
+    completion tokens over its end-to-end time (tokens/s), and per round all tokens over the
+    round's wall time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    per_stream, aggregate = [], []
+    for r in range(rounds):
+        bodies = [{"model": MODEL_ID, "messages": [{"role": "user", "content": f"{PROMPT} (stream {r}.{i})"}],
+                   "stream": True, "max_completion_tokens": new_tokens, "seed": 99 + 100 * r + i} for i in range(n)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            outs = list(pool.map(lambda b: _stream_server(client, b), bodies))
+        wall = time.perf_counter() - t0
+        for o in outs:
+            check(o["usage"] is not None and o["final"], f"{n} streams: a stream ended without usage")
+            per_stream.append(o["usage"]["completion_tokens"] / o["final"])
+        aggregate.append(sum(o["usage"]["completion_tokens"] for o in outs) / wall)
+    return {"tok_per_s_per_stream": summary(per_stream), "tok_per_s_per_stream_p50": percentile(per_stream, 0.5),
+            "tok_per_s_total_p50": percentile(aggregate, 0.5), "requests": len(per_stream)}
 
 
 async def _in_process(aeng, ids: list[int], params, constraint=None) -> dict:
@@ -200,9 +230,15 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
     p = settings(QUICK if quick else FULL, overrides)
     n_req = reps or p["requests"]
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_checkpoint(Path(tmp) / "ckpt", p["hidden"], p["layers"])
+        if p["model"]:
+            from openk3.shipped import resolve_model_path
+
+            ckpt = Path(resolve_model_path(p["model"]))
+        else:
+            ckpt = write_checkpoint(Path(tmp) / "ckpt", p["hidden"], p["layers"])
         dtype_name = str(dtype or "float32").removeprefix("torch.")
-        server = _Server(ckpt, Path(tmp) / "server.log", device=str(device), dtype=dtype_name)
+        server = _Server(ckpt, Path(tmp) / "server.log", device=str(device), dtype=dtype_name,
+                         max_num_seqs=max(4, *p["streams"]))
         serving, aeng = build_serving(str(ckpt), served_model_name=MODEL_ID, max_num_seqs=4, enable_prefix_cache=False,
                                       device=device, dtype=dtype)
         loop = asyncio.new_event_loop()
@@ -243,8 +279,13 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
                                                (e["final"] - t_k) / steps_after if steps_after else None})
                     rows["server"].append({"ttft_s": s["first_text"], "e2e_s": s["final"], "per_token_s":
                                            (s["final"] - s["first_text"]) / steps_after if steps_after else None})
-        finally:
+            # the in-process engine stops first: the concurrent streams have the machine to themselves
             loop.run_until_complete(aeng.shutdown(drain=False))
+            with httpx.Client(base_url=server.base, timeout=600) as client:
+                streams = {f"{n}": _concurrent_streams(client, n, p["stream_rounds"], p["new_tokens"])
+                           for n in p["streams"]}
+        finally:
+            loop.run_until_complete(aeng.shutdown(drain=False))  # again after a failure (a no-op after one)
             loop.close()
             server.stop()
     check(bool(rows["server"]), "no request produced text: nothing to time")
@@ -267,7 +308,7 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
                  if stats["server"]["per_token_p50_ms"] is not None else None)
     return {
         "benchmark": "server", "quick": quick,
-        "config": {"model": "k3-test-tiny scaled, random weights, trained ~1k BPE", "hidden": p["hidden"],
+        "config": {"model": p["model"] or "k3-test-tiny scaled, random weights, trained ~1k BPE", "hidden": p["hidden"],
                    "layers": p["layers"], "new_tokens": p["new_tokens"], "requests_per_side": n_req,
                    "prompt_tokens": len(prep.prompt.token_ids), "transport": "httpx streaming over 127.0.0.1",
                    "sampling": "API fixed (temperature 1.0, top_p 0.95), same seed both sides", "prefix_cache": False},
@@ -275,6 +316,7 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
         "paired_median_difference_ms": {"ttft": paired["ttft_s"], "per_token": paired["per_token_s"],
                                         "end_to_end": paired["e2e_s"]},
         "outputs_identical": True,
+        "concurrent_streams": streams,
         "targets": {
             "added_ttft": target(paired["ttft_s"], "<=", 5.0,
                                  "median over requests of TTFT server streaming - in-process AsyncEngine (ms)"),
