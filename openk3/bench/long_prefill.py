@@ -31,7 +31,7 @@ is the same request plus the assistant's greedy reply to turn 1 and a new user t
    (the target is judged on wall time).
 
 Rounds interleave (matmul, openk3, peer; the order of openk3 and the peer alternates), medians of
-``reps`` rounds after one warm-up. Targets (issue 22): K3 prefill >= 50 % of the matmul rate, turn-2
+``reps`` rounds after one warm-up. Targets: K3 prefill >= 50 % of the matmul rate, turn-2
 TTFT <= 0.5 s; the peer ratio is reported.
 """
 

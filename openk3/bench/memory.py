@@ -14,8 +14,9 @@ allocated.
 * ``kimi-k3``: the released configuration, pools in BF16 (KDA recurrent state fp32, as the
   engine always keeps it), allocated on the ``meta`` device (sizes without memory).
 
-All-MLA = ``layer_types`` all ``full_attention``, everything else equal. Targets (issue 4):
-measured within 2% of the planner; hybrid / all-MLA <= 0.30 at 64K tokens.
+All-MLA = ``layer_types`` all ``full_attention``, everything else equal. Targets
+(performance.md §6.4, memory vs context): measured within 2% of the planner; hybrid / all-MLA
+<= 0.30 at 64K tokens.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ the engine default) and a reference engine with it off.
    Hit rate = sum of ``cached_tokens`` / sum of prompt tokens over all turns (turn 1 included, a
    miss by construction). Asserted: every turn's tokens equal the reference engine's.
 
-Targets (issue 4): hit TTFT <= 0.2x cold; session hit rate >= 80%.
+Targets (performance.md §6.4, prefix-cache TTFT): hit TTFT <= 0.2x cold; session hit rate >= 80%.
 """
 
 from __future__ import annotations

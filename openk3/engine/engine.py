@@ -45,7 +45,7 @@ import logging
 import math
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -57,6 +57,7 @@ from openk3.engine.request import Request
 from openk3.engine.runner import ModelRunner
 from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
 from openk3.engine.scheduler import Scheduler
+from openk3.typed_fields import check_fields
 
 
 log = logging.getLogger("openk3.engine")
@@ -103,42 +104,46 @@ class EngineConfig:
             (:func:`~openk3.engine.decode_step.decode_backend`).
     """
 
-    max_num_seqs: int = 16
-    cache_memory: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
+    # A wrong type reads like the field's range error ("max_num_seqs='4': must be an integer >= 1").
+    max_num_seqs: int = field(default=16, metadata={"expect": "an integer >= 1"})
+    cache_memory: int | None = field(default=None, metadata={"expect": "a positive number of bytes"})
+    block_size: int = field(default=16, metadata={"expect": "an integer >= 1"})
+    max_model_len: int | None = field(default=None, metadata={"expect": "an integer >= 2"})
     enable_prefix_cache: bool = True
-    prefill_chunk: int = 512
-    max_waiting: int = 256
+    prefill_chunk: int = field(default=512, metadata={"expect": "an integer >= 1"})
+    max_waiting: int = field(default=256, metadata={"expect": "an integer >= 1"})
     chunked_prefill: bool = True
     snapshot_interval: int | None = None
-    snapshot_fraction: float = 0.25
+    snapshot_fraction: float = field(default=0.25, metadata={"expect": "a number in [0, 1)"})
     seed: int | None = None
-    prefill_forward_cost: int | None = 32
-    encoder_step_flops: int | None = None
-    compile: bool = False
+    prefill_forward_cost: int | None = field(default=32, metadata={"expect": "an integer >= 0 or None"})
+    encoder_step_flops: int | None = field(default=None, metadata={"expect": "an integer >= 1 or None"})
+    compile: bool = field(default=False, metadata={"expect": "True or False"})
 
     def validate(self) -> None:
-        """Raises ValueError naming the first bad field."""
+        """Check every field's type (:func:`openk3.typed_fields.check_fields`), then the ranges.
+
+        Raises:
+            ValueError: ``"<field>=<value!r>: must be ..."`` for the first bad field.
+        """
+        check_fields(self, message=lambda name, value, why: f"{name}={value!r}: {why}")
         for name in ("max_num_seqs", "block_size", "prefill_chunk", "max_waiting"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if v < 1:
                 raise ValueError(f"{name}={v!r}: must be an integer >= 1")
-        if self.cache_memory is not None and (not isinstance(self.cache_memory, int) or self.cache_memory < 1):
+        if self.cache_memory is not None and self.cache_memory < 1:
             raise ValueError(f"cache_memory={self.cache_memory!r}: must be a positive number of bytes")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len!r}: must be an integer >= 2")
         si = self.snapshot_interval
-        if si is not None and (not isinstance(si, int) or si < self.block_size or si % self.block_size):
+        if si is not None and (si < self.block_size or si % self.block_size):
             raise ValueError(f"snapshot_interval={si!r}: must be a positive multiple of block_size={self.block_size}")
         pfc = self.prefill_forward_cost
-        if pfc is not None and (not isinstance(pfc, int) or pfc < 0):
+        if pfc is not None and pfc < 0:
             raise ValueError(f"prefill_forward_cost={pfc!r}: must be an integer >= 0 or None")
         esf = self.encoder_step_flops
-        if esf is not None and (not isinstance(esf, int) or esf < 1):
+        if esf is not None and esf < 1:
             raise ValueError(f"encoder_step_flops={esf!r}: must be an integer >= 1 or None")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile={self.compile!r}: must be True or False")
         if not 0 <= self.snapshot_fraction < 1:
             raise ValueError(f"snapshot_fraction={self.snapshot_fraction!r}: must lie in [0, 1)")
 

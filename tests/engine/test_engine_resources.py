@@ -197,3 +197,19 @@ def test_pool_zeros_are_zero_in_every_dtype():
         assert t.dtype == dtype and t.shape == (3, 5) and not t.any()
         t[1, 2] = 1.5  # writable, and writes land where they are addressed
         assert float(t.sum()) == 1.5 and float(t[1, 2]) == 1.5
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"max_num_seqs": 0}, "max_num_seqs=0: must be an integer >= 1"),
+    ({"max_num_seqs": True}, "max_num_seqs=True: must be an integer >= 1"),  # a bool is not a count
+    ({"cache_memory": "1GB"}, "cache_memory='1GB': must be a positive number of bytes"),
+    ({"enable_prefix_cache": "yes"}, "enable_prefix_cache='yes': must be a boolean"),
+    ({"seed": 1.5}, "seed=1.5: must be an integer or null"),
+    ({"snapshot_fraction": "a"}, r"snapshot_fraction='a': must be a number in \[0, 1\)"),
+    ({"snapshot_fraction": 1.0}, r"snapshot_fraction=1.0: must lie in \[0, 1\)"),
+    ({"snapshot_interval": 24}, "snapshot_interval=24: must be a positive multiple of block_size=16"),
+])
+def test_engine_config_errors_name_the_field_and_value(changes, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**changes).validate()
+    EngineConfig().validate()  # the defaults are valid
