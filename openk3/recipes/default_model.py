@@ -30,13 +30,10 @@ deterministic (hash-ordered), SFT data ``sft_seed`` = 1, held-out eval sets
 
 Size and time. ``openk3-tiny`` has 4,618,312 parameters in total and 2,365,512 active per token
 (``openk3.params.count_parameters``; 2.1 M of each are the two 8192 x 128 vocabulary matrices).
-Measured 2026-11-30 on the 2-core machine (``OMP_NUM_THREADS=2``): pretraining ~1 step/s
-(1024 tokens per step), SFT with MXFP4 QAT 1.0-1.2 s per 1024-token step. The defaults:
-pretraining 2400 steps x 1024 tokens (2.5 M tokens, 46 min measured), SFT 2800 steps x 1024
-tokens with QAT (~50 min) on 20,000 conversations; with the corpus build (~5 min) and tokenizer
-(~3 min) about 1.75 h of the 2.5 h budget. Keep the machine otherwise idle: with two OpenMP
-threads on two cores, any other busy process slows a step 10-25x. The shipped model is this run's last checkpoint, written by
-``openk3 export`` (MODEL_CARD.md).
+The step counts are :class:`DefaultModelSettings`' defaults; the measured wall time of a whole run
+(and why the machine should be otherwise idle: two OpenMP threads on two cores slow 10-25x when
+anything else runs) is in the README's "The ``default-model`` recipe" section. The shipped model is
+this run's last checkpoint, written by ``openk3 export`` (MODEL_CARD.md).
 """
 
 from __future__ import annotations

@@ -32,7 +32,11 @@ from openk3.chat_format.parser import (
 from openk3.server.protocol import APIError, bad_request
 from openk3.server.stops import StopFilter
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the server imports torch (the engine) when it generates
+    from openk3.chat_format import Prompt
+    from openk3.engine.constraints import Constraint
+    from openk3.engine.mm import ImageInput
+    from openk3.engine.sampling import SamplingParams
     from openk3.server.serving import ChatServing
 
 OVERLOADED = "The engine is currently overloaded, please try again later"  # api.md §6.1
@@ -47,10 +51,10 @@ class Prepared:
     id: str
     created: int
     model: str
-    prompt: Any                      # openk3.chat_format.Prompt
+    prompt: Prompt
     prompt_tokens: int               # usage.prompt_tokens (§12)
-    params: Any                      # openk3.engine.sampling.SamplingParams
-    constraint: Any
+    params: SamplingParams
+    constraint: Constraint | None    # None: free output
     tool_index_start: int
     tools_enabled: bool
     stops: list[str]
@@ -58,7 +62,7 @@ class Prepared:
     include_usage: bool = False
     t0: float = field(default_factory=time.monotonic)
     prompt_ids: list[int] | None = None  # the engine's prompt: prompt.token_ids with images expanded
-    mm_inputs: list | None = None        # openk3.engine.ImageInput per image (None: no images)
+    mm_inputs: list[ImageInput] | None = None  # one per image (None: no images)
 
 
 @dataclass(frozen=True)
