@@ -205,6 +205,65 @@ def test_blocked_latent_attention_moves_its_offset_exactly():
     assert_close(out, want.transpose(1, 2), atol=max(4 * ref_err, 1e-6), what="blocked latent attention, large logits")
 
 
+def test_blocked_latent_attention_offset_free_and_fixed_offset_tiles(monkeypatch):
+    # Query tiles of one call take different forms: small logits run offset-free (the score product
+    # C + R wide), logits of hundreds the fixed offset (C + R + 1 wide, a ones column); both equal
+    # the definition.
+    from openk3.ops import latent_blocked
+
+    widths = []
+    real = latent_blocked._tile_fixed
+    monkeypatch.setattr(latent_blocked, "_tile_fixed", lambda qx, *a: widths.append(qx.shape[1]) or real(qx, *a))
+    g = torch.Generator().manual_seed(7)
+    B, T, H, C, R, S = 1, 4, 2, 8, 4, 30
+    ql, qr = torch.randn(B, T, H, C, generator=g), torch.randn(B, T, H, R, generator=g)
+    ql[:, 2:], qr[:, 2:] = ql[:, 2:] * 60, qr[:, 2:] * 60  # tokens 2-3: logits of hundreds
+    lat, kr = torch.randn(B, S, C, generator=g), torch.randn(B, S, R, generator=g)
+    past = torch.tensor([20])
+    out = latent_blocked.latent_attention_blocked(ql, qr, lat, kr, past, scale=0.5, query_tokens=2, key_block=8)
+    assert sorted(set(widths)) == [C + R, C + R + 1], widths
+    q = torch.cat([ql, qr], -1).transpose(1, 2)
+    k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
+    v = lat[:, None].expand(B, H, S, C)
+    want, best = naive_attention(q, k, v, 0.5, lambda b, t, j: j < past[b] + t + 1)
+    assert float(best.max()) > 100
+    dense = latent_attention(ql, qr, lat, kr, past, scale=0.5, backend="reference")
+    ref_err = float((dense.double() - want.transpose(1, 2)).abs().max())
+    assert_close(out, want.transpose(1, 2), atol=max(4 * ref_err, 2e-6), what="blocked latent attention, mixed tiles")
+
+
+def test_blocked_latent_attention_recovers_when_every_logit_underflows():
+    # Every visible logit near -200: the offset-free form's exp2 underflows to 0 for every key, the
+    # denominator check sends the tile to the running-offset form, which gives the softmax.
+    from openk3.ops.latent_blocked import latent_attention_blocked
+
+    g = torch.Generator().manual_seed(8)
+    B, T, H, C, R, S = 1, 3, 2, 8, 4, 24
+    base = torch.randn(C + R, generator=g)
+    keys = base + 0.05 * torch.randn(S, C + R, generator=g)
+    lat, kr = keys[None, :, :C].clone(), keys[None, :, C:].clone()
+    q = -base * (200 / float(base @ base)) + 0.05 * torch.randn(B, T, H, C + R, generator=g)
+    ql, qr = q[..., :C].contiguous(), q[..., C:].contiguous()
+    past = torch.tensor([S - T])
+    out = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, query_tokens=2, key_block=8)
+    qq = torch.cat([ql, qr], -1).transpose(1, 2)
+    k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
+    v = lat[:, None].expand(B, H, S, C)
+    want, best = naive_attention(qq, k, v, 1.0, lambda b, t, j: j < past[b] + t + 1)
+    assert float(best.max()) < -150  # the case this test is about
+    assert_close(out, want.transpose(1, 2), atol=2e-5, what="blocked latent attention, underflowing logits")
+
+
+def test_column_extrema_match_amax_amin():
+    from openk3.ops.latent_blocked import _column_extrema
+
+    g = torch.Generator().manual_seed(9)
+    for S in (1, 15, 16, 17, 100):
+        keys = torch.randn(S, 7, generator=g)
+        hi, lo = _column_extrema(keys)
+        assert torch.equal(hi, keys.amax(0)) and torch.equal(lo, keys.amin(0)), S
+
+
 def test_blocked_latent_attention_never_reads_past_the_visible_prefix():
     from openk3.ops.latent_blocked import latent_attention_blocked
 
