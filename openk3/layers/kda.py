@@ -160,6 +160,52 @@ class KimiDeltaAttention(nn.Module):
         if tuple(recurrent.shape) != (B, H, K, K):
             raise ValueError(f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(recurrent.shape)}")
 
+    def _plain_projections(self) -> bool:
+        """Whether q/k/v_proj are plain ``nn.Linear`` modules without hooks, so their three products
+        may run as one (a subclass or a hook would be bypassed by the fused form)."""
+        return all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+
+    def _mixed_separate(self, x: torch.Tensor, conv0: torch.Tensor | None, lengths: torch.Tensor | None,
+                        mode: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """q, k, v after projection, short conv and SiLU, one projection at a time (decode steps, and
+        the plain form :meth:`_mixed_fused` is tested against).
+
+        Returns ([q, k, v] each [B, T, H, K] in x.dtype, new conv tails [B, 3, P, W-1])."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        tails = conv0.unbind(1) if conv0 is not None else (None, None, None)
+        mixed, new_tails = [], []
+        for proj, conv, tail in zip((self.q_proj, self.k_proj, self.v_proj),
+                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
+            inp = proj(x)  # [B, T, P]
+            if tail is not None and T == 1 and mode == "recurrent":
+                valid = None if lengths is None else lengths > 0
+                out, new_tail = short_conv_step(inp[:, 0], conv.weight, cast(tail, inp.dtype), valid, activation="silu")
+                out = out[:, None]
+            else:
+                out, new_tail = short_conv(inp, conv.weight, None if tail is None else cast(tail, inp.dtype),
+                                           lengths, activation="silu")
+            mixed.append(out.reshape(B, T, H, K))
+            new_tails.append(new_tail)
+        return mixed, torch.stack(new_tails, dim=1)
+
+    def _mixed_fused(self, x: torch.Tensor, conv0: torch.Tensor | None,
+                     lengths: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`_mixed_separate` for a multi-token call as one [D, 3P] projection and one short conv
+        over the 3P channels (the conv is per channel, so stacking q, k and v changes nothing but
+        the count of small ops: 0.74 + 1.06 -> ~1.1 ms per 512-token chunk at the shipped size,
+        1 thread). Same returns."""
+        B, T, _ = x.shape
+        H, K, P = self.num_heads, self.head_dim, self.proj_dim
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # [3P, D]
+        cw = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])  # [3P, 1, W]
+        inp = torch.nn.functional.linear(x, w)  # [B, T, 3P]
+        tail = None if conv0 is None else cast(conv0.reshape(B, 3 * P, conv0.shape[-1]), inp.dtype)
+        out, new_tail = short_conv(inp, cw, tail, lengths, activation="silu")
+        mixed = [t.reshape(B, T, H, K) for t in out.split(P, dim=-1)]
+        return mixed, new_tail.view(B, 3, P, new_tail.shape[-1])
+
     def _forward_rows(self, x: torch.Tensor, cache: KDAStateEntry | None, lengths: torch.Tensor | None,
                       mode: str, validate: bool = True) -> torch.Tensor:
         B, T, _ = x.shape
@@ -174,20 +220,10 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None and T == 1 and mode == "recurrent" and lengths is None and fused_decode():
             return self._decode_step(x, cache, conv0, rec0)
 
-        tails = conv0.unbind(1) if cache is not None else (None, None, None)
-        mixed, new_tails = [], []
-        for proj, conv, tail in zip((self.q_proj, self.k_proj, self.v_proj),
-                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
-            inp = proj(x)  # [B, T, P]
-            if tail is not None and T == 1 and mode == "recurrent":
-                valid = None if lengths is None else lengths > 0
-                out, new_tail = short_conv_step(inp[:, 0], conv.weight, cast(tail, inp.dtype), valid, activation="silu")
-                out = out[:, None]
-            else:
-                out, new_tail = short_conv(inp, conv.weight, None if tail is None else cast(tail, inp.dtype),
-                                           lengths, activation="silu")
-            mixed.append(out.reshape(B, T, H, K))
-            new_tails.append(new_tail)
+        if T == 1 and mode == "recurrent" or not self._plain_projections():
+            mixed, new_tail = self._mixed_separate(x, conv0, lengths, mode)
+        else:
+            mixed, new_tail = self._mixed_fused(x, conv0, lengths)
         q, k = l2_normalize(mixed[0]), l2_normalize(mixed[1])
         v = fp32(mixed[2])
 
@@ -201,7 +237,7 @@ class KimiDeltaAttention(nn.Module):
         o, state = kda(q, k, v, g, beta, K ** -0.5, rec0,
                        lengths, mode=mode)
         if cache is not None:
-            cache.store(torch.stack(new_tails, dim=1), state)
+            cache.store(new_tail, state)
 
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         out = self.o_norm(o, gate.reshape(B, T, H, K))  # fp32 [B, T, H, K]

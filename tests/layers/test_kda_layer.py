@@ -140,6 +140,47 @@ def test_multi_token_continuation_from_a_given_state(name):
     assert_close(s_parts.conv, s_full.conv, atol=1e-5, what="conv tails")
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_fused_qkv_projection_and_conv_equal_the_separate_ones(name, monkeypatch):
+    # One [D, 3P] projection and one short conv over 3P channels (multi-token calls) against the
+    # three projection + conv pairs: the mixed q/k/v, the new conv tails and the whole layer step
+    # (outputs, recurrent state) agree, from a given state, with a padded row.
+    layer = make_layer(name)
+    B, T = 3, 37
+    x = torch.randn(B, T, layer.hidden_size)
+    lengths = torch.tensor([37, 11, 2])
+    start = random_state(layer, B)
+    with torch.no_grad():
+        fused, tail_f = layer._mixed_fused(x, start.conv, lengths)
+        sep, tail_s = layer._mixed_separate(x, start.conv, lengths, "chunk")
+        for a, b, what in zip(fused, sep, "qkv"):
+            assert_close(a, b, atol=1e-6, what=f"mixed {what}")
+        assert_close(tail_f, tail_s, atol=0.0, what="conv tails")
+        s_fused = clone(start)
+        y_fused = layer(x, s_fused, lengths=lengths, mode="chunk")
+        monkeypatch.setattr(KimiDeltaAttention, "_plain_projections", lambda self: False)
+        s_sep = clone(start)
+        y_sep = layer(x, s_sep, lengths=lengths, mode="chunk")
+    assert_close(y_fused, y_sep, atol=1e-6, what="layer output")
+    assert_close(s_fused.recurrent, s_sep.recurrent, atol=1e-6, what="recurrent state")
+    assert torch.equal(s_fused.conv, s_sep.conv)
+
+
+def test_a_hooked_projection_is_not_fused_away():
+    # A forward hook on v_proj (or any wrapper) must still run: the layer falls back to the
+    # separate projections.
+    layer = make_layer("k3-test-tiny")
+    x = torch.randn(1, 9, layer.hidden_size)
+    with torch.no_grad():
+        plain = layer(x, mode="chunk")
+        handle = layer.v_proj.register_forward_hook(lambda m, a, out: out * 0)
+        hooked = layer(x, mode="chunk")
+        handle.remove()
+    assert not torch.allclose(plain, hooked)
+    with torch.no_grad():
+        assert_close(layer(x, mode="chunk"), plain, atol=0.0, what="hook removed")
+
+
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
 def test_unequal_lengths_equal_rows_alone(mode):
     layer = make_layer("k3-test-tiny")
