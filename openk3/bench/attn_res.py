@@ -11,6 +11,10 @@ Measured, interleaved, medians: decode ms/step (``new_tokens`` greedy tokens aft
 Ratio = with / without. Asserted: each engine's greedy tokens equal an independent full-forward
 argmax decode of its own model (no cache), so neither path is wrong.
 Target (performance.md §6.4, AttnRes overhead): AttnRes adds <= 5% to decode time.
+``--set compile=true`` runs both engines' decode steps compiled (``EngineConfig(compile=True)``,
+where Inductor fuses each site's merge with its neighbours; the unmeasured warm-up repetition
+compiles each (batch, block-table) bucket, so choose ``prompt_len + new_tokens`` within one
+block-table bucket, e.g. ``prompt_len=96``: 6-8 blocks of 16).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from openk3.bench.common import (
     check, drive, environment, interleaved, k3_config, medians, random_prompts, settings, target,
 )
 
-FULL = {"hidden": 256, "layers": 8, "block": 2, "prompt_len": 128, "new_tokens": 32, "batch": 8, "reps": 5}
-QUICK = {"hidden": 64, "layers": 4, "block": 2, "prompt_len": 8, "new_tokens": 3, "batch": 2, "reps": 1}
+FULL = {"hidden": 256, "layers": 8, "block": 2, "prompt_len": 128, "new_tokens": 32, "batch": 8, "reps": 5,
+        "compile": False}
+QUICK = {"hidden": 64, "layers": 4, "block": 2, "prompt_len": 8, "new_tokens": 3, "batch": 2, "reps": 1,
+         "compile": False}
 
 
 @torch.no_grad()
@@ -62,14 +68,15 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         "config": {"model": "k3-test-tiny scaled", "hidden": cfg_on.hidden_size, "layers": cfg_on.num_hidden_layers,
                    "attn_res_block_size": p["block"], "attn_res_blocks": -(-cfg_on.num_hidden_layers // p["block"]),
                    "params_plain": sum(t.numel() for t in plain.parameters()), "params_attn_res_extra": extra,
-                   "dtype": "float32", "prompt_len": P, "new_tokens": N, "reps": reps},
+                   "dtype": "float32", "prompt_len": P, "new_tokens": N, "reps": reps,
+                   "decode": "compiled" if p["compile"] else "eager"},
         "batches": {}, "targets": {},
     }
     refs: dict[tuple, list[int]] = {}
     for B in (1, Bmax):
         prompts = random_prompts(B, P, cfg_on.vocab_size, seed=500 + B)
         engines = {name: Engine(m, EngineConfig(max_num_seqs=B, enable_prefix_cache=False, max_model_len=P + N + 16,
-                                                prefill_chunk=max(512, B * P)))
+                                                prefill_chunk=max(512, B * P), compile=p["compile"]))
                    for name, m in models.items()}
         got: dict[str, list] = {}
 
