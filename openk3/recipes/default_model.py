@@ -76,6 +76,9 @@ class DefaultModelSettings(RecipeSettings):
             pretrain_copy_items (>= 1, per stage; seed ``sft_seed`` + 300): its second stage,
             spans over every ordinary id. Both stages come first, then the mixture, all within
             ``pretrain_steps``.
+        pretrain_copy_share (in [0, 1); seed ``sft_seed`` + 302): share of the mixture's rows
+            that stay span-copy documents over every ordinary id (``pretrain_copy_span``), so
+            the corpus does not wear the copy circuit away after the curriculum.
         sft_seed, sft_items (>= 1), sft_eval_items (per eval suite): the SFT data.
         sft_mixture: None (:data:`openk3.datasets.sft_data.MIXTURE`) or ``{task: share}`` merged
             over it (:attr:`mixture` is the normalised result).
@@ -115,6 +118,7 @@ class DefaultModelSettings(RecipeSettings):
     pretrain_copy_steps: int = 400
     pretrain_copy_span: tuple[int, int] = (4, 20)
     pretrain_copy_items: int = 100000
+    pretrain_copy_share: float = 0.0
     long_share: float = 0.0
     long_seq_len: int = 8192
     long_items: int = 1000
@@ -127,7 +131,8 @@ class DefaultModelSettings(RecipeSettings):
         super().__post_init__()
 
     def check(self) -> None:
-        for name in ("sft_replay", "pretrain_sft_share", "pretrain_induction_share", "long_share"):
+        for name in ("sft_replay", "pretrain_sft_share", "pretrain_induction_share", "pretrain_copy_share",
+                     "long_share"):
             check_fraction(self, name)
         if self.pretrain_sft_share + self.pretrain_induction_share >= 1:
             raise ValueError(f"{OWNER}.pretrain_sft_share + {OWNER}.pretrain_induction_share = "
@@ -261,6 +266,10 @@ def pretrain_data(run: RunConfig, split: str):
                            seed=run.seed, pad_id=run.model_config().pad_token_id)
         data = MixedLoader(data, ind, p_ind, seed=run.seed + 3)
     pad = run.model_config().pad_token_id
+    if x.pretrain_copy_share > 0:  # after the curriculum too: the corpus alone lets copying fade
+        kept = span_store(x.sft_seed + 302, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span))
+        data = MixedLoader(data, PackedLoader(kept, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad),
+                           x.pretrain_copy_share, seed=run.seed + 4)
     if x.pretrain_copy_steps > 0:
         spans = span_store(x.sft_seed + 300, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span))
         data = CurriculumLoader(PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad), data,

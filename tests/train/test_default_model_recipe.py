@@ -159,6 +159,18 @@ def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
         assert bool((spans >= 256).all()) and (bool((spans < 256 + 16).all()) if i < 2 else int(spans.max()) >= 272)
     first = rows[0][0].tolist()
     assert first[:14] == [tok.bos_id, *first[1:7], *first[1:7], tok.eos_id]  # [BOS] span span [EOS], L = 6
+    kept = default_model.pretrain_data(run.replace(extra={"sft_items": 30, "pretrain_induction_share": 0.0,
+                                                         "pretrain_copy_share": 0.5, "pretrain_copy_items": 50,
+                                                         "pretrain_copy_span": [2, 5], **no_copy}), "train")
+    rows = [kept.next_batch()["input_ids"] for _ in range(40)]
+    copy_rows = [x for x in rows if not bool((x >= 9000).all())]
+    assert 8 < len(copy_rows) < 32  # about half the mixture's rows stay copy documents
+    for row in copy_rows:  # [BOS] span span [EOS] documents over every ordinary id, nothing else
+        assert set(row[row >= ordinary].tolist()) <= {tok.bos_id, tok.eos_id, run.model_config().pad_token_id}
+        assert bool((row[row < ordinary] >= 256).all())
+    assert int(max(int(x[x < ordinary].max()) for x in copy_rows)) >= 272
+    with pytest.raises(ValueError, match="extra.pretrain_copy_share=1.0"):
+        default_model.settings(run.replace(extra={"pretrain_copy_share": 1.0}))
     with pytest.raises(ValueError, match=r"extra.pretrain_copy_span=\[3, 2\]"):
         default_model.settings(run.replace(extra={"pretrain_copy_span": [3, 2]}))
     with pytest.raises(ValueError, match=r"extra.pretrain_copy_narrow_span=\[0, 2\]"):
