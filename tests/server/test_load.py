@@ -173,7 +173,9 @@ def test_sigterm_drains_in_flight_stream(small_server):
         while True:
             try:
                 httpx.get(small_server.base + "/health", timeout=5)
-            except httpx.ConnectError:
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                # refused, or reset: a connection still in the accept backlog when the listener
+                # closes is reset by the kernel (seen on a loaded machine); both mean "not accepted"
                 break
             assert time.monotonic() < deadline, "still accepting connections 30 s after SIGTERM"
             time.sleep(0.05)
