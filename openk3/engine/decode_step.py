@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
+from openk3.cache import HybridCache
+from openk3.engine.kv_pool import layer_views
 from openk3.ops.backends import env_var, forced_backend
 
 log = logging.getLogger("openk3.engine")
@@ -110,12 +111,7 @@ class StaticDecodeStep:
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  past: torch.Tensor) -> torch.Tensor:
         """ids [Bp, 1], slots [Bp], tables [Bp, MB], past [Bp] (int64) -> logits [Bp, V] fp32."""
-        layers = []
-        for kind, i in self.layer_pools:
-            if kind == "kda":
-                layers.append(SlotKDAState(self.slots.conv[i], self.slots.recurrent[i], slots))
-            else:
-                layers.append(PagedMLACache(self.blocks.latent[i], self.blocks.k_rope[i], tables))
+        layers = layer_views(self.layer_pools, self.blocks, self.slots, slots, tables)
         cache = HybridCache(layers=layers, lengths=past.clone())
         hidden = self.model.model(ids, cache, validate=False)
         return self.model.lm_head(hidden[:, -1]).float()

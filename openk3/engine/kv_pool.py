@@ -31,6 +31,7 @@ import torch
 
 import numpy as np
 
+from openk3.cache import PagedMLACache, SlotKDAState
 from openk3.config import KDA, MLA, K3Config
 from openk3.engine.planner import kda_state_bytes, kv_bytes_per_token, snapshot_bytes
 
@@ -266,6 +267,23 @@ class SlotPool(KDAStatePool):
     def release(self, s: int) -> None:
         """Return slot ``s`` to the free list."""
         self._free.append(s)
+
+
+def layer_views(layer_pools: list[tuple[str, int]], blocks: MLABlockPool, slots: SlotPool,
+                slot_ids: torch.Tensor, tables: torch.Tensor) -> list:
+    """The per-layer cache views of one forward over the pools, in decoder-layer order.
+
+    Args:
+        layer_pools: per decoder layer, ``("kda", i)`` or ``("mla", i)``: its index into the pools.
+        blocks, slots: the MLA block pool and the KDA slot pool the views read and write.
+        slot_ids: [B] int64, each row's KDA slot.
+        tables: [B, MB] int64, each row's MLA block ids (padded with any valid block id).
+    Returns:
+        ``SlotKDAState`` for a KDA layer, ``PagedMLACache`` for an MLA layer (views, no copies).
+    """
+    return [SlotKDAState(slots.conv[i], slots.recurrent[i], slot_ids) if kind == "kda"
+            else PagedMLACache(blocks.latent[i], blocks.k_rope[i], tables)
+            for kind, i in layer_pools]
 
 
 @dataclass

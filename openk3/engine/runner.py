@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from openk3.cache import HybridCache, PagedMLACache, SlotKDAState
+from openk3.cache import HybridCache
 from openk3.config import KDA
 from openk3.engine.decode_step import StaticDecodeStep, decode_backend
-from openk3.engine.kv_pool import MLABlockPool, SlotPool
+from openk3.engine.kv_pool import MLABlockPool, SlotPool, layer_views
 from openk3.engine.request import Piece, Request
 from openk3.vision.encoder import encode_in_pieces
 
@@ -78,12 +78,7 @@ class ModelRunner:
         tables = torch.tensor([p.request.blocks + [0] * (MB - len(p.request.blocks)) for p in pieces],
                               dtype=torch.long, device=dev)
         slots = torch.tensor([p.request.slot for p in pieces], dtype=torch.long, device=dev)
-        layers = []
-        for kind, i in self.layer_pools:
-            if kind == "kda":
-                layers.append(SlotKDAState(self.slots.conv[i], self.slots.recurrent[i], slots))
-            else:
-                layers.append(PagedMLACache(self.blocks.latent[i], self.blocks.k_rope[i], tables))
+        layers = layer_views(self.layer_pools, self.blocks, self.slots, slots, tables)
         past = torch.tensor([p.start for p in pieces], dtype=torch.long, device=dev)
         cache = HybridCache(layers=layers, lengths=past)
         full = all(p.length == T for p in pieces)
