@@ -118,7 +118,7 @@ class DefaultModelSettings(RecipeSettings):
     pretrain_copy_steps: int = 400
     pretrain_copy_span: tuple[int, int] = (4, 20)
     pretrain_copy_items: int = 100000
-    pretrain_copy_share: float = 0.0
+    pretrain_copy_share: float = 0.3
     long_share: float = 0.0
     long_seq_len: int = 8192
     long_items: int = 1000
@@ -373,7 +373,7 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
 def default_model() -> RunConfig:
     """openk3-tiny end to end: corpus -> BPE -> pretraining -> SFT with MXFP4 QAT."""
     return RunConfig(
-        name="default-model", model="openk3-tiny", data=sft_data, total_steps=2800, seq_len=1024,
+        name="default-model", model="openk3-tiny", data=sft_data, total_steps=4000, seq_len=1024,
         warmup_steps=None, lr=5e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=4, ckpt_every=100,
         keep_checkpoints=2, seed=0, prepare=prepare_default_model, settings=DefaultModelSettings(),
     )
