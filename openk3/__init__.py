@@ -13,11 +13,23 @@ from importlib import import_module
 
 __version__ = "0.1.0"
 
-_LAZY = {"K3Config": "openk3.config", "preset": "openk3.config", "K3ForCausalLM": "openk3.model",
-         "K3ForConditionalGeneration": "openk3.multimodal", "build_model": "openk3.pretrained",
-         "load_pretrained": "openk3.pretrained"}
+_LAZY = {
+    "K3Config": "openk3.config",
+    "preset": "openk3.config",
+    "K3ForCausalLM": "openk3.model",
+    "K3ForConditionalGeneration": "openk3.multimodal",
+    "build_model": "openk3.pretrained",
+    "load_pretrained": "openk3.pretrained",
+}
 
-__all__ = ["K3Config", "K3ForCausalLM", "K3ForConditionalGeneration", "build_model", "load_pretrained", "preset"]
+__all__ = [
+    "K3Config",
+    "K3ForCausalLM",
+    "K3ForConditionalGeneration",
+    "build_model",
+    "load_pretrained",
+    "preset",
+]
 
 
 def __getattr__(name: str):

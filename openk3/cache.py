@@ -69,7 +69,9 @@ class MLACacheEntry(Protocol):
         """S, positions each row can hold."""
         ...
 
-    def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+    def write(
+        self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
         """Store latent [M, C] and k_rope [M, R] of M tokens at (row, position) ``rows`` / ``cols`` [M]."""
         ...
 
@@ -91,7 +93,9 @@ class KDALayerState:
     recurrent: torch.Tensor
 
     @classmethod
-    def zeros(cls, config: K3Config, batch: int, device=None, dtype=torch.float32) -> "KDALayerState":
+    def zeros(
+        cls, config: K3Config, batch: int, device=None, dtype=torch.float32
+    ) -> "KDALayerState":
         """Zero state/cache for ``batch`` rows (conv in ``dtype``, recurrent fp32) on ``device``."""
         P, W = config.linear_proj_dim, config.linear_conv_kernel_dim
         H, K = config.linear_num_heads, config.linear_head_dim
@@ -156,11 +160,15 @@ class MLALayerCache:
     k_rope: torch.Tensor
 
     @classmethod
-    def zeros(cls, config: K3Config, batch: int, capacity: int, device=None, dtype=torch.float32) -> "MLALayerCache":
+    def zeros(
+        cls, config: K3Config, batch: int, capacity: int, device=None, dtype=torch.float32
+    ) -> "MLALayerCache":
         """Zero latent [B, S, C] and k_rope [B, S, R] in ``dtype`` on ``device`` (S = ``capacity``)."""
         return cls(
             latent=torch.zeros(batch, capacity, config.kv_lora_rank, device=device, dtype=dtype),
-            k_rope=torch.zeros(batch, capacity, config.qk_rope_head_dim, device=device, dtype=dtype),
+            k_rope=torch.zeros(
+                batch, capacity, config.qk_rope_head_dim, device=device, dtype=dtype
+            ),
         )
 
     @property
@@ -173,7 +181,9 @@ class MLALayerCache:
         """Rows B."""
         return self.latent.shape[0]
 
-    def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+    def write(
+        self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
         """Store latent [M, C] and k_rope [M, R] of M tokens at (row, position) pairs ``rows``/``cols`` [M]."""
         self.latent[rows, cols] = cast(latent, self.latent.dtype)
         self.k_rope[rows, cols] = cast(k_rope, self.k_rope.dtype)
@@ -220,11 +230,17 @@ class PagedMLACache:
         L = self.block_size
         return self.block_tables[rows, cols // L] * L + cols % L
 
-    def write(self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+    def write(
+        self, rows: torch.Tensor, cols: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
         """Store latent [M, C] and k_rope [M, R] of M tokens at (row, position) pairs ``rows``/``cols`` [M]."""
         idx = self._flat_index(rows, cols)
-        self.latent_pool.view(-1, self.latent_pool.shape[-1])[idx] = cast(latent, self.latent_pool.dtype)
-        self.k_rope_pool.view(-1, self.k_rope_pool.shape[-1])[idx] = cast(k_rope, self.k_rope_pool.dtype)
+        self.latent_pool.view(-1, self.latent_pool.shape[-1])[idx] = cast(
+            latent, self.latent_pool.dtype
+        )
+        self.k_rope_pool.view(-1, self.k_rope_pool.shape[-1])[idx] = cast(
+            k_rope, self.k_rope_pool.dtype
+        )
 
     def read(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather positions ``[0, used)`` of every row: (latent [B, used, C], k_rope [B, used, R]).
@@ -236,8 +252,10 @@ class PagedMLACache:
         B, L = self.batch_size, self.block_size
         nb = -(-used // L)
         blocks = self.block_tables[:, :nb].reshape(-1)
-        return (self.latent_pool.index_select(0, blocks).view(B, nb * L, -1)[:, :used],
-                self.k_rope_pool.index_select(0, blocks).view(B, nb * L, -1)[:, :used])
+        return (
+            self.latent_pool.index_select(0, blocks).view(B, nb * L, -1)[:, :used],
+            self.k_rope_pool.index_select(0, blocks).view(B, nb * L, -1)[:, :used],
+        )
 
 
 @dataclass
@@ -254,7 +272,9 @@ class HybridCache:
     lengths: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @classmethod
-    def empty(cls, config: K3Config, batch: int, capacity: int, device=None, dtype=torch.float32) -> "HybridCache":
+    def empty(
+        cls, config: K3Config, batch: int, capacity: int, device=None, dtype=torch.float32
+    ) -> "HybridCache":
         """Zero states for ``batch`` rows and room for ``capacity`` tokens per row in MLA layers."""
         layers = [
             KDALayerState.zeros(config, batch, device, dtype)

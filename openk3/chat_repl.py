@@ -49,8 +49,15 @@ class ChatSession:
         ValueError: an unknown `effort` or `max_tokens` < 1.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, effort: str = "max", max_tokens: int = 1024,
-                 seed: int | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        effort: str = "max",
+        max_tokens: int = 1024,
+        seed: int | None = None,
+    ):
         from openk3.engine import Engine, EngineConfig
 
         if effort not in EFFORTS:
@@ -58,13 +65,20 @@ class ChatSession:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: must be an int >= 1, got {max_tokens!r}")
         self.tok, self.effort, self.max_tokens, self.seed = tokenizer, effort, max_tokens, seed
-        self.engine = Engine(model, EngineConfig(max_num_seqs=1, enable_prefix_cache=True),
-                             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        self.context = int(getattr(self.engine, "max_model_len", None) or model.config.max_position_embeddings)
+        self.engine = Engine(
+            model,
+            EngineConfig(max_num_seqs=1, enable_prefix_cache=True),
+            detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        self.context = int(
+            getattr(self.engine, "max_model_len", None) or model.config.max_position_embeddings
+        )
         self.messages: list[dict] = []
         self.turns = 0
 
-    def turn(self, text: str, out: TextIO, err: TextIO, cancelled: Callable[[], bool] = lambda: False) -> dict | None:
+    def turn(
+        self, text: str, out: TextIO, err: TextIO, cancelled: Callable[[], bool] = lambda: False
+    ) -> dict | None:
         """Answer one user turn, streaming to `out`; returns the assistant message. None when the
         conversation no longer fits the context or `cancelled()` became true while the reply was
         generated (checked between engine steps; the request is aborted): the turn is then
@@ -77,14 +91,27 @@ class ChatSession:
         prompt = encode_request({"messages": messages, "reasoning_effort": self.effort}, self.tok)
         room = self.context - len(prompt.token_ids)
         if room < 1:
-            print(f"[the conversation no longer fits the context ({len(prompt.token_ids)} of {self.context} "
-                  "tokens); line dropped]", file=err)
+            print(
+                f"[the conversation no longer fits the context ({len(prompt.token_ids)} of {self.context} "
+                "tokens); line dropped]",
+                file=err,
+            )
             return None
         seed = None if self.seed is None else self.seed + self.turns
-        params = SamplingParams(max_tokens=min(self.max_tokens, room), temperature=1.0, top_p=0.95, top_k=0,
-                                seed=seed, stop_token_ids=list(self.tok.stop_token_ids))
-        parser = OutputParser(self.tok, start_channel=prompt.channel or "think",
-                              tool_index_start=prompt.history_tool_calls, tools_enabled=False)
+        params = SamplingParams(
+            max_tokens=min(self.max_tokens, room),
+            temperature=1.0,
+            top_p=0.95,
+            top_k=0,
+            seed=seed,
+            stop_token_ids=list(self.tok.stop_token_ids),
+        )
+        parser = OutputParser(
+            self.tok,
+            start_channel=prompt.channel or "think",
+            tool_index_start=prompt.history_tool_calls,
+            tools_enabled=False,
+        )
         rid = self.engine.add_request(prompt.token_ids, params)
         state = {"where": None}
 
@@ -124,11 +151,18 @@ class ChatSession:
         out.write("\n")
         out.flush()
         msg = parser.message().to_openai()
-        reply = {"role": "assistant", "content": msg.get("content") or "",
-                 "reasoning_content": msg.get("reasoning_content") or ""}
+        reply = {
+            "role": "assistant",
+            "content": msg.get("content") or "",
+            "reasoning_content": msg.get("reasoning_content") or "",
+        }
         self.messages = messages + [reply]
         self.turns += 1
-        print(f"[{reason}: {len(prompt.token_ids)} prompt + {generated} generated tokens]", file=err, flush=True)
+        print(
+            f"[{reason}: {len(prompt.token_ids)} prompt + {generated} generated tokens]",
+            file=err,
+            flush=True,
+        )
         return reply
 
 
@@ -187,8 +221,12 @@ def _sigint_flag() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
-        stderr: TextIO = sys.stderr) -> int:
+def run(
+    args: argparse.Namespace,
+    stdin: TextIO = sys.stdin,
+    stdout: TextIO = sys.stdout,
+    stderr: TextIO = sys.stderr,
+) -> int:
     """``openk3 chat``: load, then read turns until ``/exit`` or end of input. Returns the exit
     status (2 when the checkpoint or tokenizer cannot be loaded or an argument is invalid)."""
     import torch
@@ -202,15 +240,20 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sy
         tok = load_tokenizer(args.tokenizer or args.path)
         model = load_pretrained(args.path, device=device, dtype=dtype)
         model.eval()
-        session = ChatSession(model, tok, effort=args.effort, max_tokens=args.max_tokens, seed=args.seed)
+        session = ChatSession(
+            model, tok, effort=args.effort, max_tokens=args.max_tokens, seed=args.seed
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"openk3 chat: {e}", file=stderr)
         return 2
     interactive = stdin.isatty() and stdout.isatty() and stdin is sys.stdin
     terminal = TerminalInput() if interactive else None
     if interactive:
-        print(f"openk3 chat: {args.path} (effort {args.effort}; {device}, {str(dtype).removeprefix('torch.')}); "
-              "/exit or Ctrl-D to leave, Ctrl-C stops a reply, end a line with \\ to continue it", file=stderr)
+        print(
+            f"openk3 chat: {args.path} (effort {args.effort}; {device}, {str(dtype).removeprefix('torch.')}); "
+            "/exit or Ctrl-D to leave, Ctrl-C stops a reply, end a line with \\ to continue it",
+            file=stderr,
+        )
 
     def read() -> str | None:
         if terminal is not None:
@@ -253,12 +296,22 @@ def add_parser(sub: Any) -> None:
     from openk3.runtime import add_runtime_args
     from openk3.shipped import DEFAULT_MODEL
 
-    chat = sub.add_parser("chat", help="interactive chat with a checkpoint through the K3 chat format, streamed")
-    chat.add_argument("path", nargs="?", default=DEFAULT_MODEL,
-                      help=f"checkpoint directory or shipped model name (default: the shipped {DEFAULT_MODEL})")
+    chat = sub.add_parser(
+        "chat", help="interactive chat with a checkpoint through the K3 chat format, streamed"
+    )
+    chat.add_argument(
+        "path",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"checkpoint directory or shipped model name (default: the shipped {DEFAULT_MODEL})",
+    )
     chat.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
-    chat.add_argument("--effort", choices=EFFORTS, default="max", help="thinking effort (default max)")
-    chat.add_argument("--max-tokens", type=int, default=1024, help="output budget per turn, reasoning included")
+    chat.add_argument(
+        "--effort", choices=EFFORTS, default="max", help="thinking effort (default max)"
+    )
+    chat.add_argument(
+        "--max-tokens", type=int, default=1024, help="output budget per turn, reasoning included"
+    )
     chat.add_argument("--seed", type=int, help="sampling seed (turn k uses seed + k)")
     chat.add_argument("--save", help="write the conversation (JSON message list) here on exit")
     add_runtime_args(chat)

@@ -61,7 +61,9 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 _EXPERT_KEYS = ("w1", "w2", "w3")
 _STACKED = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
-_STACKED_PACKED = re.compile(r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])\.(?P<s>weight_packed|weight_scale)$")
+_STACKED_PACKED = re.compile(
+    r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])\.(?P<s>weight_packed|weight_scale)$"
+)
 _PER_EXPERT = re.compile(
     r"^(?P<pre>.*\.block_sparse_moe\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<s>weight|weight_packed|weight_scale)$"
 )
@@ -102,7 +104,8 @@ def a_log_file_shape(config: K3Config, heads: int) -> tuple[int, ...]:
         return (heads,) if layout == "per_head" else (1, 1, heads, 1)
     auto_map = config.extra_text_config.get("auto_map")
     if isinstance(auto_map, dict) and any(
-        isinstance(v, str) and ("modeling_kimi_linear." in v or "configuration_kimi_k3." in v) for v in auto_map.values()
+        isinstance(v, str) and ("modeling_kimi_linear." in v or "configuration_kimi_k3." in v)
+        for v in auto_map.values()
     ):
         return (heads,)
     return (1, 1, heads, 1)
@@ -134,7 +137,9 @@ def quantized_config(config: K3Config, quantization: str | QuantScheme | None) -
 
 
 def to_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], config: K3Config, quantization: str | QuantScheme | None = None
+    state_dict: dict[str, torch.Tensor],
+    config: K3Config,
+    quantization: str | QuantScheme | None = None,
 ) -> "OrderedDict[str, torch.Tensor]":
     """openk3 ``state_dict`` -> official tensor names and layouts.
 
@@ -164,7 +169,11 @@ def to_hf_state_dict(
             for e in range(dense.shape[0]):
                 out[f"{base}.{e}.{m['w']}.weight"] = dense[e]
             return
-        packed = packed if packed is not None else mxfp4_weight_to_packed(dense.detach(), scheme.scale_mode)
+        packed = (
+            packed
+            if packed is not None
+            else mxfp4_weight_to_packed(dense.detach(), scheme.scale_mode)
+        )
         for e in range(packed[0].shape[0]):
             for suffix, t in zip(_PACKED_PAIR, packed):
                 out[f"{base}.{e}.{m['w']}.{suffix}"] = t[e]
@@ -196,7 +205,9 @@ def _a_log_from_file(name: str, t: torch.Tensor, heads: int) -> torch.Tensor:
         return flat
     if flat.numel() > heads and bool((flat[heads:] == 0).all()):
         return flat[:heads]  # the K3 release pads A_log to head_dim with zeros
-    raise ValueError(f"checkpoint tensor {name}: shape {tuple(t.shape)} does not hold {heads} per-head values")
+    raise ValueError(
+        f"checkpoint tensor {name}: shape {tuple(t.shape)} does not hold {heads} per-head values"
+    )
 
 
 def _check_quantization_config(config: K3Config) -> None:
@@ -224,8 +235,13 @@ def _file_name(pre: str, key: str, expert: int | str = "N", suffix: str | None =
     return pre + key
 
 
-def _expert_stack(pre: str, key: str, parts: dict[int, dict[str, torch.Tensor]], expected: dict,
-                  float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _expert_stack(
+    pre: str,
+    key: str,
+    parts: dict[int, dict[str, torch.Tensor]],
+    expected: dict,
+    float_dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
     """One layer's per-expert tensors -> the stack(s) the model holds (dense or packed)."""
     packed_target = f"{key}.weight_packed" in expected
     shape = expected.get(f"{key}.weight_packed" if packed_target else key)
@@ -233,10 +249,14 @@ def _expert_stack(pre: str, key: str, parts: dict[int, dict[str, torch.Tensor]],
     file_suffix = "weight_packed" if any("weight_packed" in p for p in parts.values()) else "weight"
     missing = [e for e in range(n) if e not in parts]
     if missing:
-        raise ValueError(f"checkpoint is missing tensor {_file_name(pre, key, missing[0], file_suffix)}")
+        raise ValueError(
+            f"checkpoint is missing tensor {_file_name(pre, key, missing[0], file_suffix)}"
+        )
     extra = sorted(set(parts) - set(range(n)))
     if extra:
-        raise ValueError(f"checkpoint has unexpected tensor {_file_name(pre, key, extra[0], file_suffix)}")
+        raise ValueError(
+            f"checkpoint has unexpected tensor {_file_name(pre, key, extra[0], file_suffix)}"
+        )
     dense, packed, scale = [], [], []
     for e in range(n):
         part = parts[e]
@@ -248,23 +268,35 @@ def _expert_stack(pre: str, key: str, parts: dict[int, dict[str, torch.Tensor]],
                 raise ValueError(f"checkpoint is missing tensor {_file_name(pre, key, e, lost[0])}")
         for suffix in _PACKED_PAIR:
             if suffix in part and part[suffix].dtype != torch.uint8:
-                raise ValueError(f"checkpoint tensor {_file_name(pre, key, e, suffix)}: dtype {part[suffix].dtype}, "
-                                 "expected torch.uint8 (MXFP4 codes / E8M0 scales)")
+                raise ValueError(
+                    f"checkpoint tensor {_file_name(pre, key, e, suffix)}: dtype {part[suffix].dtype}, "
+                    "expected torch.uint8 (MXFP4 codes / E8M0 scales)"
+                )
         if packed_target:
-            p, s = (part["weight_packed"], part["weight_scale"]) if "weight" not in part else \
-                mxfp4_weight_to_packed(part["weight"])
+            p, s = (
+                (part["weight_packed"], part["weight_scale"])
+                if "weight" not in part
+                else mxfp4_weight_to_packed(part["weight"])
+            )
             packed.append(p)
             scale.append(s)
         else:
             w = part.get("weight")
-            dense.append(w if w is not None else mxfp4_weight_from_packed(part["weight_packed"], part["weight_scale"],
-                                                                          float_dtype))
+            dense.append(
+                w
+                if w is not None
+                else mxfp4_weight_from_packed(
+                    part["weight_packed"], part["weight_scale"], float_dtype
+                )
+            )
     groups = {"weight_packed": packed, "weight_scale": scale} if packed_target else {None: dense}
     out = {}
     for suffix, ts in groups.items():
         shapes = {tuple(t.shape) for t in ts}
         if len(shapes) > 1:
-            raise ValueError(f"checkpoint experts under {pre}{key}: per-expert shapes differ: {sorted(shapes)}")
+            raise ValueError(
+                f"checkpoint experts under {pre}{key}: per-expert shapes differ: {sorted(shapes)}"
+            )
         out[key if suffix is None else f"{key}.{suffix}"] = torch.stack(ts)
     return out
 
@@ -298,8 +330,10 @@ def from_hf_state_dict(
         if name.startswith(_FOREIGN_PREFIXES):
             continue
         if pre and not name.startswith(pre):
-            raise ValueError(f"checkpoint tensor {name}: expected the {pre!r} prefix of a kimi_k3 checkpoint")
-        local = name[len(pre):]
+            raise ValueError(
+                f"checkpoint tensor {name}: expected the {pre!r} prefix of a kimi_k3 checkpoint"
+            )
+        local = name[len(pre) :]
         m = _PER_EXPERT.match(local)
         if m:
             stacks.setdefault(f"{m['pre']}.{m['w']}", {}).setdefault(int(m["e"]), {})[m["s"]] = t
@@ -317,19 +351,25 @@ def from_hf_state_dict(
             raise ValueError(f"checkpoint is missing tensor {pre}{base}.{lost[0]}")
         if f"{base}.weight" in out:
             raise ValueError(f"checkpoint has both {pre}{base}.weight and its packed form")
-        out[f"{base}.weight"] = mxfp4_weight_from_packed(pair["weight_packed"], pair["weight_scale"], float_dtype)
+        out[f"{base}.weight"] = mxfp4_weight_from_packed(
+            pair["weight_packed"], pair["weight_scale"], float_dtype
+        )
     for key, parts in stacks.items():
         out.update(_expert_stack(pre, key, parts, expected, float_dtype))
     for key, shape in expected.items():
         if key not in out and math.prod(shape) == 0:
             out[key] = torch.empty(tuple(shape), dtype=float_dtype)  # zero-size: nothing to read
         if key not in out:
-            raise ValueError(f"checkpoint is missing tensor {_file_name(pre, key, 0)} (expected shape {tuple(shape)})")
+            raise ValueError(
+                f"checkpoint is missing tensor {_file_name(pre, key, 0)} (expected shape {tuple(shape)})"
+            )
         if tuple(out[key].shape) != tuple(shape):
             stacked = bool(_STACKED.match(key) or _STACKED_PACKED.match(key))
             got = tuple(out[key].shape[1:]) if stacked else tuple(out[key].shape)
             want = tuple(shape[1:]) if stacked else tuple(shape)
-            raise ValueError(f"checkpoint tensor {_file_name(pre, key)}: shape {got} does not match the config ({want})")
+            raise ValueError(
+                f"checkpoint tensor {_file_name(pre, key)}: shape {got} does not match the config ({want})"
+            )
     unexpected = sorted(set(out) - set(expected))
     if unexpected:
         raise ValueError(f"checkpoint has unexpected tensor {_file_name(pre, unexpected[0])}")
@@ -339,7 +379,9 @@ def from_hf_state_dict(
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _skip_mtp(tensors: dict[str, torch.Tensor], config: K3Config, pre: str) -> dict[str, torch.Tensor]:
+def _skip_mtp(
+    tensors: dict[str, torch.Tensor], config: K3Config, pre: str
+) -> dict[str, torch.Tensor]:
     """Drop the MTP layers' tensors (``model.layers.{L}`` .. ``{L+n-1}``, DeepSeek-V3 layout) of a
     config with ``num_nextn_predict_layers = n > 0``, logging how many were skipped."""
     n, L = config.num_nextn_predict_layers, config.num_hidden_layers
@@ -348,12 +390,14 @@ def _skip_mtp(tensors: dict[str, torch.Tensor], config: K3Config, pre: str) -> d
     kept = {}
     skipped = 0
     for name, t in tensors.items():
-        m = _LAYER.match(name[len(pre):]) if name.startswith(pre) else None
+        m = _LAYER.match(name[len(pre) :]) if name.startswith(pre) else None
         if m and L <= int(m[1]) < L + n:
             skipped += 1
             continue
         kept[name] = t
-    _log.warning("num_nextn_predict_layers=%d: MTP is not implemented; %d MTP tensor(s) skipped", n, skipped)
+    _log.warning(
+        "num_nextn_predict_layers=%d: MTP is not implemented; %d MTP tensor(s) skipped", n, skipped
+    )
     return kept
 
 
@@ -375,11 +419,15 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
             raise ValueError(f"{index}: not a readable JSON index ({e})") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file")
+            raise ValueError(
+                f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file"
+            )
         plan = {}
         for name, fn in weight_map.items():
             if not isinstance(fn, str) or os.path.basename(fn) != fn or fn in ("", ".", ".."):
-                raise ValueError(f"{index}: tensor {name!r} maps to {fn!r}, not a file name in the checkpoint directory")
+                raise ValueError(
+                    f"{index}: tensor {name!r} maps to {fn!r}, not a file name in the checkpoint directory"
+                )
             plan.setdefault(fn, []).append(name)
     elif os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
         plan = {WEIGHTS_NAME: None}
@@ -396,12 +444,16 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
                 wanted = plan[fn] if plan[fn] is not None else sorted(keys)
                 for k in wanted:
                     if k not in keys:
-                        raise ValueError(f"{full}: the index lists tensor {k!r} in this shard, but it is not there")
+                        raise ValueError(
+                            f"{full}: the index lists tensor {k!r} in this shard, but it is not there"
+                        )
                     tensors[k] = f.get_tensor(k)
         except ValueError:
             raise
         except Exception as e:  # safetensors raises its own error type for damaged files
-            raise ValueError(f"{full}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"{full}: not a readable safetensors file ({type(e).__name__}: {e})"
+            ) from None
     return tensors
 
 
@@ -453,7 +505,9 @@ def write_checkpoint(
                     weight_map[name] = fn
                     total += t.numel() * t.element_size()
             with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
+                )
             written.append(INDEX_NAME)
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             f.write(config.to_json_string())

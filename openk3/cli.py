@@ -38,16 +38,20 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps({"source": str(source), **counts, "vision": vision}, indent=2))
         return 0
     n_kda = config.layer_types.count("linear_attention")
-    print(f"{source}: {config.num_hidden_layers} layers ({n_kda} KDA + {config.num_hidden_layers - n_kda} MLA), "
-          f"hidden {config.hidden_size}, vocab {config.vocab_size}")
+    print(
+        f"{source}: {config.num_hidden_layers} layers ({n_kda} KDA + {config.num_hidden_layers - n_kda} MLA), "
+        f"hidden {config.hidden_size}, vocab {config.vocab_size}"
+    )
     print(f"{'component':<16}{'total':>22}{'active':>22}")
     for comp, v in counts["by_component"].items():
         if v["total"]:
             print(f"{comp:<16}{v['total']:>22,}{v['active']:>22,}")
     print(f"{'TOTAL':<16}{counts['total']:>22,}{counts['active']:>22,}")
     if vision is not None:
-        print(f"vision (not in the totals, as in the K3 report): MoonViT-V2 tower {vision['vision_tower']:,}, "
-              f"mm_projector {vision['mm_projector']:,}")
+        print(
+            f"vision (not in the totals, as in the K3 report): MoonViT-V2 tower {vision['vision_tower']:,}, "
+            f"mm_projector {vision['mm_projector']:,}"
+        )
     return 0
 
 
@@ -60,15 +64,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_cost(args: argparse.Namespace) -> int:
     from openk3.cost import load_prices, main as cost_main
 
-    if not (args.files or args.url or args.prompt_tokens or args.cached_tokens or args.completion_tokens):
+    if not (
+        args.files or args.url or args.prompt_tokens or args.cached_tokens or args.completion_tokens
+    ):
         try:  # bad prices are named first, as with input
             load_prices(args.prices, args.price_cache_hit, args.price_input, args.price_output)
         except (OSError, ValueError) as e:
             print(f"openk3 cost: {e}", file=sys.stderr)
             return 2
         args.parser.print_usage(sys.stderr)
-        print("openk3 cost: error: nothing to price: give response/usage FILES ('-' reads stdin), --url of a "
-              "running server, or --prompt-tokens / --completion-tokens", file=sys.stderr)
+        print(
+            "openk3 cost: error: nothing to price: give response/usage FILES ('-' reads stdin), --url of a "
+            "running server, or --prompt-tokens / --completion-tokens",
+            file=sys.stderr,
+        )
         return 2
 
     return cost_main(args)
@@ -150,12 +159,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume and _rank0() and run.prepare is None:
         from openk3.train.checkpointing import CheckpointManager
 
-        if not os.path.isdir(os.path.join(out, "checkpoints")) or CheckpointManager(
-                os.path.join(out, "checkpoints")).latest() is None:
-            print(f"openk3 train: --resume: no checkpoint in {os.path.join(out, 'checkpoints')}; starting at step 0",
-                  file=sys.stderr)
+        if (
+            not os.path.isdir(os.path.join(out, "checkpoints"))
+            or CheckpointManager(os.path.join(out, "checkpoints")).latest() is None
+        ):
+            print(
+                f"openk3 train: --resume: no checkpoint in {os.path.join(out, 'checkpoints')}; starting at step 0",
+                file=sys.stderr,
+            )
     try:
-        result = train(run, out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress)
+        result = train(
+            run, out, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress
+        )
     except TrainingStopped as e:
         if _rank0():  # every rank stops with the same message
             print(f"openk3 train: {e}", file=sys.stderr)
@@ -167,15 +182,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not _rank0():
             return 128 + result.signal
         name = signal.Signals(result.signal).name
-        print(f"openk3 train: stopped by {name} after step {result.step}; checkpoint {result.checkpoint} "
-              f"(continue with --resume)", file=sys.stderr)
+        print(
+            f"openk3 train: stopped by {name} after step {result.step}; checkpoint {result.checkpoint} "
+            f"(continue with --resume)",
+            file=sys.stderr,
+        )
         return 128 + result.signal
     if not _rank0():
         return 0
     last = result.last_metrics
     loss = f", loss {last['loss']:.4f}" if last else ""
-    print(f"openk3 train: {run.name} finished at step {result.step}/{result.end_step}{loss}; "
-          f"checkpoint {result.checkpoint}; metrics {os.path.join(out, 'metrics.jsonl')}", file=sys.stderr)
+    print(
+        f"openk3 train: {run.name} finished at step {result.step}/{result.end_step}{loss}; "
+        f"checkpoint {result.checkpoint}; metrics {os.path.join(out, 'metrics.jsonl')}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -213,11 +234,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 2
     try:
         config = K3Config.from_pretrained(source)
-        p = plan(config, args.gpus, args.context or config.max_position_embeddings, gpu_util=args.gpu_util)
+        p = plan(
+            config,
+            args.gpus,
+            args.context or config.max_position_embeddings,
+            gpu_util=args.gpu_util,
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"openk3 plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"source": str(source), **asdict(p)}, indent=2) if args.json else format_plan(p, str(source)))
+    print(
+        json.dumps({"source": str(source), **asdict(p)}, indent=2)
+        if args.json
+        else format_plan(p, str(source))
+    )
     return 0
 
 
@@ -231,9 +261,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         device, dtype = setup(args)
         tok = load_tokenizer(args.tokenizer or args.path)
         model = load_pretrained(args.path, device=device, dtype=dtype)
-        engine = Engine(model, EngineConfig(max_num_seqs=1, enable_prefix_cache=False), detokenize=tok.decode)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop_token_ids=list(tok.stop_token_ids))
+        engine = Engine(
+            model, EngineConfig(max_num_seqs=1, enable_prefix_cache=False), detokenize=tok.decode
+        )
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop_token_ids=list(tok.stop_token_ids),
+        )
         engine.add_request(tok.encode_text(args.prompt), params)
     except (FileNotFoundError, ValueError) as e:
         print(f"openk3 generate: {e}", file=sys.stderr)
@@ -248,7 +286,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 usage, reason = out.usage, out.finish_reason
     sys.stdout.write(decoder.flush() + "\n")
     if usage is not None:
-        print(f"[{reason}: {usage.prompt_tokens} prompt + {usage.completion_tokens} generated tokens]", file=sys.stderr)
+        print(
+            f"[{reason}: {usage.prompt_tokens} prompt + {usage.completion_tokens} generated tokens]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -280,7 +321,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         place = args.device != "auto" or args.dtype != "auto"
         for name in names:
             where = {"device": device, "dtype": dtype} if place or _placeable(name) else {}
-            results.append(run_benchmark(name, quick=args.quick, reps=args.reps, **where, **overrides))
+            results.append(
+                run_benchmark(name, quick=args.quick, reps=args.reps, **where, **overrides)
+            )
             print(format_targets(results[-1]), file=sys.stderr, flush=True)
     except ValueError as e:
         print(f"openk3 bench: {e}", file=sys.stderr)
@@ -327,18 +370,30 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
 
-    pl = sub.add_parser("plan", help="memory plan: weights by format, cache bytes, sequences that fit")
+    pl = sub.add_parser(
+        "plan", help="memory plan: weights by format, cache bytes, sequences that fit"
+    )
     pl.add_argument("path", nargs="?", help="checkpoint directory (or preset name)")
     pl.add_argument("--config", help="preset name or config.json path, e.g. kimi-k3")
-    pl.add_argument("--gpus", default="8xH200", help="COUNTxTYPE (e.g. 8xH200, 16xB300) or COUNTxSIZE (8x141GB)")
-    pl.add_argument("--context", type=int, help="tokens per sequence (default: max_position_embeddings)")
-    pl.add_argument("--gpu-util", type=float, default=0.9, help="usable fraction of GPU memory (default 0.9)")
+    pl.add_argument(
+        "--gpus", default="8xH200", help="COUNTxTYPE (e.g. 8xH200, 16xB300) or COUNTxSIZE (8x141GB)"
+    )
+    pl.add_argument(
+        "--context", type=int, help="tokens per sequence (default: max_position_embeddings)"
+    )
+    pl.add_argument(
+        "--gpu-util", type=float, default=0.9, help="usable fraction of GPU memory (default 0.9)"
+    )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=_cmd_plan)
 
     gen = sub.add_parser("generate", help="raw text completion from a checkpoint, streamed")
-    gen.add_argument("path", nargs="?", default=DEFAULT_MODEL,
-                     help=f"checkpoint directory or shipped model name (default: the shipped {DEFAULT_MODEL})")
+    gen.add_argument(
+        "path",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"checkpoint directory or shipped model name (default: the shipped {DEFAULT_MODEL})",
+    )
     gen.add_argument("--prompt", required=True, help="raw prompt text (no chat format)")
     gen.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -354,119 +409,255 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
 
     serve = sub.add_parser("serve", help="Kimi-compatible API server (OpenAI + Anthropic surfaces)")
-    serve.add_argument("model", nargs="?", help="checkpoint directory or shipped model name (default: the shipped openk3-tiny)")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        help="checkpoint directory or shipped model name (default: the shipped openk3-tiny)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed at startup)")
-    serve.add_argument("--api-key", help="require this key (Bearer or x-api-key); default $OPENK3_API_KEY")
-    serve.add_argument("--served-model-name", help="model id clients send (default: the directory name)")
+    serve.add_argument(
+        "--port", type=_port, default=8000, help="0 picks a free port (printed at startup)"
+    )
+    serve.add_argument(
+        "--api-key", help="require this key (Bearer or x-api-key); default $OPENK3_API_KEY"
+    )
+    serve.add_argument(
+        "--served-model-name", help="model id clients send (default: the directory name)"
+    )
     serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
-    serve.add_argument("--cache-memory", type=_bytes, help="bytes for the KV/KDA cache pools, e.g. 8G")
-    serve.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
-    serve.add_argument("--max-waiting", type=int, help="admission queue bound; beyond it requests get 429")
-    serve.add_argument("--max-model-len", type=int,
-                       help="context length (default: the model's); more than --cache-memory holds for one "
-                            "sequence is an error")
-    serve.add_argument("--max-request-memory", type=_bytes,
-                       help="memory one request's images may need (pixels, features, vision-tower work); larger "
-                            "ones get a 400 (default: an eighth of the memory available at start-up)")
+    serve.add_argument(
+        "--cache-memory", type=_bytes, help="bytes for the KV/KDA cache pools, e.g. 8G"
+    )
+    serve.add_argument(
+        "--no-prefix-cache", action="store_true", help="disable automatic prefix caching"
+    )
+    serve.add_argument(
+        "--max-waiting", type=int, help="admission queue bound; beyond it requests get 429"
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length (default: the model's); more than --cache-memory holds for one "
+        "sequence is an error",
+    )
+    serve.add_argument(
+        "--max-request-memory",
+        type=_bytes,
+        help="memory one request's images may need (pixels, features, vision-tower work); larger "
+        "ones get a 400 (default: an eighth of the memory available at start-up)",
+    )
     serve.add_argument("--quiet", action="store_true", help="no access log line per request")
-    serve.add_argument("--compile", action="store_true",
-                       help="decode steps as a static-shape torch.compile graph (each batch / block-table bucket "
-                            "compiles on first use: minutes on a small CPU); OPENK3_DECODE_BACKEND=reference "
-                            "forces the eager reference")
+    serve.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode steps as a static-shape torch.compile graph (each batch / block-table bucket "
+        "compiles on first use: minutes on a small CPU); OPENK3_DECODE_BACKEND=reference "
+        "forces the eager reference",
+    )
     add_runtime_args(serve)
-    serve.add_argument("--greedy", action="store_true",
-                       help="evaluation switch, not platform behaviour: decode greedily (temperature 0) instead of the "
-                            "platform's fixed sampling; responses carry x-openk3-decoding: greedy")
+    serve.add_argument(
+        "--greedy",
+        action="store_true",
+        help="evaluation switch, not platform behaviour: decode greedily (temperature 0) instead of the "
+        "platform's fixed sampling; responses carry x-openk3-decoding: greedy",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     cost = sub.add_parser("cost", help="price a workload or a running server's recorded usage")
-    cost.add_argument("files", nargs="*", help="JSON / JSONL files of responses or usage objects ('-' = stdin)")
-    cost.add_argument("--url", help="a running openk3 server: price its recorded usage (from /metrics)")
+    cost.add_argument(
+        "files", nargs="*", help="JSON / JSONL files of responses or usage objects ('-' = stdin)"
+    )
+    cost.add_argument(
+        "--url", help="a running openk3 server: price its recorded usage (from /metrics)"
+    )
     cost.add_argument("--prompt-tokens", type=int, default=0, help="add this many prompt tokens")
     cost.add_argument("--cached-tokens", type=int, default=0, help="... of which served from cache")
-    cost.add_argument("--completion-tokens", type=int, default=0, help="add this many output tokens")
-    cost.add_argument("--price-cache-hit", type=float, help="USD per 1M cache-hit input tokens (default 0.30)")
-    cost.add_argument("--price-input", type=float, help="USD per 1M cache-miss input tokens (default 3.00)")
+    cost.add_argument(
+        "--completion-tokens", type=int, default=0, help="add this many output tokens"
+    )
+    cost.add_argument(
+        "--price-cache-hit", type=float, help="USD per 1M cache-hit input tokens (default 0.30)"
+    )
+    cost.add_argument(
+        "--price-input", type=float, help="USD per 1M cache-miss input tokens (default 3.00)"
+    )
     cost.add_argument("--price-output", type=float, help="USD per 1M output tokens (default 15.00)")
-    cost.add_argument("--prices", help="JSON file with any of cache_hit / input / output (USD per 1M)")
+    cost.add_argument(
+        "--prices", help="JSON file with any of cache_hit / input / output (USD per 1M)"
+    )
     cost.add_argument("--json", action="store_true", help="machine-readable output")
     cost.set_defaults(func=_cmd_cost, parser=cost)
 
-    corpus = sub.add_parser("build-corpus", help="assemble the permissively licensed offline text corpus (DATA.md)")
-    corpus.add_argument("--out", default="data/corpus", help="output directory (default data/corpus)")
-    corpus.add_argument("--install", action="store_true", help="apt-get install the Debian doc packages first (root)")
-    corpus.add_argument("--no-debian", action="store_true", help="skip the Debian documentation packages")
-    corpus.add_argument("--no-pypi", action="store_true", help="skip the installed PyPI distributions")
-    corpus.add_argument("--add-dir", action="append", default=[], metavar="NAME:LICENCE:PATH",
-                        help="also read .txt/.md/.rst/.html files under PATH (SPDX licence, must be permissive)")
-    corpus.add_argument("--val-fraction", type=float, default=0.01, help="validation share (default 0.01)")
+    corpus = sub.add_parser(
+        "build-corpus", help="assemble the permissively licensed offline text corpus (DATA.md)"
+    )
+    corpus.add_argument(
+        "--out", default="data/corpus", help="output directory (default data/corpus)"
+    )
+    corpus.add_argument(
+        "--install",
+        action="store_true",
+        help="apt-get install the Debian doc packages first (root)",
+    )
+    corpus.add_argument(
+        "--no-debian", action="store_true", help="skip the Debian documentation packages"
+    )
+    corpus.add_argument(
+        "--no-pypi", action="store_true", help="skip the installed PyPI distributions"
+    )
+    corpus.add_argument(
+        "--add-dir",
+        action="append",
+        default=[],
+        metavar="NAME:LICENCE:PATH",
+        help="also read .txt/.md/.rst/.html files under PATH (SPDX licence, must be permissive)",
+    )
+    corpus.add_argument(
+        "--val-fraction", type=float, default=0.01, help="validation share (default 0.01)"
+    )
     corpus.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     corpus.add_argument("--json", action="store_true", help="print the manifest")
     corpus.set_defaults(func=_cmd_build_corpus)
 
-    tokenizer = sub.add_parser("train-tokenizer", help="train a byte-level BPE with the K3 special tokens")
-    tokenizer.add_argument("--corpus", default="data/corpus", help="corpus directory or text file (default data/corpus)")
-    tokenizer.add_argument("--vocab-size", type=int, default=8192, help="total ids incl. 256 special slots (default 8192)")
-    tokenizer.add_argument("--out", default="data/tokenizer", help="output directory (default data/tokenizer)")
-    tokenizer.add_argument("--min-frequency", type=int, default=2, help="minimum pair count to merge (default 2)")
-    tokenizer.add_argument("--split-digits", action="store_true",
-                           help="pre-tokenize numbers into single digits (default: Kimi's runs of up to 3)")
+    tokenizer = sub.add_parser(
+        "train-tokenizer", help="train a byte-level BPE with the K3 special tokens"
+    )
+    tokenizer.add_argument(
+        "--corpus",
+        default="data/corpus",
+        help="corpus directory or text file (default data/corpus)",
+    )
+    tokenizer.add_argument(
+        "--vocab-size",
+        type=int,
+        default=8192,
+        help="total ids incl. 256 special slots (default 8192)",
+    )
+    tokenizer.add_argument(
+        "--out", default="data/tokenizer", help="output directory (default data/tokenizer)"
+    )
+    tokenizer.add_argument(
+        "--min-frequency", type=int, default=2, help="minimum pair count to merge (default 2)"
+    )
+    tokenizer.add_argument(
+        "--split-digits",
+        action="store_true",
+        help="pre-tokenize numbers into single digits (default: Kimi's runs of up to 3)",
+    )
     tokenizer.add_argument("--max-mb", type=float, help="train on at most this many MB of text")
     tokenizer.set_defaults(func=_cmd_train_tokenizer)
 
-    bench = sub.add_parser("bench", help="benchmarks vs peers, side by side (JSON out; see README 'Benchmarks')")
+    bench = sub.add_parser(
+        "bench", help="benchmarks vs peers, side by side (JSON out; see README 'Benchmarks')"
+    )
     bench.add_argument("name", nargs="?", help="benchmark name, or 'all' (see --list)")
     bench.add_argument("--out", help="write the JSON result here (default: print it)")
-    bench.add_argument("--quick", action="store_true", help="tiny sizes, one repetition: checks it runs and agrees")
+    bench.add_argument(
+        "--quick", action="store_true", help="tiny sizes, one repetition: checks it runs and agrees"
+    )
     bench.add_argument("--reps", type=int, help="timed repetitions (default 5)")
     add_runtime_args(bench)
-    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a benchmark setting, e.g. --set hidden=512 (JSON values)")
+    bench.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a benchmark setting, e.g. --set hidden=512 (JSON values)",
+    )
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.set_defaults(func=_cmd_bench)
 
-    train = sub.add_parser("train", help="train a model with a recipe (resumable; JSONL metrics, PNG plot)")
+    train = sub.add_parser(
+        "train", help="train a model with a recipe (resumable; JSONL metrics, PNG plot)"
+    )
     train.add_argument("--recipe", help="registered recipe name (see --list) or module:function")
     train.add_argument("--out", help="output directory (default runs/RECIPE)")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    train.add_argument("--max-steps", type=int, help="stop after this many completed steps (schedule unchanged)")
-    train.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                       help="override a RunConfig field, e.g. --set lr=0.01 --set total_steps=50 (JSON values)")
+    train.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --out"
+    )
+    train.add_argument(
+        "--max-steps", type=int, help="stop after this many completed steps (schedule unchanged)"
+    )
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a RunConfig field, e.g. --set lr=0.01 --set total_steps=50 (JSON values)",
+    )
     train.add_argument("--threads", type=int, help="torch CPU threads")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--list", action="store_true", help="list the registered recipes and exit")
     train.set_defaults(func=_cmd_train)
 
-    ev = sub.add_parser("eval", help="held-out eval suites (arithmetic, tools, JSON, recall, images, long prompts, ...) "
-                                     "of a checkpoint or server")
-    ev.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                    help=f"checkpoint directory, shipped model name or a server URL (http://HOST:PORT); "
-                         f"default: the shipped {DEFAULT_MODEL}")
+    ev = sub.add_parser(
+        "eval",
+        help="held-out eval suites (arithmetic, tools, JSON, recall, images, long prompts, ...) "
+        "of a checkpoint or server",
+    )
+    ev.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"checkpoint directory, shipped model name or a server URL (http://HOST:PORT); "
+        f"default: the shipped {DEFAULT_MODEL}",
+    )
     ev.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
     ev.add_argument("--corpus", help="corpus directory: also report its val-split loss/perplexity")
-    ev.add_argument("--n", type=int, default=100,
-                    help="items per suite; per operation for arithmetic, per question type for images (default 100)")
+    ev.add_argument(
+        "--n",
+        type=int,
+        default=100,
+        help="items per suite; per operation for arithmetic, per question type for images (default 100)",
+    )
     ev.add_argument("--seed", type=int, default=0, help="eval-set seed (default 0)")
-    ev.add_argument("--suites", nargs="*", help="subset of: arithmetic reasoning tools tools_two tool_result json "
-                                                "recall effort echo out_of_scope images long_tools long_arithmetic")
-    ev.add_argument("--concurrency", type=int, default=8, help="requests in flight against a server (default 8)")
-    ev.add_argument("--no-validation", action="store_true", help="skip the validation losses (in-process)")
-    ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per request (default 256)")
+    ev.add_argument(
+        "--suites",
+        nargs="*",
+        help="subset of: arithmetic reasoning tools tools_two tool_result json "
+        "recall effort echo out_of_scope images long_tools long_arithmetic",
+    )
+    ev.add_argument(
+        "--concurrency", type=int, default=8, help="requests in flight against a server (default 8)"
+    )
+    ev.add_argument(
+        "--no-validation", action="store_true", help="skip the validation losses (in-process)"
+    )
+    ev.add_argument(
+        "--max-tokens", type=int, default=256, help="generation cap per request (default 256)"
+    )
     add_runtime_args(ev)
-    ev.add_argument("--served-model-name", help="model id sent to a server (default: its first /v1/models entry)")
-    ev.add_argument("--served-model", dest="served_model_name", help=argparse.SUPPRESS)  # the old spelling
+    ev.add_argument(
+        "--served-model-name",
+        help="model id sent to a server (default: its first /v1/models entry)",
+    )
+    ev.add_argument(
+        "--served-model", dest="served_model_name", help=argparse.SUPPRESS
+    )  # the old spelling
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ev.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"), help="server key (default $OPENK3_API_KEY)")
+    ev.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENK3_API_KEY"),
+        help="server key (default $OPENK3_API_KEY)",
+    )
     ev.add_argument("--out", help="write the eval table as JSON here")
     ev.set_defaults(func=_cmd_eval)
 
-    ex = sub.add_parser("export", help="training checkpoint -> servable directory (tokenizer, template, MXFP4 experts)")
-    ex.add_argument("checkpoint", help="save_pretrained-format directory, e.g. OUT/checkpoints/step-N")
+    ex = sub.add_parser(
+        "export",
+        help="training checkpoint -> servable directory (tokenizer, template, MXFP4 experts)",
+    )
+    ex.add_argument(
+        "checkpoint", help="save_pretrained-format directory, e.g. OUT/checkpoints/step-N"
+    )
     ex.add_argument("out", help="destination directory (written atomically)")
     ex.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
-    ex.add_argument("--quantization", choices=("mxfp4", "none"), default="mxfp4",
-                    help="routed experts as MXFP4 packed (default, as K3 ships) or float")
+    ex.add_argument(
+        "--quantization",
+        choices=("mxfp4", "none"),
+        default="mxfp4",
+        help="routed experts as MXFP4 packed (default, as K3 ships) or float",
+    )
     ex.add_argument("--model-card", help="Markdown file written as MODEL_CARD.md")
     ex.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     ex.set_defaults(func=_cmd_export)

@@ -139,7 +139,9 @@ class K3Config:
         check_fields(self)
         for name in ("num_hidden_layers", "moe_layer_freq"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"K3Config.{name}={getattr(self, name)!r}: must be a positive integer")
+                raise ValueError(
+                    f"K3Config.{name}={getattr(self, name)!r}: must be a positive integer"
+                )
         if not self.layer_types:
             # The K3 pattern: every 4th layer (1-based) and the last layer are MLA.
             self.layer_types = [
@@ -158,8 +160,11 @@ class K3Config:
         ``first_k_dense_replace`` and ``moe_layer_freq``: layer l (0-based) is MoE iff experts
         exist, ``l >= first_k_dense_replace`` and ``l % moe_layer_freq == 0``."""
         return [
-            SPARSE if self.n_routed_experts is not None and i >= self.first_k_dense_replace
-            and i % self.moe_layer_freq == 0 else DENSE
+            SPARSE
+            if self.n_routed_experts is not None
+            and i >= self.first_k_dense_replace
+            and i % self.moe_layer_freq == 0
+            else DENSE
             for i in range(self.num_hidden_layers)
         ]
 
@@ -176,7 +181,11 @@ class K3Config:
     @property
     def kda_state_dims(self) -> tuple[int, int, int]:
         """(H, K, W) of the KDA decode state; (0, 0, 1) for a model without KDA settings."""
-        return self.linear_num_heads or 0, self.linear_head_dim or 0, self.linear_conv_kernel_dim or 1
+        return (
+            self.linear_num_heads or 0,
+            self.linear_head_dim or 0,
+            self.linear_conv_kernel_dim or 1,
+        )
 
     @property
     def mla_cache_dims(self) -> tuple[int, int]:
@@ -218,8 +227,17 @@ class K3Config:
                 if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                     bad(name, "must be a positive integer")
 
-        positive("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "moe_layer_freq", "max_position_embeddings", "n_group", "topk_group")
+        positive(
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "moe_layer_freq",
+            "max_position_embeddings",
+            "n_group",
+            "topk_group",
+        )
         for name in ("first_k_dense_replace", "num_nextn_predict_layers"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -244,14 +262,23 @@ class K3Config:
             # where images can enter the model.
             has_vision = self.wrapper is not None and self.wrapper.get("vision_config") is not None
             if media < 0 or (has_vision and media >= self.vocab_size):
-                bad("media_placeholder_token_id", f"outside the vocabulary [0, vocab_size={self.vocab_size})")
+                bad(
+                    "media_placeholder_token_id",
+                    f"outside the vocabulary [0, vocab_size={self.vocab_size})",
+                )
         if self.hidden_act not in ACTIVATIONS:
-            bad("hidden_act", f"must be one of {', '.join(map(repr, ACTIVATIONS))} (other activations are not "
-                "implemented)")
+            bad(
+                "hidden_act",
+                f"must be one of {', '.join(map(repr, ACTIVATIONS))} (other activations are not "
+                "implemented)",
+            )
         if self.hidden_act == "situ":
             if not self.activation_situ_beta > 0:
                 bad("activation_situ_beta", "SiTU betas must be > 0")
-            if self.activation_situ_linear_beta is not None and not self.activation_situ_linear_beta > 0:
+            if (
+                self.activation_situ_linear_beta is not None
+                and not self.activation_situ_linear_beta > 0
+            ):
                 bad("activation_situ_linear_beta", "SiTU betas must be > 0 (or None: no cap)")
         if self.gate_lower_bound is not None and not self.gate_lower_bound < 0:
             bad("gate_lower_bound", "must be negative (log-decay floor) or None")
@@ -264,7 +291,9 @@ class K3Config:
             bad("mlp_layer_types", f"needs {self.num_hidden_layers} entries (num_hidden_layers)")
         for i, t in enumerate(self.mlp_layer_types):
             if t not in (DENSE, SPARSE):
-                raise ValueError(f"K3Config.mlp_layer_types[{i}]={t!r}: must be {DENSE!r} or {SPARSE!r}")
+                raise ValueError(
+                    f"K3Config.mlp_layer_types[{i}]={t!r}: must be {DENSE!r} or {SPARSE!r}"
+                )
         if MLA in self.layer_types:
             positive("kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
             v = self.qk_rope_head_dim
@@ -273,13 +302,22 @@ class K3Config:
             if self.q_lora_rank is not None:
                 positive("q_lora_rank")
             if self.mla_use_nope is not True:
-                bad("mla_use_nope", "rotary MLA is not used by K3 or Kimi Linear; only NoPE is implemented")
+                bad(
+                    "mla_use_nope",
+                    "rotary MLA is not used by K3 or Kimi Linear; only NoPE is implemented",
+                )
         if KDA in self.layer_types:
             positive("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")
         if SPARSE in self.mlp_layer_types:
             positive("n_routed_experts", "moe_intermediate_size")
-            if not (isinstance(self.num_experts_per_tok, int) and 0 < self.num_experts_per_tok <= self.n_routed_experts):
-                bad("num_experts_per_tok", f"must be in [1, n_routed_experts={self.n_routed_experts}]")
+            if not (
+                isinstance(self.num_experts_per_tok, int)
+                and 0 < self.num_experts_per_tok <= self.n_routed_experts
+            ):
+                bad(
+                    "num_experts_per_tok",
+                    f"must be in [1, n_routed_experts={self.n_routed_experts}]",
+                )
             if self.n_routed_experts % self.n_group:
                 bad("n_group", f"must divide n_routed_experts={self.n_routed_experts}")
             if not (1 <= self.topk_group <= self.n_group):
@@ -291,7 +329,10 @@ class K3Config:
         if self.attn_res_block_size is not None and (
             not isinstance(self.attn_res_block_size, int) or self.attn_res_block_size <= 0
         ):
-            bad("attn_res_block_size", "must be a positive integer (decoder layers per block) or None")
+            bad(
+                "attn_res_block_size",
+                "must be a positive integer (decoder layers per block) or None",
+            )
 
     # ------------------------------------------------------------- serialization
     def to_text_dict(self) -> dict[str, Any]:
@@ -319,7 +360,11 @@ class K3Config:
         layout = src.get("__layers__", {})
         kda = [i + 1 for i, t in enumerate(self.layer_types) if t == KDA]
         full = [i + 1 for i, t in enumerate(self.layer_types) if t == MLA]
-        if self.source is None or "linear_attn_config" in layout or (kda and "layer_types" not in layout):
+        if (
+            self.source is None
+            or "linear_attn_config" in layout
+            or (kda and "layer_types" not in layout)
+        ):
             lin = d.setdefault(_LA, {})
             raw = layout.get("linear_attn_config")
             if raw is not None and _layer_types_of(raw, self.num_hidden_layers) == self.layer_types:
@@ -330,7 +375,9 @@ class K3Config:
         if "layer_types" in layout:
             d["layer_types"] = list(self.layer_types)
         if "mlp_layer_types" in layout or self.mlp_layer_types != self.derived_mlp_layer_types():
-            d["mlp_layer_types"] = list(self.mlp_layer_types)  # transformers' spelling of a custom schedule
+            d["mlp_layer_types"] = list(
+                self.mlp_layer_types
+            )  # transformers' spelling of a custom schedule
 
     def to_dict(self) -> dict[str, Any]:
         """The full ``config.json``: the ``kimi_k3`` wrapper when this config came from one (or
@@ -343,7 +390,9 @@ class K3Config:
         out["model_type"] = "kimi_k3"
         for f in WRAPPER_FIELDS:
             if f.attr is not None:
-                _write_field(out, f, getattr(self, f.attr), self.source, absent=_absent_meaning(f, self))
+                _write_field(
+                    out, f, getattr(self, f.attr), self.source, absent=_absent_meaning(f, self)
+                )
         return out
 
     def to_json_string(self) -> str:
@@ -371,14 +420,18 @@ class K3Config:
         if d.get("model_type") == "kimi_k3" or "text_config" in d:
             if d.get("model_type", "kimi_k3") != "kimi_k3":
                 # A wrapper of another multimodal model (kimi_vl, ...) has other weights and towers.
-                raise ValueError(f"config.model_type={d['model_type']!r}: expected 'kimi_k3' for a config with a "
-                                 "text_config")
+                raise ValueError(
+                    f"config.model_type={d['model_type']!r}: expected 'kimi_k3' for a config with a "
+                    "text_config"
+                )
             text = d.get("text_config")
             if not isinstance(text, dict):
                 raise ValueError("config.text_config: missing or not an object in a kimi_k3 config")
             wrapper = {k: copy.deepcopy(v) for k, v in d.items() if k != "text_config"}
             kwargs, source = _read_fields(d, WRAPPER_FIELDS, "config")
-            return _from_hf_text(text, wrapper=wrapper, wrapper_kwargs=kwargs, wrapper_source=source)
+            return _from_hf_text(
+                text, wrapper=wrapper, wrapper_kwargs=kwargs, wrapper_source=source
+            )
         return _from_hf_text(d)
 
     @classmethod
@@ -396,7 +449,9 @@ class K3Config:
         if os.path.isdir(p):
             p = os.path.join(p, "config.json")
         if not os.path.exists(p):  # something else than a file there: read_json names it
-            raise FileNotFoundError(f"no config.json at {path!r} and no preset of that name ({', '.join(PRESETS)})")
+            raise FileNotFoundError(
+                f"no config.json at {path!r} and no preset of that name ({', '.join(PRESETS)})"
+            )
         from openk3.files import read_json
 
         data = read_json(p)  # a regular file under a size cap; any failure names the file
@@ -435,8 +490,16 @@ class K3Config:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if "num_hidden_layers" in changes and "layer_types" not in changes:
             d["layer_types"] = []
-        schedule = ("num_hidden_layers", "first_k_dense_replace", "moe_layer_freq", "n_routed_experts")
-        if any(k in changes and changes[k] != d[k] for k in schedule) and "mlp_layer_types" not in changes:
+        schedule = (
+            "num_hidden_layers",
+            "first_k_dense_replace",
+            "moe_layer_freq",
+            "n_routed_experts",
+        )
+        if (
+            any(k in changes and changes[k] != d[k] for k in schedule)
+            and "mlp_layer_types" not in changes
+        ):
             d["mlp_layer_types"] = []
         d.update(changes)
         return K3Config(**d)
@@ -447,7 +510,7 @@ def _get(t: dict[str, Any], key: str) -> Any:
     """The value of a table key (``linear_attn_config.x`` looks inside that object), or MISSING."""
     if key.startswith(_LA + "."):
         lin = t.get(_LA)
-        sub = key[len(_LA) + 1:]
+        sub = key[len(_LA) + 1 :]
         return lin[sub] if isinstance(lin, dict) and sub in lin else MISSING
     return t[key] if key in t else MISSING
 
@@ -457,7 +520,7 @@ def _put(d: dict[str, Any], key: str, value: Any) -> None:
         lin = d.get(_LA)
         if not isinstance(lin, dict):
             lin = d[_LA] = {}
-        lin[key[len(_LA) + 1:]] = copy.deepcopy(value)
+        lin[key[len(_LA) + 1 :]] = copy.deepcopy(value)
     else:
         d[key] = copy.deepcopy(value)
 
@@ -472,21 +535,35 @@ def _meaning(f: Field, raw: Any) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b or (isinstance(a, (int, float)) and not isinstance(a, bool)
-                                             and isinstance(b, (int, float)) and not isinstance(b, bool) and a == b)
+    return (
+        type(a) is type(b)
+        and a == b
+        or (
+            isinstance(a, (int, float))
+            and not isinstance(a, bool)
+            and isinstance(b, (int, float))
+            and not isinstance(b, bool)
+            and a == b
+        )
+    )
 
 
 def _absent_meaning(f: Field, cfg_or_kwargs: Any) -> Any:
     """What a missing key means. ``media_placeholder_token_id``: KimiK3Config's 163605, which for a
     vocabulary that does not reach it can match no input id, i.e. no image placeholder (None)."""
     if f.attr == "media_placeholder_token_id":
-        vocab = cfg_or_kwargs.get("vocab_size") if isinstance(cfg_or_kwargs, dict) else cfg_or_kwargs.vocab_size
+        vocab = (
+            cfg_or_kwargs.get("vocab_size")
+            if isinstance(cfg_or_kwargs, dict)
+            else cfg_or_kwargs.vocab_size
+        )
         return f.absent if isinstance(vocab, int) and f.absent < vocab else None
     return f.absent
 
 
-def _write_field(d: dict[str, Any], f: Field, value: Any, src: dict[str, Any] | None,
-                 absent: Any = MISSING) -> None:
+def _write_field(
+    d: dict[str, Any], f: Field, value: Any, src: dict[str, Any] | None, absent: Any = MISSING
+) -> None:
     absent = f.absent if absent is MISSING else absent
     if src is not None and f.attr in src:
         keys, raw = src[f.attr]
@@ -520,16 +597,23 @@ def _read_fields(t: dict[str, Any], fields: tuple[Field, ...], where: str) -> tu
         found = [(k, v) for k in f.keys if (v := _get(t, k)) is not MISSING]
         for k, v in found[1:]:
             if not _same(v, found[0][1]):
-                raise ValueError(f"{where}.{found[0][0]}={found[0][1]!r} and {where}.{k}={v!r}: two spellings of "
-                                 f"{f.attr} disagree")
+                raise ValueError(
+                    f"{where}.{found[0][0]}={found[0][1]!r} and {where}.{k}={v!r}: two spellings of "
+                    f"{f.attr} disagree"
+                )
         if not found:
             kwargs[f.attr], source[f.attr] = f.absent, ((), MISSING)
             continue
         raw = found[0][1]
         value = _meaning(f, raw)
         if value is REFUSED:
-            raise ValueError(f"{where}.{found[0][0]}=None: a value is required (the official code computes with it)")
-        kwargs[f.attr], source[f.attr] = copy.deepcopy(value), (tuple(k for k, _ in found), copy.deepcopy(raw))
+            raise ValueError(
+                f"{where}.{found[0][0]}=None: a value is required (the official code computes with it)"
+            )
+        kwargs[f.attr], source[f.attr] = (
+            copy.deepcopy(value),
+            (tuple(k for k, _ in found), copy.deepcopy(raw)),
+        )
     return kwargs, source
 
 
@@ -545,36 +629,60 @@ def _layer_types_of(lin: dict[str, Any], n: int) -> list[str]:
         if value is None:
             # KimiLinearConfig asserts both lists are set (a missing key is a KeyError there), so a
             # linear_attn_config without one is no model the official code builds.
-            raise ValueError(f"config.linear_attn_config.{key}=None: a list of 1-based layer numbers is required "
-                             "(the official KimiLinearConfig asserts it)")
+            raise ValueError(
+                f"config.linear_attn_config.{key}=None: a list of 1-based layer numbers is required "
+                "(the official KimiLinearConfig asserts it)"
+            )
         if not isinstance(value, list):
-            raise ValueError(f"config.linear_attn_config.{key}={value!r}: must be a list of 1-based layer numbers")
+            raise ValueError(
+                f"config.linear_attn_config.{key}={value!r}: must be a list of 1-based layer numbers"
+            )
         for one_based in value:
-            if isinstance(one_based, bool) or not isinstance(one_based, int) or not 1 <= one_based <= n:
-                raise ValueError(f"config.linear_attn_config.{key}: layer {one_based!r} outside 1..{n} "
-                                 "(lists are 1-based)")
+            if (
+                isinstance(one_based, bool)
+                or not isinstance(one_based, int)
+                or not 1 <= one_based <= n
+            ):
+                raise ValueError(
+                    f"config.linear_attn_config.{key}: layer {one_based!r} outside 1..{n} "
+                    "(lists are 1-based)"
+                )
     kda = set(lin.get("kda_layers") or [])
     return [KDA if i + 1 in kda else MLA for i in range(n)]
 
 
 # Keys the table reads that never go to extra_text_config (rebuilt on write).
-_TABLE_KEYS = {k for f in TEXT_FIELDS if f.attr is not None for k in f.keys if not k.startswith(_LA + ".")}
+_TABLE_KEYS = {
+    k for f in TEXT_FIELDS if f.attr is not None for k in f.keys if not k.startswith(_LA + ".")
+}
 
 
-def _from_hf_text(t: dict[str, Any], *, wrapper: dict[str, Any] | None = None,
-                  wrapper_kwargs: dict[str, Any] | None = None,
-                  wrapper_source: dict[str, Any] | None = None) -> K3Config:
+def _from_hf_text(
+    t: dict[str, Any],
+    *,
+    wrapper: dict[str, Any] | None = None,
+    wrapper_kwargs: dict[str, Any] | None = None,
+    wrapper_source: dict[str, Any] | None = None,
+) -> K3Config:
     """Translate an official text config (model_type ``kimi_linear``) into a :class:`K3Config`."""
     if t.get("model_type", "kimi_linear") not in ("kimi_linear", "kimi_k3_text"):
-        raise ValueError(f"config.model_type={t.get('model_type')!r}: expected 'kimi_linear' or 'kimi_k3'")
+        raise ValueError(
+            f"config.model_type={t.get('model_type')!r}: expected 'kimi_linear' or 'kimi_k3'"
+        )
     lin = t.get(_LA)
     if lin is not None and not isinstance(lin, dict):
         raise ValueError(f"config.linear_attn_config: must be an object, got {type(lin).__name__}")
     if t.get("attention_bias") not in (None, False):
-        raise ValueError(f"config.attention_bias={t['attention_bias']!r}: MLA projection biases are not "
-                         "implemented (no official Kimi model has them)")
+        raise ValueError(
+            f"config.attention_bias={t['attention_bias']!r}: MLA projection biases are not "
+            "implemented (no official Kimi model has them)"
+        )
     kwargs, source = _read_fields(t, TEXT_FIELDS, "config")
-    if t.get("topk_group", 1) is None and isinstance(kwargs["n_group"], int) and kwargs["n_group"] > 1:
+    if (
+        t.get("topk_group", 1) is None
+        and isinstance(kwargs["n_group"], int)
+        and kwargs["n_group"] > 1
+    ):
         raise ValueError("config.topk_group=None: a value is required when num_expert_group > 1")
     n = kwargs["num_hidden_layers"]
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
@@ -582,10 +690,13 @@ def _from_hf_text(t: dict[str, Any], *, wrapper: dict[str, Any] | None = None,
     layout: dict[str, Any] = {}
     if isinstance(lin, dict):
         kwargs["layer_types"] = _layer_types_of(lin, n)
-        layout["linear_attn_config"] = {k: copy.deepcopy(lin[k]) for k in ("kda_layers", "full_attn_layers")
-                                        if k in lin}
+        layout["linear_attn_config"] = {
+            k: copy.deepcopy(lin[k]) for k in ("kda_layers", "full_attn_layers") if k in lin
+        }
         if "layer_types" in t and t["layer_types"] != kwargs["layer_types"]:
-            raise ValueError(f"config.layer_types={t['layer_types']!r} and config.linear_attn_config disagree")
+            raise ValueError(
+                f"config.layer_types={t['layer_types']!r} and config.linear_attn_config disagree"
+            )
     elif "layer_types" in t:
         kwargs["layer_types"] = copy.deepcopy(t["layer_types"])  # transformers' 0-based list
     else:
@@ -602,21 +713,35 @@ def _from_hf_text(t: dict[str, Any], *, wrapper: dict[str, Any] | None = None,
     source["__layers__"] = layout
     if wrapper_kwargs:
         for f in WRAPPER_FIELDS:
-            if f.attr in wrapper_kwargs and (wrapper_source or {}).get(f.attr, ((), None))[1] is MISSING:
+            if (
+                f.attr in wrapper_kwargs
+                and (wrapper_source or {}).get(f.attr, ((), None))[1] is MISSING
+            ):
                 wrapper_kwargs[f.attr] = _absent_meaning(f, kwargs)
         kwargs.update(wrapper_kwargs)
         source.update(wrapper_source or {})
-    extra = {k: copy.deepcopy(v) for k, v in t.items()
-             if k not in _TABLE_KEYS and k not in ("layer_types", "mlp_layer_types")}
+    extra = {
+        k: copy.deepcopy(v)
+        for k, v in t.items()
+        if k not in _TABLE_KEYS and k not in ("layer_types", "mlp_layer_types")
+    }
     cfg = K3Config(**kwargs, extra_text_config=extra, wrapper=wrapper, source=source)
-    if "mlp_layer_types" in t and any(k in t for k in ("first_k_dense_replace", "moe_layer_freq")) \
-            and cfg.mlp_layer_types != cfg.derived_mlp_layer_types():
-        raise ValueError(f"config.mlp_layer_types={t['mlp_layer_types']!r} disagrees with first_k_dense_replace / "
-                         "moe_layer_freq / num_experts (the official code reads those)")
+    if (
+        "mlp_layer_types" in t
+        and any(k in t for k in ("first_k_dense_replace", "moe_layer_freq"))
+        and cfg.mlp_layer_types != cfg.derived_mlp_layer_types()
+    ):
+        raise ValueError(
+            f"config.mlp_layer_types={t['mlp_layer_types']!r} disagrees with first_k_dense_replace / "
+            "moe_layer_freq / num_experts (the official code reads those)"
+        )
     if cfg.num_nextn_predict_layers > 0:
-        _log.warning("config.num_nextn_predict_layers=%d: multi-token prediction is not implemented; the main "
-                     "model is built without MTP layers (as the official reference code does) and MTP tensors "
-                     "in a checkpoint are skipped", cfg.num_nextn_predict_layers)
+        _log.warning(
+            "config.num_nextn_predict_layers=%d: multi-token prediction is not implemented; the main "
+            "model is built without MTP layers (as the official reference code does) and MTP tensors "
+            "in a checkpoint are skipped",
+            cfg.num_nextn_predict_layers,
+        )
     return cfg
 
 

@@ -57,10 +57,16 @@ class TokenTotals:
             completion = int(usage.get("completion_tokens", 0) or 0)
         elif "input_tokens" in usage:
             cached = int(usage.get("cache_read_input_tokens", 0) or 0)
-            prompt = int(usage["input_tokens"]) + cached + int(usage.get("cache_creation_input_tokens", 0) or 0)
+            prompt = (
+                int(usage["input_tokens"])
+                + cached
+                + int(usage.get("cache_creation_input_tokens", 0) or 0)
+            )
             completion = int(usage.get("output_tokens", 0) or 0)
         else:
-            raise ValueError(f"usage: not a usage object (no prompt_tokens / input_tokens): {usage!r}")
+            raise ValueError(
+                f"usage: not a usage object (no prompt_tokens / input_tokens): {usage!r}"
+            )
         if min(prompt, cached, completion) < 0 or cached > prompt:
             raise ValueError(f"usage: inconsistent counts {usage!r}")
         self.prompt_tokens += prompt
@@ -96,9 +102,14 @@ class Cost:
 def compute_cost(totals: TokenTotals, prices: Prices = Prices()) -> Cost:
     """Price `totals`: cache-hit input, cache-miss input (prompt - cached) and output tokens."""
     miss = totals.prompt_tokens - totals.cached_tokens
-    return Cost(totals.cached_tokens, miss, totals.completion_tokens,
-                totals.cached_tokens * prices.cache_hit / PER, miss * prices.input / PER,
-                totals.completion_tokens * prices.output / PER)
+    return Cost(
+        totals.cached_tokens,
+        miss,
+        totals.completion_tokens,
+        totals.cached_tokens * prices.cache_hit / PER,
+        miss * prices.input / PER,
+        totals.completion_tokens * prices.output / PER,
+    )
 
 
 def _records(text: str) -> Iterable[Any]:
@@ -136,11 +147,19 @@ def parse_metrics(text: str) -> TokenTotals:
             continue
         name, _, value = line.rpartition(" ")
         values[name.strip()] = float(value)
-    keys = ("openk3_prompt_tokens_total", "openk3_cached_tokens_total", "openk3_completion_tokens_total")
+    keys = (
+        "openk3_prompt_tokens_total",
+        "openk3_cached_tokens_total",
+        "openk3_completion_tokens_total",
+    )
     if not all(k in values for k in keys):
         raise ValueError("metrics: no openk3 usage counters found (is this an openk3 server?)")
-    requests = sum(v for k, v in values.items() if k.startswith("openk3_request_latency_seconds_count"))
-    return TokenTotals(int(values[keys[0]]), int(values[keys[1]]), int(values[keys[2]]), int(requests))
+    requests = sum(
+        v for k, v in values.items() if k.startswith("openk3_request_latency_seconds_count")
+    )
+    return TokenTotals(
+        int(values[keys[0]]), int(values[keys[1]]), int(values[keys[2]]), int(requests)
+    )
 
 
 def fetch_server_usage(url: str, api_key: str | None = None, timeout: float = 10.0) -> TokenTotals:
@@ -154,7 +173,9 @@ def fetch_server_usage(url: str, api_key: str | None = None, timeout: float = 10
     return parse_metrics(r.text)
 
 
-def load_prices(path: str | None, cache_hit: float | None, input: float | None, output: float | None) -> Prices:
+def load_prices(
+    path: str | None, cache_hit: float | None, input: float | None, output: float | None
+) -> Prices:
     """K3 list prices, overridden by a JSON file (keys ``cache_hit``, ``input``, ``output``) and then
     by explicit values.
 
@@ -188,8 +209,13 @@ def main(args: Any) -> int:
         if args.url:
             totals.merge(fetch_server_usage(args.url))
         if args.prompt_tokens or args.completion_tokens or args.cached_tokens:
-            totals.add_usage({"prompt_tokens": args.prompt_tokens, "cached_tokens": args.cached_tokens,
-                              "completion_tokens": args.completion_tokens})
+            totals.add_usage(
+                {
+                    "prompt_tokens": args.prompt_tokens,
+                    "cached_tokens": args.cached_tokens,
+                    "completion_tokens": args.completion_tokens,
+                }
+            )
     except (OSError, ValueError, KeyError) as e:
         print(f"openk3 cost: {e}", file=sys.stderr)
         return 2
@@ -198,15 +224,32 @@ def main(args: Any) -> int:
         return 2
     cost = compute_cost(totals, prices)
     if args.json:
-        print(json.dumps({"prices_per_million": asdict(prices), "requests": totals.requests,
-                          "tokens": {"cache_hit": cost.cache_hit_tokens, "cache_miss": cost.cache_miss_tokens,
-                                     "output": cost.output_tokens},
-                          "usd": {"cache_hit": cost.cache_hit_usd, "cache_miss": cost.cache_miss_usd,
-                                  "output": cost.output_usd, "total": cost.total_usd}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "prices_per_million": asdict(prices),
+                    "requests": totals.requests,
+                    "tokens": {
+                        "cache_hit": cost.cache_hit_tokens,
+                        "cache_miss": cost.cache_miss_tokens,
+                        "output": cost.output_tokens,
+                    },
+                    "usd": {
+                        "cache_hit": cost.cache_hit_usd,
+                        "cache_miss": cost.cache_miss_usd,
+                        "output": cost.output_usd,
+                        "total": cost.total_usd,
+                    },
+                },
+                indent=2,
+            )
+        )
         return 0
-    rows = [("cache-hit input", cost.cache_hit_tokens, prices.cache_hit, cost.cache_hit_usd),
-            ("cache-miss input", cost.cache_miss_tokens, prices.input, cost.cache_miss_usd),
-            ("output", cost.output_tokens, prices.output, cost.output_usd)]
+    rows = [
+        ("cache-hit input", cost.cache_hit_tokens, prices.cache_hit, cost.cache_hit_usd),
+        ("cache-miss input", cost.cache_miss_tokens, prices.input, cost.cache_miss_usd),
+        ("output", cost.output_tokens, prices.output, cost.output_usd),
+    ]
     print(f"{'class':<18}{'tokens':>16}{'$/1M':>10}{'USD':>14}")
     for name, n, p, usd in rows:
         print(f"{name:<18}{n:>16,}{p:>10.2f}{usd:>14.6f}")

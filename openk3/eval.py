@@ -58,20 +58,33 @@ from openk3.datasets.sft_data import EFFORTS, EVAL_SUITES, Item, eval_items
 IMAGE_SUITE = "images"
 LONG_SUITES = ("long_tools", "long_arithmetic")
 ALL_SUITES = EVAL_SUITES + (IMAGE_SUITE,) + LONG_SUITES
-LONG_PROMPT_CHARS = 43_000  # system text of the long-prompt suites: ~16K prompt tokens with its tools
+LONG_PROMPT_CHARS = (
+    43_000  # system text of the long-prompt suites: ~16K prompt tokens with its tools
+)
 LONG_PROMPT_SEED = 7_000_003  # never a training seed (training uses the SFT data seeds)
 
 _INT = re.compile(r"-?\d+")
 
 # The issue's targets: (suite, metric, threshold). Rates in [0, 1].
 TARGETS = (
-    ("arithmetic", "correct_add", 0.90), ("arithmetic", "correct_sub", 0.90), ("arithmetic", "correct_mul", 0.80),
+    ("arithmetic", "correct_add", 0.90),
+    ("arithmetic", "correct_sub", 0.90),
+    ("arithmetic", "correct_mul", 0.80),
     ("arithmetic", "consistent", 0.95),
-    ("tools", "name_correct", 0.95), ("tools", "args_correct", 0.90), ("tools_two", "both_correct", 0.80),
-    ("tool_result", "uses_result", 0.90), ("json", "valid", 1.0), ("json", "all_fields", 0.90),
-    ("recall", "correct", 0.90), ("effort", "correct", 0.95), ("echo", "correct", 0.95),
+    ("tools", "name_correct", 0.95),
+    ("tools", "args_correct", 0.90),
+    ("tools_two", "both_correct", 0.80),
+    ("tool_result", "uses_result", 0.90),
+    ("json", "valid", 1.0),
+    ("json", "all_fields", 0.90),
+    ("recall", "correct", 0.90),
+    ("effort", "correct", 0.95),
+    ("echo", "correct", 0.95),
     ("out_of_scope", "honest", 0.95),
-    ("images", "color", 0.90), ("images", "shape", 0.90), ("images", "count", 0.90), ("images", "position", 0.90),
+    ("images", "color", 0.90),
+    ("images", "shape", 0.90),
+    ("images", "count", 0.90),
+    ("images", "position", 0.90),
     ("images", "digit", 0.80),
 )
 
@@ -113,15 +126,23 @@ def score_arith(item: Item, msg: dict) -> dict:
     """``correct`` (the content's last integer is the value), ``consistent`` (it equals the
     reasoning's last integer), ``reasoning_chars``."""
     got, reached = _last_int(msg.get("content")), _last_int(msg.get("reasoning_content"))
-    return {"correct": got == item.expected["answer"], "consistent": got is not None and got == reached,
-            "reasoning_chars": len(msg.get("reasoning_content") or ""), "op": item.expected.get("op")}
+    return {
+        "correct": got == item.expected["answer"],
+        "consistent": got is not None and got == reached,
+        "reasoning_chars": len(msg.get("reasoning_content") or ""),
+        "op": item.expected.get("op"),
+    }
 
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, str) and isinstance(b, str):
         return a.strip().lower() == b.strip().lower()
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
-            and not isinstance(b, bool):
+    if (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
     return a == b
 
@@ -149,9 +170,17 @@ def score_tool(item: Item, msg: dict) -> dict:
     remaining = list(got)
     args_ok = name_ok
     for c in want:
-        hit = next((g for g in remaining if g[0] == c["name"] and isinstance(g[1], dict)
-                    and set(g[1]) == set(c["arguments"]) and all(_same(g[1][k], v) for k, v in c["arguments"].items())),
-                   None)
+        hit = next(
+            (
+                g
+                for g in remaining
+                if g[0] == c["name"]
+                and isinstance(g[1], dict)
+                and set(g[1]) == set(c["arguments"])
+                and all(_same(g[1][k], v) for k, v in c["arguments"].items())
+            ),
+            None,
+        )
         if hit is None:
             args_ok = False
         else:
@@ -159,15 +188,27 @@ def score_tool(item: Item, msg: dict) -> dict:
     schema_ok = bool(got)
     for name, args in got:
         schema = item.expected["schemas"].get(name)
-        if schema is None or not isinstance(args, dict) or not jsonschema.Draft202012Validator(schema).is_valid(args):
+        if (
+            schema is None
+            or not isinstance(args, dict)
+            or not jsonschema.Draft202012Validator(schema).is_valid(args)
+        ):
             schema_ok = False
-    return {"name_correct": name_ok, "args_correct": args_ok, "schema_valid": schema_ok, "both_correct": args_ok}
+    return {
+        "name_correct": name_ok,
+        "args_correct": args_ok,
+        "schema_valid": schema_ok,
+        "both_correct": args_ok,
+    }
 
 
 def score_tool_result(item: Item, msg: dict) -> dict:
     """``uses_result``: no tool call and every expected result value appears in the content."""
     content = msg.get("content") or ""
-    return {"uses_result": not msg.get("tool_calls") and all(str(v) in content for v in item.expected["values"])}
+    return {
+        "uses_result": not msg.get("tool_calls")
+        and all(str(v) in content for v in item.expected["values"])
+    }
 
 
 def score_json(item: Item, msg: dict) -> dict:
@@ -197,7 +238,10 @@ def score_effort(item: Item, msg: dict) -> dict:
 def score_recall(item: Item, msg: dict) -> dict:
     """``correct``: the remembered value appears in the content as a whole word (any case)."""
     v = re.escape(str(item.expected["value"]).lower())
-    return {"correct": re.search(rf"(?<![\w]){v}(?![\w])", (msg.get("content") or "").lower()) is not None}
+    return {
+        "correct": re.search(rf"(?<![\w]){v}(?![\w])", (msg.get("content") or "").lower())
+        is not None
+    }
 
 
 def score_echo(item: Item, msg: dict) -> dict:
@@ -205,48 +249,80 @@ def score_echo(item: Item, msg: dict) -> dict:
     return {"correct": (msg.get("content") or "").strip() == item.expected["content"]}
 
 
-_HONEST = re.compile(r"\b(don't know|do not know|cannot|can't|no way|not sure|unable|no information|not know)\b")
+_HONEST = re.compile(
+    r"\b(don't know|do not know|cannot|can't|no way|not sure|unable|no information|not know)\b"
+)
 
 
 def score_out_of_scope(item: Item, msg: dict) -> dict:
     """``honest``: no tool call, a non-empty answer of at most 160 characters saying it does not know."""
     c = (msg.get("content") or "").strip()
-    return {"honest": not msg.get("tool_calls") and 0 < len(c) <= 160 and _HONEST.search(c.lower()) is not None}
+    return {
+        "honest": not msg.get("tool_calls")
+        and 0 < len(c) <= 160
+        and _HONEST.search(c.lower()) is not None
+    }
 
 
-SCORERS = {"arithmetic": score_arith, "reasoning": score_arith, "tools": score_tool, "tools_two": score_tool,
-           "tool_result": score_tool_result, "json": score_json, "recall": score_recall, "effort": score_effort,
-           "echo": score_echo, "out_of_scope": score_out_of_scope, "long_tools": score_tool,
-           "long_arithmetic": score_arith}
+SCORERS = {
+    "arithmetic": score_arith,
+    "reasoning": score_arith,
+    "tools": score_tool,
+    "tools_two": score_tool,
+    "tool_result": score_tool_result,
+    "json": score_json,
+    "recall": score_recall,
+    "effort": score_effort,
+    "echo": score_echo,
+    "out_of_scope": score_out_of_scope,
+    "long_tools": score_tool,
+    "long_arithmetic": score_arith,
+}
 
 
 def summarize(suite: str, items: list[Item], scores: list[dict]) -> dict:
     """One suite's per-item scores -> its rows of the eval table (rates with intervals)."""
     n = len(scores)
-    col = (lambda key, ss=scores: rate([s[key] for s in ss]))
+    col = lambda key, ss=scores: rate([s[key] for s in ss])
     if suite in ("arithmetic", "long_arithmetic"):
         out = {"n": n, "correct": col("correct"), "consistent": col("consistent")}
         for op, name in (("+", "add"), ("-", "sub"), ("*", "mul")):
             sub = [s for s in scores if s["op"] == op]
             if sub:
                 out[f"correct_{name}"] = col("correct", sub)
-        out["mean_reasoning_chars"] = sum(s["reasoning_chars"] for s in scores) / n if n else math.nan
+        out["mean_reasoning_chars"] = (
+            sum(s["reasoning_chars"] for s in scores) / n if n else math.nan
+        )
         return out
     if suite == "reasoning":
         by: dict[str, list[dict]] = defaultdict(list)
         for it, s in zip(items, scores):
             by[it.request.get("reasoning_effort", "none")].append(s)
-        return {"n": n, "mean_reasoning_chars_by_effort": {e: sum(s["reasoning_chars"] for s in by[e]) / len(by[e])
-                                                           for e in EFFORTS if by.get(e)},
-                "correct_by_effort": {e: col("correct", by[e]) for e in EFFORTS if by.get(e)}}
+        return {
+            "n": n,
+            "mean_reasoning_chars_by_effort": {
+                e: sum(s["reasoning_chars"] for s in by[e]) / len(by[e])
+                for e in EFFORTS
+                if by.get(e)
+            },
+            "correct_by_effort": {e: col("correct", by[e]) for e in EFFORTS if by.get(e)},
+        }
     if suite in ("tools", "long_tools"):
-        return {"n": n, "name_correct": col("name_correct"), "args_correct": col("args_correct"),
-                "schema_valid": col("schema_valid")}
+        return {
+            "n": n,
+            "name_correct": col("name_correct"),
+            "args_correct": col("args_correct"),
+            "schema_valid": col("schema_valid"),
+        }
     if suite == "tools_two":
         return {"n": n, "name_correct": col("name_correct"), "both_correct": col("both_correct")}
     if suite == "json":
-        return {"n": n, "valid": col("valid"), "all_fields": col("all_fields"),
-                "key_accuracy": sum(s["key_accuracy"] for s in scores) / n if n else math.nan}
+        return {
+            "n": n,
+            "valid": col("valid"),
+            "all_fields": col("all_fields"),
+            "key_accuracy": sum(s["key_accuracy"] for s in scores) / n if n else math.nan,
+        }
     key = {"tool_result": "uses_result", "out_of_scope": "honest"}.get(suite, "correct")
     return {"n": n, key: col(key)}
 
@@ -260,7 +336,10 @@ def long_prompt(chars: int | None = None, seed: int = LONG_PROMPT_SEED) -> dict:
     from openk3.datasets.sft_tasks import TOOLS
 
     tools = harness_tools(random.Random(seed)) + list(TOOLS.values())
-    return {"system": harness_prose(random.Random(seed + 1), chars or LONG_PROMPT_CHARS), "tools": tools}
+    return {
+        "system": harness_prose(random.Random(seed + 1), chars or LONG_PROMPT_CHARS),
+        "tools": tools,
+    }
 
 
 def long_items(suite: str, seed: int, n: int, prompt: dict) -> list[Item]:
@@ -274,7 +353,9 @@ def long_items(suite: str, seed: int, n: int, prompt: dict) -> list[Item]:
         req = wrap_request(it.request, prompt["system"], prompt["tools"], replace_tools=[])
         expected = dict(it.expected)
         if "schemas" in expected:
-            expected["schemas"] = {t["function"]["name"]: t["function"]["parameters"] for t in prompt["tools"]}
+            expected["schemas"] = {
+                t["function"]["name"]: t["function"]["parameters"] for t in prompt["tools"]
+            }
         out.append(Item(suite, req, it.reference, expected))
     return out
 
@@ -303,8 +384,16 @@ class InProcessModel:
 
     decoding = "greedy"
 
-    def __init__(self, path: str, tokenizer: str | None = None, *, device: Any = "cpu", dtype: Any = None,
-                 max_tokens: int = 256, max_num_seqs: int = 32):
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str | None = None,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+        max_tokens: int = 256,
+        max_num_seqs: int = 32,
+    ):
         from openk3.pretrained import load_pretrained
         from openk3.server.images import image_config_for
         from openk3.shipped import resolve_model_path
@@ -326,26 +415,42 @@ class InProcessModel:
         kind = rf.get("type") if rf.get("type") in ("json_object", "json_schema") else None
         schema = rf["json_schema"]["schema"] if kind == "json_schema" else None
         tools = list(request.get("tools") or [])
-        tools += [t for m in request["messages"] if m.get("role") == "system" for t in (m.get("tools") or [])]
+        tools += [
+            t
+            for m in request["messages"]
+            if m.get("role") == "system"
+            for t in (m.get("tools") or [])
+        ]
         use_tools = tools if tools and prompt.tool_choice != "none" else None
         if kind is None and use_tools is None:
             return None
-        return make_constraint(self.tokenizer, kind or "text", schema=schema, tools=use_tools,
-                               tool_choice=prompt.tool_choice, thinking=prompt.channel == "think",
-                               vocab_size=self.model.config.vocab_size)
+        return make_constraint(
+            self.tokenizer,
+            kind or "text",
+            schema=schema,
+            tools=use_tools,
+            tool_choice=prompt.tool_choice,
+            thinking=prompt.channel == "think",
+            vocab_size=self.model.config.vocab_size,
+        )
 
     def chat(self, requests: list[dict], progress: Any = None) -> list[dict]:
         from openk3.chat_format import OutputParser, encode_request
         from openk3.engine import Engine, EngineConfig, SamplingParams
 
         if self._engine is None:  # one engine for the whole run: the prefix cache spans suites
-            self._engine = Engine(self.model, EngineConfig(max_num_seqs=self.max_num_seqs, enable_prefix_cache=True))
+            self._engine = Engine(
+                self.model, EngineConfig(max_num_seqs=self.max_num_seqs, enable_prefix_cache=True)
+            )
         engine = self._engine
         parsers = {}
         for i, req in enumerate(requests):
             prompt = encode_request(req, self.tokenizer)
-            params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
-                                    stop_token_ids=list(self.tokenizer.stop_token_ids))
+            params = SamplingParams(
+                max_tokens=self.max_tokens,
+                temperature=0.0,
+                stop_token_ids=list(self.tokenizer.stop_token_ids),
+            )
             ids, mm = prompt.token_ids, None
             if prompt.image_slots:  # the server's path: decode, preprocess, expand the slots
                 from openk3.server.images import expand_images
@@ -354,10 +459,15 @@ class InProcessModel:
                     raise ValueError("model: a text-only model cannot take image input")
                 expanded = expand_images(prompt, self.tokenizer, self.image_config, pixels=True)
                 ids, mm = expanded.token_ids, expanded.mm_inputs
-            engine.add_request(ids, params, self._constraint(req, prompt), request_id=str(i), mm_inputs=mm)
-            parsers[str(i)] = OutputParser(self.tokenizer, start_channel=prompt.channel or "think",
-                                           tool_index_start=prompt.history_tool_calls,
-                                           tools_enabled=prompt.tool_choice != "none")
+            engine.add_request(
+                ids, params, self._constraint(req, prompt), request_id=str(i), mm_inputs=mm
+            )
+            parsers[str(i)] = OutputParser(
+                self.tokenizer,
+                start_channel=prompt.channel or "think",
+                tool_index_start=prompt.history_tool_calls,
+                tools_enabled=prompt.tool_choice != "none",
+            )
         while engine.has_unfinished():
             for out in engine.step():
                 parsers[out.request_id].feed(out.new_token_ids)
@@ -370,23 +480,40 @@ class InProcessModel:
             messages.append(p.message().to_openai())
         return messages
 
-    def validation(self, corpus: str | None, n_items: int, seed: int, *, seq_len: int = 512,
-                   max_batches: int = 16) -> dict:
+    def validation(
+        self,
+        corpus: str | None,
+        n_items: int,
+        seed: int,
+        *,
+        seq_len: int = 512,
+        max_batches: int = 16,
+    ) -> dict:
         """Loss / perplexity on the corpus ``val`` split (if given) and the held-out SFT answers."""
         from openk3.train.data import DocumentStore, PackedLoader
         from openk3.train.trainer import evaluate
 
         def run(store) -> dict:
-            loader = PackedLoader(store, seq_len, 1, shuffle=False, loop=False, split_documents=True,
-                                  pad_id=self.model.config.pad_token_id or 0)
+            loader = PackedLoader(
+                store,
+                seq_len,
+                1,
+                shuffle=False,
+                loop=False,
+                split_documents=True,
+                pad_id=self.model.config.pad_token_id or 0,
+            )
             batches = []
             for b in loader:
                 batches.append(b.packed())
                 if len(batches) >= max_batches:
                     break
             ev = evaluate(self.model, batches)
-            return {"loss": ev["eval_loss"], "perplexity": math.exp(min(ev["eval_loss"], 50.0)),
-                    "tokens": ev["eval_tokens"]}
+            return {
+                "loss": ev["eval_loss"],
+                "perplexity": math.exp(min(ev["eval_loss"], 50.0)),
+                "tokens": ev["eval_tokens"],
+            }
 
         out: dict = {}
         if corpus:
@@ -404,13 +531,28 @@ class ServerModel:
     (``openk3 serve --greedy``), else ``"sampled"`` (a K3 server samples at its fixed
     temperature whatever is asked; the seeds make it reproducible)."""
 
-    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, max_tokens: int = 256,
-                 timeout: float = 1800.0, concurrency: int = 8):
-        self.url, self.api_key, self.max_tokens, self.timeout = url.rstrip("/"), api_key, max_tokens, timeout
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        max_tokens: int = 256,
+        timeout: float = 1800.0,
+        concurrency: int = 8,
+    ):
+        self.url, self.api_key, self.max_tokens, self.timeout = (
+            url.rstrip("/"),
+            api_key,
+            max_tokens,
+            timeout,
+        )
         self.concurrency = max(1, int(concurrency))
         models = self._get("/v1/models")["data"]
         self.model = model or models[0]["id"]
-        self.supports_images = any(m.get("id") == self.model and m.get("supports_image_in") for m in models)
+        self.supports_images = any(
+            m.get("id") == self.model and m.get("supports_image_in") for m in models
+        )
         self._greedy: list[bool] = []
 
     @property
@@ -436,8 +578,10 @@ class ServerModel:
                 message = None
             raise ValueError(f"{req.full_url}: HTTP {e.code}: {message or e.reason}") from None
         except urllib.error.URLError as e:
-            raise OSError(f"cannot reach {self.url}: {getattr(e.reason, 'strerror', None) or e.reason} "
-                          "(is the server running there?)") from None
+            raise OSError(
+                f"cannot reach {self.url}: {getattr(e.reason, 'strerror', None) or e.reason} "
+                "(is the server running there?)"
+            ) from None
 
     def _get(self, path: str) -> dict:
         req = urllib.request.Request(self.url + path, headers=self._headers())
@@ -445,8 +589,12 @@ class ServerModel:
             return json.loads(r.read())
 
     def _post(self, i: int, body: dict, progress: Any = None) -> tuple[dict, bool]:
-        data = json.dumps(dict(body, model=self.model, temperature=0, seed=i, max_tokens=self.max_tokens)).encode()
-        req = urllib.request.Request(self.url + "/v1/chat/completions", data=data, headers=self._headers())
+        data = json.dumps(
+            dict(body, model=self.model, temperature=0, seed=i, max_tokens=self.max_tokens)
+        ).encode()
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions", data=data, headers=self._headers()
+        )
         with self._open(req) as r:
             greedy = (r.headers.get("x-openk3-decoding") or "").lower() == "greedy"
             msg = json.loads(r.read())["choices"][0]["message"]
@@ -456,7 +604,9 @@ class ServerModel:
 
     def chat(self, requests: list[dict], progress: Any = None) -> list[dict]:
         with ThreadPoolExecutor(self.concurrency) as pool:
-            results = list(pool.map(lambda i: self._post(i, requests[i], progress), range(len(requests))))
+            results = list(
+                pool.map(lambda i: self._post(i, requests[i], progress), range(len(requests)))
+            )
         self._greedy += [g for _, g in results]
         return [m for m, _ in results]
 
@@ -479,12 +629,21 @@ def _answers(model: ChatModel, suite: str, requests: list[dict], progress: bool)
         return model.chat(requests)
     from tqdm import tqdm
 
-    with tqdm(total=len(requests), desc=f"eval {suite}", unit="item", file=sys.stderr, leave=True) as bar:
+    with tqdm(
+        total=len(requests), desc=f"eval {suite}", unit="item", file=sys.stderr, leave=True
+    ) as bar:
         return model.chat(requests, progress=bar.update)
 
 
-def run_eval(model: ChatModel, *, n: int = 100, seed: int = 0, suites: tuple[str, ...] = ALL_SUITES,
-             validation: dict | None = None, progress: bool = False) -> dict:
+def run_eval(
+    model: ChatModel,
+    *,
+    n: int = 100,
+    seed: int = 0,
+    suites: tuple[str, ...] = ALL_SUITES,
+    validation: dict | None = None,
+    progress: bool = False,
+) -> dict:
     """The eval table: each suite's held-out items (seed ``seed``) through ``model``
     (`progress`: a progress bar per suite on stderr).
 
@@ -508,7 +667,9 @@ def run_eval(model: ChatModel, *, n: int = 100, seed: int = 0, suites: tuple[str
     return table
 
 
-def run_image_eval(model: ChatModel, *, n: int = 100, seed: int = 0, progress: bool = False) -> dict:
+def run_image_eval(
+    model: ChatModel, *, n: int = 100, seed: int = 0, progress: bool = False
+) -> dict:
     """The ``images`` suite: ``n`` held-out image questions per type through ``model`` at effort
     low; ``{"n", "accuracy", "by_type": {type: rate}}``, or ``{"skipped": reason}`` when the model
     takes no image input (``supports_images`` false)."""
@@ -519,7 +680,10 @@ def run_image_eval(model: ChatModel, *, n: int = 100, seed: int = 0, progress: b
     items = eval_image_items(seed, n * len(QUESTION_TYPES))
     messages = _answers(model, IMAGE_SUITE, [it.request for it in items], progress)
     flags = [score_image(it, m)["correct"] for it, m in zip(items, messages)]
-    by = {t: rate([f for it, f in zip(items, flags) if it.expected["type"] == t]) for t in QUESTION_TYPES}
+    by = {
+        t: rate([f for it, f in zip(items, flags) if it.expected["type"] == t])
+        for t in QUESTION_TYPES
+    }
     return {"n": len(items), "accuracy": rate(flags), "by_type": by}
 
 
@@ -540,20 +704,42 @@ def check_targets(table: dict) -> list[dict]:
     for suite, metric, want in TARGETS:
         r = _metric(table, suite, metric)
         if r is not None:
-            out.append({"suite": suite, "metric": metric, "target": want, "rate": r["rate"], "ci95": r["ci95"],
-                        "met": r["rate"] >= want})
+            out.append(
+                {
+                    "suite": suite,
+                    "metric": metric,
+                    "target": want,
+                    "rate": r["rate"],
+                    "ci95": r["ci95"],
+                    "met": r["rate"] >= want,
+                }
+            )
     if "reasoning" in table:
         m = table["reasoning"]["mean_reasoning_chars_by_effort"]
         vals = [m.get(e, math.nan) for e in EFFORTS]
-        out.append({"suite": "reasoning", "metric": "low < medium < high < max", "value": vals,
-                    "met": all(a < b for a, b in zip(vals, vals[1:]))})
-    for long, short, metrics in (("long_tools", "tools", ("name_correct", "args_correct")),
-                                 ("long_arithmetic", "arithmetic", ("correct_add", "correct_sub", "correct_mul"))):
+        out.append(
+            {
+                "suite": "reasoning",
+                "metric": "low < medium < high < max",
+                "value": vals,
+                "met": all(a < b for a, b in zip(vals, vals[1:])),
+            }
+        )
+    for long, short, metrics in (
+        ("long_tools", "tools", ("name_correct", "args_correct")),
+        ("long_arithmetic", "arithmetic", ("correct_add", "correct_sub", "correct_mul")),
+    ):
         for metric in metrics:
             a, b = _metric(table, long, metric), _metric(table, short, metric)
             if a is not None and b is not None:
-                out.append({"suite": long, "metric": f"{metric} gap to {short}", "value": b["rate"] - a["rate"],
-                            "met": b["rate"] - a["rate"] <= 0.10})
+                out.append(
+                    {
+                        "suite": long,
+                        "metric": f"{metric} gap to {short}",
+                        "value": b["rate"] - a["rate"],
+                        "met": b["rate"] - a["rate"] <= 0.10,
+                    }
+                )
     return out
 
 
@@ -568,7 +754,9 @@ def format_table(table: dict) -> str:
     """The eval table as text: percentages with 95 % intervals and counts."""
     lines = []
     for name, v in (table.get("validation") or {}).items():
-        lines.append(f"validation {name:<8} loss {v['loss']:.4f}  perplexity {v['perplexity']:.2f}  ({v['tokens']} tokens)")
+        lines.append(
+            f"validation {name:<8} loss {v['loss']:.4f}  perplexity {v['perplexity']:.2f}  ({v['tokens']} tokens)"
+        )
     for suite in ("arithmetic", "long_arithmetic"):
         if suite in table:
             a = table[suite]
@@ -578,8 +766,20 @@ def format_table(table: dict) -> str:
     if "reasoning" in table:
         r = table["reasoning"]
         for e, chars in r["mean_reasoning_chars_by_effort"].items():
-            lines.append(f"{'reasoning':<16} effort {e:<6} mean {chars:.0f} chars  correct {_fmt(r['correct_by_effort'][e])}")
-    for suite in ("tools", "long_tools", "tools_two", "tool_result", "json", "recall", "effort", "echo", "out_of_scope"):
+            lines.append(
+                f"{'reasoning':<16} effort {e:<6} mean {chars:.0f} chars  correct {_fmt(r['correct_by_effort'][e])}"
+            )
+    for suite in (
+        "tools",
+        "long_tools",
+        "tools_two",
+        "tool_result",
+        "json",
+        "recall",
+        "effort",
+        "echo",
+        "out_of_scope",
+    ):
         if suite in table:
             for key, v in table[suite].items():
                 if isinstance(v, dict):
@@ -596,8 +796,13 @@ def format_table(table: dict) -> str:
                 lines.append(f"{'images':<16} {t:<13} {_fmt(v)}")
     if table.get("targets"):
         met = sum(t["met"] for t in table["targets"])
-        lines.append(f"targets met: {met}/{len(table['targets'])}; missed: "
-                     + (", ".join(f"{t['suite']}.{t['metric']}" for t in table["targets"] if not t["met"]) or "none"))
+        lines.append(
+            f"targets met: {met}/{len(table['targets'])}; missed: "
+            + (
+                ", ".join(f"{t['suite']}.{t['metric']}" for t in table["targets"] if not t["met"])
+                or "none"
+            )
+        )
     if "decoding" in table:
         lines.append(f"decoding: {table['decoding']}")
     return "\n".join(lines)
@@ -611,17 +816,34 @@ def cli_eval(args: Any) -> int:
         if args.n < 1:
             raise ValueError(f"--n={args.n}: must be >= 1")
         if args.model.startswith(("http://", "https://")):
-            model: Any = ServerModel(args.model, model=args.served_model_name, api_key=args.api_key,
-                                     max_tokens=args.max_tokens, concurrency=getattr(args, "concurrency", 8))
+            model: Any = ServerModel(
+                args.model,
+                model=args.served_model_name,
+                api_key=args.api_key,
+                max_tokens=args.max_tokens,
+                concurrency=getattr(args, "concurrency", 8),
+            )
             validation = None
         else:
             from openk3.runtime import setup
 
             device, dtype = setup(args)
-            model = InProcessModel(args.model, args.tokenizer, device=device, dtype=dtype, max_tokens=args.max_tokens)
-            validation = model.validation(args.corpus, 16, args.seed) if not getattr(args, "no_validation", False) else None
-        table = run_eval(model, n=args.n, seed=args.seed, suites=tuple(args.suites or ALL_SUITES),
-                         validation=validation, progress=not getattr(args, "no_progress", False))
+            model = InProcessModel(
+                args.model, args.tokenizer, device=device, dtype=dtype, max_tokens=args.max_tokens
+            )
+            validation = (
+                model.validation(args.corpus, 16, args.seed)
+                if not getattr(args, "no_validation", False)
+                else None
+            )
+        table = run_eval(
+            model,
+            n=args.n,
+            seed=args.seed,
+            suites=tuple(args.suites or ALL_SUITES),
+            validation=validation,
+            progress=not getattr(args, "no_progress", False),
+        )
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"openk3 eval: {e}", file=sys.stderr)
         return 2
@@ -634,7 +856,33 @@ def cli_eval(args: Any) -> int:
     return 0
 
 
-__all__ = ["ChatModel", "InProcessModel", "ServerModel", "OracleModel", "SCORERS", "TARGETS", "wilson", "rate",
-           "score_arith", "score_tool", "score_tool_result", "score_json", "score_effort", "score_recall",
-           "score_echo", "score_out_of_scope", "summarize", "long_prompt", "long_items", "suite_items", "run_eval",
-           "run_image_eval", "check_targets", "format_table", "cli_eval", "IMAGE_SUITE", "LONG_SUITES", "ALL_SUITES"]
+__all__ = [
+    "ChatModel",
+    "InProcessModel",
+    "ServerModel",
+    "OracleModel",
+    "SCORERS",
+    "TARGETS",
+    "wilson",
+    "rate",
+    "score_arith",
+    "score_tool",
+    "score_tool_result",
+    "score_json",
+    "score_effort",
+    "score_recall",
+    "score_echo",
+    "score_out_of_scope",
+    "summarize",
+    "long_prompt",
+    "long_items",
+    "suite_items",
+    "run_eval",
+    "run_image_eval",
+    "check_targets",
+    "format_table",
+    "cli_eval",
+    "IMAGE_SUITE",
+    "LONG_SUITES",
+    "ALL_SUITES",
+]

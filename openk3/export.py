@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 
-
 def _quantized_reference(model, scheme: str):
     """A copy of ``model``'s forward with routed-expert weights replaced by ``dequant(quant(W))``."""
     import copy
@@ -36,9 +35,16 @@ def _quantized_reference(model, scheme: str):
     return ref
 
 
-def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None,
-                 quantization: str | None = "mxfp4", model_card: str | os.PathLike | None = None,
-                 overwrite: bool = False, check_tokens: int = 64) -> dict:
+def export_model(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    quantization: str | None = "mxfp4",
+    model_card: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    check_tokens: int = 64,
+) -> dict:
     """Write ``checkpoint`` as a servable directory ``out`` (atomically: a temporary sibling
     directory is renamed into place only once complete and verified).
 
@@ -68,8 +74,10 @@ def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, *, token
     model = load_pretrained(checkpoint, dtype=torch.float32)
     tok = load_tokenizer(tokenizer if tokenizer is not None else checkpoint)
     if tok.vocab_size > model.config.vocab_size:
-        raise ValueError(f"export: tokenizer has {tok.vocab_size} ids, the model's vocab_size is "
-                         f"{model.config.vocab_size}")
+        raise ValueError(
+            f"export: tokenizer has {tok.vocab_size} ids, the model's vocab_size is "
+            f"{model.config.vocab_size}"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the export is meant to be shared
@@ -81,13 +89,17 @@ def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, *, token
         diff = None
         if check_tokens:
             ref = _quantized_reference(model, quantization) if quantization else model
-            ids = torch.randint(0, tok.vocab_size, (1, check_tokens), generator=torch.Generator().manual_seed(0))
+            ids = torch.randint(
+                0, tok.vocab_size, (1, check_tokens), generator=torch.Generator().manual_seed(0)
+            )
             with torch.no_grad():
                 want = ref(ids).logits
                 got = load_pretrained(tmp, dtype=torch.float32)(ids).logits
             diff = float((got - want).abs().max())
             if not diff <= 1e-4:
-                raise ValueError(f"export: reloaded logits differ from the source by {diff:.3g} (> 1e-4)")
+                raise ValueError(
+                    f"export: reloaded logits differ from the source by {diff:.3g} (> 1e-4)"
+                )
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -95,8 +107,12 @@ def export_model(checkpoint: str | os.PathLike, out: str | os.PathLike, *, token
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     files = sorted(p.name for p in out.iterdir())
-    return {"out": str(out), "bytes": sum(p.stat().st_size for p in out.iterdir()), "files": files,
-            "max_abs_logit_diff": diff}
+    return {
+        "out": str(out),
+        "bytes": sum(p.stat().st_size for p in out.iterdir()),
+        "files": files,
+        "max_abs_logit_diff": diff,
+    }
 
 
 def cli_export(args) -> int:
@@ -105,8 +121,14 @@ def cli_export(args) -> int:
 
     q = None if args.quantization == "none" else args.quantization
     try:
-        result = export_model(args.checkpoint, args.out, tokenizer=args.tokenizer, quantization=q,
-                              model_card=args.model_card, overwrite=args.overwrite)
+        result = export_model(
+            args.checkpoint,
+            args.out,
+            tokenizer=args.tokenizer,
+            quantization=q,
+            model_card=args.model_card,
+            overwrite=args.overwrite,
+        )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"openk3 export: {e}", file=sys.stderr)
         return 2

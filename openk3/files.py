@@ -10,7 +10,7 @@ import os
 import stat
 from typing import Any
 
-MAX_CONFIG_BYTES = 16 * 2**20      # config.json, tokenizer_config.json, preprocessor_config.json
+MAX_CONFIG_BYTES = 16 * 2**20  # config.json, tokenizer_config.json, preprocessor_config.json
 MAX_TOKENIZER_BYTES = 512 * 2**20  # tokenizer.json / tiktoken.model (the Kimi ranks file is 2.8 MB)
 
 
@@ -29,7 +29,9 @@ def check_regular(path: str | os.PathLike, max_bytes: int) -> int:
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{os.fspath(path)}: cannot load: not a regular file")
     if st.st_size > max_bytes:
-        raise ValueError(f"{os.fspath(path)}: cannot load: {st.st_size} bytes is over the {max_bytes}-byte limit")
+        raise ValueError(
+            f"{os.fspath(path)}: cannot load: {st.st_size} bytes is over the {max_bytes}-byte limit"
+        )
     return st.st_size
 
 
@@ -50,7 +52,9 @@ def read_text(path: str | os.PathLike, max_bytes: int) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{os.fspath(path)}: cannot load: not UTF-8 text (byte {e.start})") from None
+        raise ValueError(
+            f"{os.fspath(path)}: cannot load: not UTF-8 text (byte {e.start})"
+        ) from None
 
 
 def read_json(path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES) -> Any:
@@ -63,7 +67,9 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES) -> Any
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{os.fspath(path)}: cannot load: invalid JSON ({e.msg} at line {e.lineno} "
-                         f"column {e.colno})") from None
+        raise ValueError(
+            f"{os.fspath(path)}: cannot load: invalid JSON ({e.msg} at line {e.lineno} "
+            f"column {e.colno})"
+        ) from None
     except RecursionError:
         raise ValueError(f"{os.fspath(path)}: cannot load: JSON nested too deeply") from None

@@ -56,7 +56,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_kda = config.layer_types[layer_idx] == KDA
-        self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
+        self.self_attn = (
+            KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
+        )
         if config.mlp_layer_types[layer_idx] == DENSE:
             self.mlp = MLP(config, config.hidden_size, config.intermediate_size)
         else:
@@ -74,12 +76,25 @@ class DecoderLayer(nn.Module):
         arguments in ``ctx`` were validated by :meth:`K3Model.forward` (or its caller)."""
         x = self.input_layernorm(h)
         if self.is_kda:
-            return self.self_attn(x, cache_entry, lengths=ctx["lengths"], cu_seqlens=ctx["cu_seqlens"], mode=ctx["mode"],
-                                  validate=False)
-        max_logits = ctx["max_logits"].get(self.layer_idx) if ctx["max_logits"] is not None else None
+            return self.self_attn(
+                x,
+                cache_entry,
+                lengths=ctx["lengths"],
+                cu_seqlens=ctx["cu_seqlens"],
+                mode=ctx["mode"],
+                validate=False,
+            )
+        max_logits = (
+            ctx["max_logits"].get(self.layer_idx) if ctx["max_logits"] is not None else None
+        )
         return self.self_attn(
-            x, cache_entry, lengths=ctx["lengths"], past_lengths=ctx["past_lengths"],
-            cu_seqlens=ctx["cu_seqlens"], max_logits_out=max_logits, validate=False,
+            x,
+            cache_entry,
+            lengths=ctx["lengths"],
+            past_lengths=ctx["past_lengths"],
+            cu_seqlens=ctx["cu_seqlens"],
+            max_logits_out=max_logits,
+            validate=False,
         )
 
     def ffn(self, h: torch.Tensor, routing_sink: list | None) -> torch.Tensor:
@@ -97,7 +112,9 @@ class K3Model(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.use_attn_res:
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -108,7 +125,11 @@ class K3Model(nn.Module):
         is layer l's mixer site, 2l+1 its FFN site, 2L the output site."""
         qs = []
         for layer in self.layers:
-            qs.append(pseudo_query(layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight))
+            qs.append(
+                pseudo_query(
+                    layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight
+                )
+            )
             qs.append(pseudo_query(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight))
         qs.append(pseudo_query(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight))
         return torch.stack(qs)
@@ -136,11 +157,15 @@ class K3Model(nn.Module):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if input_ids is not None:
             if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"input_ids: expected an int64 [B, T] tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"input_ids: expected an int64 [B, T] tensor, got {input_ids.dtype} {tuple(input_ids.shape)}"
+                )
             if input_ids.numel():
                 lo, hi = (int(v) for v in torch.aminmax(input_ids))
                 if lo < 0 or hi >= cfg.vocab_size:
-                    raise ValueError(f"input_ids: values must be in [0, vocab_size={cfg.vocab_size}), got [{lo}, {hi}]")
+                    raise ValueError(
+                        f"input_ids: values must be in [0, vocab_size={cfg.vocab_size}), got [{lo}, {hi}]"
+                    )
         x = input_ids if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         if lengths is not None:
@@ -150,11 +175,17 @@ class K3Model(nn.Module):
             if cache.batch_size != B:
                 raise ValueError(f"cache: holds {cache.batch_size} rows, input has B={B}")
             if bool((cache.lengths < 0).any()):
-                raise ValueError(f"past_lengths: expected [B={B}] non-negative values, got {cache.lengths.tolist()}")
+                raise ValueError(
+                    f"past_lengths: expected [B={B}] non-negative values, got {cache.lengths.tolist()}"
+                )
             # Checked before any layer runs: a failed call must leave every layer's state untouched.
-            cache.check_room(lengths if lengths is not None else torch.full((B,), T, dtype=torch.long))
+            cache.check_room(
+                lengths if lengths is not None else torch.full((B,), T, dtype=torch.long)
+            )
             if cu_seqlens is not None:
-                raise ValueError("cu_seqlens: packed documents are a training input; not supported with a cache")
+                raise ValueError(
+                    "cu_seqlens: packed documents are a training input; not supported with a cache"
+                )
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"cu_seqlens: needs a single packed row (B=1), got B={B}")
         return lengths
@@ -195,8 +226,13 @@ class K3Model(nn.Module):
             ValueError: inconsistent arguments (named); only shape errors when ``validate=False``.
         """
         if validate:
-            lengths = self.check_inputs(input_ids, cache, inputs_embeds=inputs_embeds, lengths=lengths,
-                                        cu_seqlens=cu_seqlens)
+            lengths = self.check_inputs(
+                input_ids,
+                cache,
+                inputs_embeds=inputs_embeds,
+                lengths=lengths,
+                cu_seqlens=cu_seqlens,
+            )
         cfg = self.config
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         T = x.shape[1]
@@ -216,7 +252,9 @@ class K3Model(nn.Module):
         # then merges the current partial sum by online softmax (exactly the direct softmax).
         # With attn_res_block_size=None the state is the plain residual stream (Kimi Linear).
         state = AttnResState.start(
-            x, cfg.attn_res_block_size, eps=cfg.rms_norm_eps,
+            x,
+            cfg.attn_res_block_size,
+            eps=cfg.rms_norm_eps,
             site_queries=self._site_queries() if cfg.use_attn_res else None,
         )
         for l, layer in enumerate(self.layers):
@@ -228,7 +266,13 @@ class K3Model(nn.Module):
             f = layer.ffn(h_ffn, routing_sink)
             state.after_ffn(l, f)
             if sink is not None:
-                sink[l] = {"attn_in": h, "mixer_out": a, "ffn_in": h_ffn, "ffn_out": f, "out": state.partial}
+                sink[l] = {
+                    "attn_in": h,
+                    "mixer_out": a,
+                    "ffn_in": h_ffn,
+                    "ffn_out": f,
+                    "out": state.partial,
+                }
         y = state.output()
         out = self.norm(y)
         if sink is not None:
@@ -299,9 +343,13 @@ class K3ForCausalLM(nn.Module):
         n = 0
         if labels is not None:
             if labels.shape != logits.shape[:2]:
-                raise ValueError(f"labels: shape {tuple(labels.shape)} does not match logits {tuple(logits.shape[:2])}")
+                raise ValueError(
+                    f"labels: shape {tuple(labels.shape)} does not match logits {tuple(logits.shape[:2])}"
+                )
             n = int((labels != -100).sum())
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100
+            )
         return K3Output(logits=logits, loss=loss, hidden=hidden, n_tokens=n)
 
     # ----------------------------------------------------------------- helpers
@@ -335,19 +383,27 @@ class K3ForCausalLM(nn.Module):
         Raises:
             ValueError: unknown ``quantization`` or expert widths that are not multiples of 32.
         """
-        from openk3.checkpoint import DEFAULT_SHARD_BYTES, quantized_config, to_hf_state_dict, write_checkpoint
+        from openk3.checkpoint import (
+            DEFAULT_SHARD_BYTES,
+            quantized_config,
+            to_hf_state_dict,
+            write_checkpoint,
+        )
 
         config = self.config
         if config.wrapper is not None and config.wrapper.get("vision_config") is None:
             logging.getLogger("openk3.checkpoint").warning(
                 "%s: a kimi_k3 config without vision_config is written as its kimi_linear text config "
-                "(the official KimiK3ForConditionalGeneration needs a vision_config)", path)
+                "(the official KimiK3ForConditionalGeneration needs a vision_config)",
+                path,
+            )
             config = config.text_only()
         config = quantized_config(config, quantization)
         tensors = to_hf_state_dict(self.state_dict(), config, quantization)
         if dtype is not None:
             tensors = type(tensors)(
-                (k, v.to(dtype) if v.is_floating_point() and not _keeps_fp32(k) else v) for k, v in tensors.items()
+                (k, v.to(dtype) if v.is_floating_point() and not _keeps_fp32(k) else v)
+                for k, v in tensors.items()
             )
         write_checkpoint(path, tensors, config, max_shard_bytes or DEFAULT_SHARD_BYTES)
 
@@ -358,7 +414,9 @@ class K3ForCausalLM(nn.Module):
         Args:
             generator: random source; None draws from the default generator.
         """
-        init_module(self, self.config.initializer_range, is_k3=self.config.is_k3, generator=generator)
+        init_module(
+            self, self.config.initializer_range, is_k3=self.config.is_k3, generator=generator
+        )
 
 
 def _keeps_fp32(name: str) -> bool:

@@ -46,8 +46,10 @@ def vision_config_of(config: K3Config) -> VisionConfig | None:
         return None
     vc = raw if isinstance(raw, VisionConfig) else VisionConfig.from_dict(raw)
     if vc.text_hidden_size != config.hidden_size:
-        raise ValueError(f"vision_config.text_hidden_size: {vc.text_hidden_size} must equal the LM hidden_size "
-                         f"{config.hidden_size} (the projector writes LM embeddings)")
+        raise ValueError(
+            f"vision_config.text_hidden_size: {vc.text_hidden_size} must equal the LM hidden_size "
+            f"{config.hidden_size} (the projector writes LM embeddings)"
+        )
     return vc
 
 
@@ -67,7 +69,9 @@ class K3ForConditionalGeneration(K3ForCausalLM):
 
     def __init__(self, config: K3Config) -> None:
         if vision_config_of(config) is None:
-            raise ValueError("config: K3ForConditionalGeneration needs a kimi_k3 wrapper with a vision_config")
+            raise ValueError(
+                "config: K3ForConditionalGeneration needs a kimi_k3 wrapper with a vision_config"
+            )
         super().__init__(config)
 
     def _build_modules(self) -> None:
@@ -82,8 +86,12 @@ class K3ForConditionalGeneration(K3ForCausalLM):
         """The ``<|media_pad|>`` id (``media_placeholder_token_id``), None if the config has none."""
         return self.config.media_placeholder_token_id
 
-    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor | Sequence[Sequence[int]],
-                      attn_impl: str = "sdpa") -> torch.Tensor:
+    def encode_images(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thws: torch.Tensor | Sequence[Sequence[int]],
+        attn_impl: str = "sdpa",
+    ) -> torch.Tensor:
         """Tower + projector: packed patches [L, 3, P, P] of G images -> [N, D] LM embeddings,
         image after image, each image's rows in the order of its pad tokens (param dtype).
 
@@ -92,8 +100,12 @@ class K3ForConditionalGeneration(K3ForCausalLM):
         """
         return self.mm_projector(self.vision_tower(pixel_values, grid_thws, attn_impl))
 
-    def embed_with_images(self, input_ids: torch.Tensor, image_features: torch.Tensor,
-                          pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def embed_with_images(
+        self,
+        input_ids: torch.Tensor,
+        image_features: torch.Tensor,
+        pad_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token embeddings with the pad positions replaced by image features.
 
         Args:
@@ -111,25 +123,40 @@ class K3ForConditionalGeneration(K3ForCausalLM):
             raise ValueError(f"input_ids: expected [B, T], got {list(input_ids.shape)}")
         v = self.config.vocab_size
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= v):
-            raise ValueError(f"input_ids: values must be in [0, vocab_size={v}), got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+            raise ValueError(
+                f"input_ids: values must be in [0, vocab_size={v}), got "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
         if pad_mask is None:
             if self.media_pad_id is None:
-                raise ValueError("config.media_placeholder_token_id: not set; pass pad_mask explicitly")
+                raise ValueError(
+                    "config.media_placeholder_token_id: not set; pass pad_mask explicitly"
+                )
             pad_mask = input_ids == self.media_pad_id
         if pad_mask.shape != input_ids.shape:
-            raise ValueError(f"pad_mask: shape {list(pad_mask.shape)} != input_ids {list(input_ids.shape)}")
+            raise ValueError(
+                f"pad_mask: shape {list(pad_mask.shape)} != input_ids {list(input_ids.shape)}"
+            )
         embeds = self.model.embed_tokens(input_ids)
         n = int(pad_mask.sum())
         if image_features.dim() != 2 or image_features.shape != (n, embeds.shape[-1]):
-            raise ValueError(f"image_features: expected [{n}, {embeds.shape[-1]}] for {n} pad positions, "
-                             f"got {list(image_features.shape)}")
+            raise ValueError(
+                f"image_features: expected [{n}, {embeds.shape[-1]}] for {n} pad positions, "
+                f"got {list(image_features.shape)}"
+            )
         # masked_scatter fills the selected rows in row-major order and keeps autograd to both inputs
         return embeds.masked_scatter(pad_mask.unsqueeze(-1), image_features.to(embeds.dtype))
 
-    def forward(self, input_ids: torch.Tensor | None = None, cache=None, *, pixel_values: torch.Tensor | None = None,
-                grid_thws: torch.Tensor | Sequence[Sequence[int]] | None = None,
-                image_features: torch.Tensor | None = None, **kwargs) -> K3Output:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        cache=None,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        grid_thws: torch.Tensor | Sequence[Sequence[int]] | None = None,
+        image_features: torch.Tensor | None = None,
+        **kwargs,
+    ) -> K3Output:
         """:meth:`K3ForCausalLM.forward`, optionally with images.
 
         Args:

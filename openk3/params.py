@@ -12,8 +12,18 @@ import torch
 
 from openk3.config import K3Config
 
-COMPONENTS = ("embedding", "lm_head", "kda", "mla", "dense_ffn", "routed_experts", "shared_experts",
-              "router", "latent_proj", "norms_attn_res")
+COMPONENTS = (
+    "embedding",
+    "lm_head",
+    "kda",
+    "mla",
+    "dense_ffn",
+    "routed_experts",
+    "shared_experts",
+    "router",
+    "latent_proj",
+    "norms_attn_res",
+)
 
 
 def _component(name: str) -> str:

@@ -31,20 +31,39 @@ class Preset:
 
 
 #: The released Kimi K3 (``../shared/k3/config.json``): text backbone + MoonViT-V2 config.
-KIMI_K3 = Preset({"media_placeholder_token_id": 163605}, wrapper={"vision_config": "kimi-k3", "dtype": "bfloat16"})
+KIMI_K3 = Preset(
+    {"media_placeholder_token_id": 163605},
+    wrapper={"vision_config": "kimi-k3", "dtype": "bfloat16"},
+)
 
 
 def _k3_test_tiny() -> dict[str, Any]:
     """Hits every branch: KDA + MLA (q_lora set), dense + MoE FFNs, three AttnRes blocks."""
     return dict(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        linear_num_heads=4, linear_head_dim=16,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=24,
-        routed_expert_hidden_size=32, attn_res_block_size=2,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        moe_intermediate_size=24,
+        routed_expert_hidden_size=32,
+        attn_res_block_size=2,
         layer_types=[KDA, KDA, KDA, MLA, KDA, MLA],
-        bos_token_id=256, eos_token_id=258, pad_token_id=511, media_placeholder_token_id=277,
+        bos_token_id=256,
+        eos_token_id=258,
+        pad_token_id=511,
+        media_placeholder_token_id=277,
         max_position_embeddings=4096,
     )
 
@@ -53,16 +72,36 @@ def _kimi_linear_tiny() -> dict[str, Any]:
     """A tiny Kimi Linear (the K3 predecessor): softplus gate, low-rank output gate, SwiGLU,
     no AttnRes, full-width experts, MLA without output gate."""
     return dict(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, hidden_act="silu",
-        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        hidden_act="silu",
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
         mla_use_output_gate=False,
-        linear_num_heads=4, linear_head_dim=16, gate_lower_bound=None, use_full_rank_gate=False,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=24,
-        routed_expert_hidden_size=None, latent_moe_use_norm=False, routed_scaling_factor=2.446,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        gate_lower_bound=None,
+        use_full_rank_gate=False,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=24,
+        routed_expert_hidden_size=None,
+        latent_moe_use_norm=False,
+        routed_scaling_factor=2.446,
         attn_res_block_size=None,
         layer_types=[KDA, KDA, KDA, MLA],
-        bos_token_id=256, eos_token_id=258, pad_token_id=511, max_position_embeddings=4096,
+        bos_token_id=256,
+        eos_token_id=258,
+        pad_token_id=511,
+        max_position_embeddings=4096,
     )
 
 
@@ -78,13 +117,29 @@ def _openk3_tiny() -> dict[str, Any]:
     Parameter counts and training speed: :func:`openk3.recipes.default_model.default_model`.
     """
     return dict(
-        vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        linear_num_heads=4, linear_head_dim=32,
-        n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
-        routed_expert_hidden_size=64, attn_res_block_size=2,
-        bos_token_id=7936, eos_token_id=7937, pad_token_id=8191, media_placeholder_token_id=7957,
+        vocab_size=8192,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        linear_num_heads=4,
+        linear_head_dim=32,
+        n_routed_experts=16,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+        routed_expert_hidden_size=64,
+        attn_res_block_size=2,
+        bos_token_id=7936,
+        eos_token_id=7937,
+        pad_token_id=8191,
+        media_placeholder_token_id=7957,
         # K3's context: KDA and NoPE MLA have no positional limit, so the declared context is a
         # serving budget (one 1M-token sequence is 384 MiB of fp32 MLA latents here), not trained length.
         max_position_embeddings=1048576,

@@ -18,8 +18,13 @@ from openk3.config import K3Config
 from openk3.model import K3ForCausalLM
 
 
-def build_model(config: K3Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int | None = 0) -> K3ForCausalLM:
+def build_model(
+    config: K3Config,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = 0,
+) -> K3ForCausalLM:
     """A freshly initialised model (``K3ForCausalLM.init_weights``, :mod:`openk3.weight_init`) on
     ``device`` in ``dtype``, drawn from a generator seeded with ``seed`` (None: the default generator):
     :class:`~openk3.multimodal.K3ForConditionalGeneration` when the config has a ``vision_config``
@@ -62,8 +67,12 @@ def available_memory(device: str | torch.device) -> int | None:
     return None
 
 
-def check_fits_memory(config: K3Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                      available: int | None = None) -> None:
+def check_fits_memory(
+    config: K3Config,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    available: int | None = None,
+) -> None:
     """Refuse a config whose weights alone exceed the memory of `device`, before building: the
     parameter count (:func:`openk3.params.estimate_parameters`, which does not build the layers)
     times the bytes of `dtype` against `available` (default :func:`available_memory`; no check
@@ -83,9 +92,11 @@ def check_fits_memory(config: K3Config, device: str | torch.device = "cpu", dtyp
     itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
     need = n * itemsize
     if need > available:
-        raise ValueError(f"config: {n:,} parameters x {itemsize} bytes ({dtype}) = {need / 2**30:,.1f} GiB, more "
-                         f"than the {available / 2**30:,.1f} GiB of memory available on {torch.device(device)}; "
-                         "not built (check num_hidden_layers, hidden_size, vocab_size, n_routed_experts)")
+        raise ValueError(
+            f"config: {n:,} parameters x {itemsize} bytes ({dtype}) = {need / 2**30:,.1f} GiB, more "
+            f"than the {available / 2**30:,.1f} GiB of memory available on {torch.device(device)}; "
+            "not built (check num_hidden_layers, hidden_size, vocab_size, n_routed_experts)"
+        )
 
 
 def cast_model_(model: K3ForCausalLM, dtype: torch.dtype) -> K3ForCausalLM:
@@ -112,12 +123,19 @@ def _check_layers_in_file(config: K3Config, tensors: dict, path: str) -> None:
     """
     present = {int(m.group(1)) for k in tensors for m in [_LAYER_KEY.search(k)] if m}
     if present and config.num_hidden_layers > max(present) + 1:
-        raise ValueError(f"{os.path.join(os.fspath(path), 'config.json')}: num_hidden_layers="
-                         f"{config.num_hidden_layers} but the weights hold layers 0..{max(present)} only")
+        raise ValueError(
+            f"{os.path.join(os.fspath(path), 'config.json')}: num_hidden_layers="
+            f"{config.num_hidden_layers} but the weights hold layers 0..{max(present)} only"
+        )
 
 
-def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None, keep_packed: bool = False) -> K3ForCausalLM:
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    keep_packed: bool = False,
+) -> K3ForCausalLM:
     """Load an official-format checkpoint (``config.json`` + safetensors) into openk3.
 
     MXFP4 routed experts (``weight_packed`` + ``weight_scale``, recognised by suffix) are either
@@ -151,7 +169,9 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
     _check_layers_in_file(config, tensors, path)
     record_file_layout(config, tensors)
     # Vision tensors without a vision_config are ignored, as the text model always did.
-    with_vision = vision_config_of(config) is not None and any(k.startswith(VISION_PREFIXES) for k in tensors)
+    with_vision = vision_config_of(config) is not None and any(
+        k.startswith(VISION_PREFIXES) for k in tensors
+    )
     with torch.device("meta"):
         model = K3ForConditionalGeneration(config) if with_vision else K3ForCausalLM(config)
     if keep_packed:
@@ -160,26 +180,36 @@ def load_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cp
         pack_experts(model)  # meta skeleton: packed buffers to be assigned from the file
     meta_state = model.state_dict()
     tied = config.tie_word_embeddings
-    expected = {k: v.shape for k, v in meta_state.items()
-                if not (tied and k == "lm_head.weight") and not k.startswith(VISION_PREFIXES)}
+    expected = {
+        k: v.shape
+        for k, v in meta_state.items()
+        if not (tied and k == "lm_head.weight") and not k.startswith(VISION_PREFIXES)
+    }
     state = from_hf_state_dict(tensors, config, expected)
     for k, v in state.items():
         if meta_state[k].is_floating_point() and not v.is_floating_point():
-            raise ValueError(f"checkpoint tensor {k}: dtype {v.dtype} where a floating tensor is expected")
+            raise ValueError(
+                f"checkpoint tensor {k}: dtype {v.dtype} where a floating tensor is expected"
+            )
     # One compute dtype for the whole model (the file's embedding dtype unless `dtype` is given);
     # the release's fp32 tensors stay fp32 whatever it is.
     from openk3.model import _keeps_fp32
 
     target = dtype or state["model.embed_tokens.weight"].dtype
     state = {
-        k: (v.to(torch.float32 if _keeps_fp32(k) else target) if v.is_floating_point() else v).to(device)
+        k: (v.to(torch.float32 if _keeps_fp32(k) else target) if v.is_floating_point() else v).to(
+            device
+        )
         for k, v in state.items()
     }
     if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     if with_vision:
-        vision = {k: (v.to(target) if v.is_floating_point() else v).to(device)
-                  for k, v in tensors.items() if k.startswith(VISION_PREFIXES)}
+        vision = {
+            k: (v.to(target) if v.is_floating_point() else v).to(device)
+            for k, v in tensors.items()
+            if k.startswith(VISION_PREFIXES)
+        }
         for module in (model.vision_tower, model.mm_projector):
             load_vision_weights(module, vision, assign=True)  # strict per prefix: names and shapes
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

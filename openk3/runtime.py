@@ -23,8 +23,14 @@ import sys
 from typing import Any, TextIO
 
 DEVICE_CHOICES_HELP = "auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
-DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-                 "float16": "float16", "fp16": "float16"}
+DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
 
 
@@ -46,10 +52,14 @@ def resolve_device(name: str | None = "auto") -> Any:
         raise ValueError(f"--device: {name!r} is not a device ({DEVICE_CHOICES_HELP})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
-                             f"built {'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for CPU only'})")
+            raise ValueError(
+                f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                f"built {'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for CPU only'})"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise ValueError(
+                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
     elif dev.type != "cpu":
         raise ValueError(f"--device {name}: only cpu and cuda are supported")
     return dev
@@ -86,8 +96,14 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def default_threads(*, physical: int | None = None, cpus: int | None = None, load: float | None = None,
-                    env: dict | None = None, local_world_size: int | None = None) -> tuple[int, str]:
+def default_threads(
+    *,
+    physical: int | None = None,
+    cpus: int | None = None,
+    load: float | None = None,
+    env: dict | None = None,
+    local_world_size: int | None = None,
+) -> tuple[int, str]:
     """The thread count used when none is given, and why (one phrase).
 
     Args (all for tests; None = measure this machine):
@@ -141,20 +157,37 @@ def configure_threads(requested: int | None = None, *, stream: TextIO | None = s
     torch.set_num_threads(n)
     if stream is not None and not _announced:
         _announced = True
-        tip = "" if why in ("--threads", "OMP_NUM_THREADS") else "; --threads or OMP_NUM_THREADS to choose"
-        print(f"openk3: {n} CPU thread{'s' if n != 1 else ''} ({why}{tip})", file=stream, flush=True)
+        tip = (
+            ""
+            if why in ("--threads", "OMP_NUM_THREADS")
+            else "; --threads or OMP_NUM_THREADS to choose"
+        )
+        print(
+            f"openk3: {n} CPU thread{'s' if n != 1 else ''} ({why}{tip})", file=stream, flush=True
+        )
     return n
 
 
 def add_runtime_args(parser: Any, *, threads: bool = True) -> None:
     """``--device``, ``--dtype`` (and ``--threads``) with the same spelling and help on every command."""
-    parser.add_argument("--device", default="auto", help=f"where to compute: {DEVICE_CHOICES_HELP}; default auto")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="DTYPE",
-                        help="weights and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
-                             "bfloat16, float16 (short forms fp32, bf16, fp16)")
+    parser.add_argument(
+        "--device", default="auto", help=f"where to compute: {DEVICE_CHOICES_HELP}; default auto"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        metavar="DTYPE",
+        help="weights and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
+        "bfloat16, float16 (short forms fp32, bf16, fp16)",
+    )
     if threads:
-        parser.add_argument("--threads", type=int, help="CPU threads (default: OMP_NUM_THREADS, else the physical "
-                                                        "cores not already busy; printed once)")
+        parser.add_argument(
+            "--threads",
+            type=int,
+            help="CPU threads (default: OMP_NUM_THREADS, else the physical "
+            "cores not already busy; printed once)",
+        )
 
 
 def setup(args: Any, *, announce: bool = True) -> tuple[Any, Any]:
@@ -171,5 +204,13 @@ def setup(args: Any, *, announce: bool = True) -> tuple[Any, Any]:
     return device, dtype
 
 
-__all__ = ["resolve_device", "resolve_dtype", "default_threads", "configure_threads", "usable_cpus",
-           "add_runtime_args", "setup", "DTYPE_CHOICES"]
+__all__ = [
+    "resolve_device",
+    "resolve_dtype",
+    "default_threads",
+    "configure_threads",
+    "usable_cpus",
+    "add_runtime_args",
+    "setup",
+    "DTYPE_CHOICES",
+]

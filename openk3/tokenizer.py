@@ -31,7 +31,10 @@ from typing import Any
 
 from openk3.files import MAX_TOKENIZER_BYTES, check_regular, read_json, read_text
 from openk3.tokenizer_backends import (  # noqa: F401 - KIMI_PAT_STR, NUM_SPECIAL_SLOTS, _split_runs re-exported
-    KIMI_PAT_STR, NUM_SPECIAL_SLOTS, ByteLevelBPEBackend, TiktokenBackend,
+    KIMI_PAT_STR,
+    NUM_SPECIAL_SLOTS,
+    ByteLevelBPEBackend,
+    TiktokenBackend,
 )
 from openk3.tokenizer_backends import split_runs as _split_runs  # noqa: F401 - tests import it from here
 
@@ -47,13 +50,29 @@ MEDIA_PAD = "<|media_pad|>"
 
 # The named K3 special tokens in official id order; a trained BPE should add (at least) these.
 K3_SPECIAL_TOKENS = (
-    "[BOS]", "[EOS]", END_OF_MSG, OPEN, CLOSE, SEP, "[start_header_id]", "[end_header_id]", "[EOT]",
-    MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, "<osagent_mode>", "[UNK]", "[PAD]",
+    "[BOS]",
+    "[EOS]",
+    END_OF_MSG,
+    OPEN,
+    CLOSE,
+    SEP,
+    "[start_header_id]",
+    "[end_header_id]",
+    "[EOT]",
+    MEDIA_BEGIN,
+    MEDIA_CONTENT,
+    MEDIA_END,
+    MEDIA_PAD,
+    "<osagent_mode>",
+    "[UNK]",
+    "[PAD]",
 )
 # In the official tokenizer_config the tag markers are `"special": false` (spec §1.1).
 _NOT_SPECIAL_FLAG = {OPEN, CLOSE, SEP}
 
-_CACHE_MAX_CHARS = 64  # tag names, attribute keys and values repeat constantly: memoise short segments
+_CACHE_MAX_CHARS = (
+    64  # tag names, attribute keys and values repeat constantly: memoise short segments
+)
 _CACHE_MAX_ENTRIES = 8192
 
 
@@ -82,7 +101,9 @@ class Tokenizer:
         self.special_tokens: dict[str, int] = dict(backend.special)
         self.special_ids = frozenset(self.special_tokens.values())
         self._special_by_id = {i: s for s, i in self.special_tokens.items()}
-        missing = [t for t in (END_OF_MSG, OPEN, CLOSE, SEP, MEDIA_PAD) if t not in self.special_tokens]
+        missing = [
+            t for t in (END_OF_MSG, OPEN, CLOSE, SEP, MEDIA_PAD) if t not in self.special_tokens
+        ]
         if missing:
             raise ValueError(f"tokenizer: required special token {missing[0]!r} is missing")
         self.end_of_msg_id: int = self.special_tokens[END_OF_MSG]
@@ -111,8 +132,14 @@ class Tokenizer:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def from_bpe(cls, bpe: Any, bos_token: str | None = "[BOS]", eos_token: str | None = "[EOS]",
-                 pad_token: str | None = "[PAD]", unk_token: str | None = None) -> Tokenizer:
+    def from_bpe(
+        cls,
+        bpe: Any,
+        bos_token: str | None = "[BOS]",
+        eos_token: str | None = "[EOS]",
+        pad_token: str | None = "[PAD]",
+        unk_token: str | None = None,
+    ) -> Tokenizer:
         """Wrap an in-memory `tokenizers.Tokenizer` (byte-level BPE) whose added tokens include the
         K3 chat markup strings; the tokenizer-training code uses this, then :meth:`save_pretrained`.
 
@@ -123,15 +150,26 @@ class Tokenizer:
         added = {t.content: i for i, t in bpe.get_added_tokens_decoder().items()}
         config = {
             "added_tokens_decoder": {
-                str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                         "single_word": False, "special": s not in _NOT_SPECIAL_FLAG}
+                str(i): {
+                    "content": s,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": s not in _NOT_SPECIAL_FLAG,
+                }
                 for s, i in sorted(added.items(), key=lambda kv: kv[1])
             },
             "clean_up_tokenization_spaces": False,
             "model_max_length": 1048576,
             "tokenizer_class": "PreTrainedTokenizerFast",
         }
-        for attr, name in (("bos", bos_token), ("eos", eos_token), ("pad", pad_token), ("unk", unk_token)):
+        for attr, name in (
+            ("bos", bos_token),
+            ("eos", eos_token),
+            ("pad", pad_token),
+            ("unk", unk_token),
+        ):
             if name is not None:
                 config[f"{attr}_token"] = name
         return cls(ByteLevelBPEBackend(bpe.to_str(), added), config)
@@ -184,7 +222,9 @@ class Tokenizer:
         try:
             return self.special_tokens[token]
         except KeyError:
-            raise ValueError(f"special_id: {token!r} is not a special token of this tokenizer") from None
+            raise ValueError(
+                f"special_id: {token!r} is not a special token of this tokenizer"
+            ) from None
 
     def is_special(self, token_id: int) -> bool:
         """True when `token_id` is one of the special slots (markup, media, reserved...)."""
@@ -253,12 +293,24 @@ class Tokenizer:
         d.mkdir(parents=True, exist_ok=True)
         self._b.save(d, self.config)
         config = {k: v for k, v in self.config.items() if k != "auto_map"}
-        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                 encoding="utf-8")
-        template = resources.files("openk3.chat_format").joinpath("template.jinja").read_text(encoding="utf-8")
+        (d / "tokenizer_config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+        template = (
+            resources.files("openk3.chat_format")
+            .joinpath("template.jinja")
+            .read_text(encoding="utf-8")
+        )
         (d / "chat_template.jinja").write_text(template, encoding="utf-8")
-        model_files = ["tiktoken.model", "tokenizer.json"] if self.backend == "tiktoken" else ["tokenizer.json"]
-        return [d / f for f in model_files] + [d / "tokenizer_config.json", d / "chat_template.jinja"]
+        model_files = (
+            ["tiktoken.model", "tokenizer.json"]
+            if self.backend == "tiktoken"
+            else ["tokenizer.json"]
+        )
+        return [d / f for f in model_files] + [
+            d / "tokenizer_config.json",
+            d / "chat_template.jinja",
+        ]
 
     def __repr__(self) -> str:
         return f"Tokenizer(backend={self.backend!r}, vocab_size={self.vocab_size})"
@@ -331,7 +383,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if cfg_file.exists():
         config = read_json(cfg_file)
         if not isinstance(config, dict):
-            raise ValueError(f"{cfg_file}: cannot load: expected a JSON object, got {type(config).__name__}")
+            raise ValueError(
+                f"{cfg_file}: cannot load: expected a JSON object, got {type(config).__name__}"
+            )
     added: dict[int, str] = {}
     try:
         for k, v in (config.get("added_tokens_decoder") or {}).items():
@@ -344,8 +398,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     ranks, spec = d / "tiktoken.model", d / "tokenizer.json"
     if ranks.exists():
         if not cfg_file.exists():
-            raise ValueError(f"load_tokenizer: {cfg_file} is required next to tiktoken.model "
-                             "(it names the special slots)")
+            raise ValueError(
+                f"load_tokenizer: {cfg_file} is required next to tiktoken.model "
+                "(it names the special slots)"
+            )
         check_regular(ranks, MAX_TOKENIZER_BYTES)
         try:
             return Tokenizer(TiktokenBackend(ranks, added), config)

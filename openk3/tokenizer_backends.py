@@ -75,7 +75,7 @@ def encode_pieces(text: str) -> Iterable[str]:
     400,000 characters, each cut so that no run of whitespace / non-whitespace exceeds 25,000.
     A text's ids are the concatenation of its pieces' ids, so a count can stop at any piece."""
     for i in range(0, len(text), _MAX_ENCODE_CHARS):
-        yield from split_runs(text[i:i + _MAX_ENCODE_CHARS], _MAX_RUN_CHARS)
+        yield from split_runs(text[i : i + _MAX_ENCODE_CHARS], _MAX_RUN_CHARS)
 
 
 def iter_encode(encode: Any, text: str) -> Iterable[list[int]]:
@@ -91,7 +91,11 @@ def iter_encode(encode: Any, text: str) -> Iterable[list[int]]:
 def byte_level_alphabet() -> dict[str, int]:
     """Inverse of the GPT-2 byte-level map: printable Latin-1 bytes stand for themselves, the other
     bytes are shifted to code points 256+n (in byte order), so that every byte is a visible char."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     char_to_byte, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -106,7 +110,7 @@ def last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes,
     """The pair whose merge creates `token` when byte-pair encoding runs over its bytes with only
     lower ranks (tiktoken's procedure); None if BPE cannot build it (tiktoken then only emits it for
     a pre-token equal to it, which ``ignore_merges`` reproduces)."""
-    parts = [token[i:i + 1] for i in range(len(token))]
+    parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
         best, at = rank, -1
         for i in range(len(parts) - 1):
@@ -115,7 +119,7 @@ def last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes,
                 best, at = r, i
         if at < 0:
             return None
-        parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
     return parts[0], parts[1]
 
 
@@ -142,19 +146,31 @@ class TiktokenBackend:
                 tok, rank = line.split()
                 ranks[base64.b64decode(tok, validate=True)] = int(rank)
             except Exception as e:  # noqa: BLE001 - any parse failure is a malformed file
-                raise ValueError(f"{model_file}: line {n + 1} is not '<base64> <rank>': {line[:60]!r}") from e
+                raise ValueError(
+                    f"{model_file}: line {n + 1} is not '<base64> <rank>': {line[:60]!r}"
+                ) from e
         n_ranks = len(ranks)
         if sorted(ranks.values()) != list(range(n_ranks)):
-            raise ValueError(f"{model_file}: ranks must be exactly 0..{n_ranks - 1} (they are the token ids)")
+            raise ValueError(
+                f"{model_file}: ranks must be exactly 0..{n_ranks - 1} (they are the token ids)"
+            )
         for i in slot_names:
             if not n_ranks <= i < n_ranks + NUM_SPECIAL_SLOTS:
-                raise ValueError(f"tokenizer_config.json: added token id {i} is outside the special slots "
-                                 f"[{n_ranks}, {n_ranks + NUM_SPECIAL_SLOTS})")
-        self.special = {slot_names.get(i, f"<|reserved_token_{i}|>"): i
-                        for i in range(n_ranks, n_ranks + NUM_SPECIAL_SLOTS)}
+                raise ValueError(
+                    f"tokenizer_config.json: added token id {i} is outside the special slots "
+                    f"[{n_ranks}, {n_ranks + NUM_SPECIAL_SLOTS})"
+                )
+        self.special = {
+            slot_names.get(i, f"<|reserved_token_{i}|>"): i
+            for i in range(n_ranks, n_ranks + NUM_SPECIAL_SLOTS)
+        }
         self.ranks = ranks
-        self.enc = tiktoken.Encoding(name=f"kimi:{model_file}", pat_str=KIMI_PAT_STR,
-                                     mergeable_ranks=ranks, special_tokens=self.special)
+        self.enc = tiktoken.Encoding(
+            name=f"kimi:{model_file}",
+            pat_str=KIMI_PAT_STR,
+            mergeable_ranks=ranks,
+            special_tokens=self.special,
+        )
         self.n_vocab = n_ranks + NUM_SPECIAL_SLOTS
         self._hf_json: str | None = None
 
@@ -197,27 +213,48 @@ class TiktokenBackend:
                 pair = last_merge(tok, rank, self.ranks) if len(tok) > 1 else None
                 if pair is not None:
                     merges.append((spell(pair[0]), spell(pair[1])))
-            hf = HFTokenizer(models.BPE(vocab={spell(t): r for t, r in self.ranks.items()}, merges=merges,
-                                        ignore_merges=True))
-            hf.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
+            hf = HFTokenizer(
+                models.BPE(
+                    vocab={spell(t): r for t, r in self.ranks.items()},
+                    merges=merges,
+                    ignore_merges=True,
+                )
+            )
+            hf.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
             hf.decoder = decoders.ByteLevel()
-            flags = {int(k): v for k, v in (config.get("added_tokens_decoder") or {}).items() if isinstance(v, dict)}
+            flags = {
+                int(k): v
+                for k, v in (config.get("added_tokens_decoder") or {}).items()
+                if isinstance(v, dict)
+            }
             # Added in id order, so each lands on its slot (they follow the ranks without gaps).
-            hf.add_tokens([AddedToken(name, special=flags.get(i, {}).get("special", True), normalized=False)
-                           for name, i in sorted(self.special.items(), key=lambda kv: kv[1])])
+            hf.add_tokens(
+                [
+                    AddedToken(
+                        name, special=flags.get(i, {}).get("special", True), normalized=False
+                    )
+                    for name, i in sorted(self.special.items(), key=lambda kv: kv[1])
+                ]
+            )
             moved = [(n, i) for n, i in self.special.items() if hf.token_to_id(n) != i]
             if moved:  # a slot name that is also a BPE token would keep the BPE id
-                raise ValueError(f"tokenizer.json: special token {moved[0][0]!r} would not get id {moved[0][1]}")
+                raise ValueError(
+                    f"tokenizer.json: special token {moved[0][0]!r} would not get id {moved[0][1]}"
+                )
             self._hf_json = hf.to_str()
         return self._hf_json
 
     def save(self, directory: Path, config: dict[str, Any]) -> None:
         """Write ``tiktoken.model`` and the equivalent ``tokenizer.json`` into `directory`."""
-        lines = [base64.b64encode(tok) + b" " + str(rank).encode() for tok, rank in
-                 sorted(self.ranks.items(), key=lambda kv: kv[1])]
+        lines = [
+            base64.b64encode(tok) + b" " + str(rank).encode()
+            for tok, rank in sorted(self.ranks.items(), key=lambda kv: kv[1])
+        ]
         (directory / "tiktoken.model").write_bytes(b"\n".join(lines) + b"\n")
         (directory / "tokenizer.json").write_text(self.hf_tokenizer_json(config), encoding="utf-8")
 
@@ -240,8 +277,10 @@ class ByteLevelBPEBackend:
         self.json = tokenizer_json
         spec = json.loads(tokenizer_json)
         if (spec.get("decoder") or {}).get("type") != "ByteLevel":
-            raise ValueError("tokenizer.json: decoder.type must be 'ByteLevel' (openk3 loads byte-level BPEs only), "
-                             f"got {(spec.get('decoder') or {}).get('type')!r}")
+            raise ValueError(
+                "tokenizer.json: decoder.type must be 'ByteLevel' (openk3 loads byte-level BPEs only), "
+                f"got {(spec.get('decoder') or {}).get('type')!r}"
+            )
         full = HFTokenizer.from_str(tokenizer_json)
         # A copy without added tokens can never split out a special string, so user text that spells
         # one is BPE-encoded like any other text (spec §1.3).
@@ -252,12 +291,18 @@ class ByteLevelBPEBackend:
         self.n_vocab = full.get_vocab_size(with_added_tokens=True)
         for tok, i in self.special.items():
             if not 0 <= i < self.n_vocab:
-                raise ValueError(f"tokenizer: special token {tok!r} has id {i} outside [0, {self.n_vocab})")
+                raise ValueError(
+                    f"tokenizer: special token {tok!r} has id {i} outside [0, {self.n_vocab})"
+                )
         to_byte = byte_level_alphabet()
         self.token_bytes: list[bytes] = [b""] * self.n_vocab
         for tok, i in full.get_vocab(with_added_tokens=True).items():
             if 0 <= i < self.n_vocab:
-                self.token_bytes[i] = bytes(to_byte[c] for c in tok) if all(c in to_byte for c in tok) else tok.encode()
+                self.token_bytes[i] = (
+                    bytes(to_byte[c] for c in tok)
+                    if all(c in to_byte for c in tok)
+                    else tok.encode()
+                )
         for tok, i in self.special.items():
             self.token_bytes[i] = tok.encode()
         self._special_ids = frozenset(self.special.values())
@@ -289,8 +334,10 @@ class ByteLevelBPEBackend:
         # prompt, during which the server's event loop and every other thread stand still); same ids.
         ids = self.plain.encode_batch([piece], add_special_tokens=False)[0].ids
         if self._special_ids.intersection(ids):
-            raise RuntimeError("trained BPE produced a special id from ordinary text: its vocabulary spells a "
-                               "special-token string as a mergeable token; retrain without it")
+            raise RuntimeError(
+                "trained BPE produced a special id from ordinary text: its vocabulary spells a "
+                "special-token string as a mergeable token; retrain without it"
+            )
         return ids
 
     def decode_bytes(self, ids: list[int]) -> bytes:

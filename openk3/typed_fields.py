@@ -88,10 +88,14 @@ def _plural(hint: Any) -> str:
     word = describe(hint)
     for article in ("an ", "a "):
         if word.startswith(article):
-            word = word[len(article):]
+            word = word[len(article) :]
             break
-    return {"finite number": "finite numbers", "integer": "integers", "string": "strings",
-            "boolean": "booleans"}.get(word, word)
+    return {
+        "finite number": "finite numbers",
+        "integer": "integers",
+        "string": "strings",
+        "boolean": "booleans",
+    }.get(word, word)
 
 
 def matches(value: Any, hint: Any) -> bool:
@@ -194,10 +198,14 @@ def check_fields(
         except _TooLarge:
             why = "too large (beyond int64)"
         if why is not None:
-            raise ValueError(message(f.name, value, why) if message else f"{name}.{f.name}={value!r}: {why}") from None
+            raise ValueError(
+                message(f.name, value, why) if message else f"{name}.{f.name}={value!r}: {why}"
+            ) from None
 
 
-def replace_fields(obj: Any, changes: collections.abc.Mapping[str, Any], *, owner: str | None = None) -> Any:
+def replace_fields(
+    obj: Any, changes: collections.abc.Mapping[str, Any], *, owner: str | None = None
+) -> Any:
     """``dataclasses.replace(obj, **changes)`` that names an unknown field instead of a TypeError.
 
     Raises:
@@ -207,8 +215,10 @@ def replace_fields(obj: Any, changes: collections.abc.Mapping[str, Any], *, owne
     names = {f.name for f in dataclasses.fields(obj) if f.init}
     unknown = sorted(set(changes) - names)
     if unknown:
-        raise ValueError(f"{owner or type(obj).__name__}: unknown key {unknown[0]!r} "
-                         f"(known: {', '.join(sorted(names))})")
+        raise ValueError(
+            f"{owner or type(obj).__name__}: unknown key {unknown[0]!r} "
+            f"(known: {', '.join(sorted(names))})"
+        )
     return dataclasses.replace(obj, **changes)
 
 

@@ -32,8 +32,9 @@ from torch import nn
 
 
 @torch.no_grad()
-def init_tensor(name: str, p: torch.Tensor, std: float, *, is_k3: bool,
-                generator: torch.Generator | None = None) -> None:
+def init_tensor(
+    name: str, p: torch.Tensor, std: float, *, is_k3: bool, generator: torch.Generator | None = None
+) -> None:
     """Initialise one parameter in place by the rule its ``name`` selects (see the module docstring).
 
     Args:
@@ -54,7 +55,9 @@ def init_tensor(name: str, p: torch.Tensor, std: float, *, is_k3: bool,
         else:
             p.copy_(torch.empty_like(p).uniform_(1, 16, generator=generator).log())
     elif leaf == "dt_bias":
-        dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
+        dt = torch.exp(
+            torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1), generator=generator)
+        )
         dt = dt.clamp_min(1e-4)
         p.copy_(dt + torch.log(-torch.expm1(-dt)))
     elif p.ndim == 1 and leaf == "weight":
@@ -64,7 +67,9 @@ def init_tensor(name: str, p: torch.Tensor, std: float, *, is_k3: bool,
 
 
 @torch.no_grad()
-def init_module(module: nn.Module, std: float, *, is_k3: bool, generator: torch.Generator | None = None) -> None:
+def init_module(
+    module: nn.Module, std: float, *, is_k3: bool, generator: torch.Generator | None = None
+) -> None:
     """Initialise every parameter and the ``e_score_correction_bias`` buffers of ``module`` (a whole
     model or one layer), in ``named_parameters()`` order, by :func:`init_tensor`. Meta tensors are
     skipped."""

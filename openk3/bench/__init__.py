@@ -13,22 +13,36 @@ from __future__ import annotations
 import importlib
 
 BENCHMARKS = {
-    "vs-transformers": ("openk3.bench.vs_transformers", "engine vs transformers KimiLinear generate (decode, TTFT)"),
-    "prefix-cache": ("openk3.bench.prefix_cache", "prefix-cache hit TTFT vs cold, multi-turn hit rate"),
-    "batching": ("openk3.bench.batching", "continuous batching: 8 concurrent vs 1, scheduler overhead"),
+    "vs-transformers": (
+        "openk3.bench.vs_transformers",
+        "engine vs transformers KimiLinear generate (decode, TTFT)",
+    ),
+    "prefix-cache": (
+        "openk3.bench.prefix_cache",
+        "prefix-cache hit TTFT vs cold, multi-turn hit rate",
+    ),
+    "batching": (
+        "openk3.bench.batching",
+        "continuous batching: 8 concurrent vs 1, scheduler overhead",
+    ),
     "kda": ("openk3.bench.kda", "chunked vs recurrent KDA vs transformers' chunked fallback"),
     "attn-res": ("openk3.bench.attn_res", "decode/prefill time with vs without Block AttnRes"),
     "memory": ("openk3.bench.memory", "cache bytes per sequence vs planner, hybrid vs all-MLA"),
     "server": ("openk3.bench.server", "openk3 serve streaming overhead vs in-process AsyncEngine"),
-    "decode-profile": ("openk3.bench.decode_profile",
-                       "one decode step: aten calls, host syncs and op time by module, vs its weight-product floor"),
-    "long-prefill": ("openk3.bench.long_prefill",
-                     "24K-token agent prompt: prefill vs matmul rate, turn 2 via prefix cache, vs transformers"),
+    "decode-profile": (
+        "openk3.bench.decode_profile",
+        "one decode step: aten calls, host syncs and op time by module, vs its weight-product floor",
+    ),
+    "long-prefill": (
+        "openk3.bench.long_prefill",
+        "24K-token agent prompt: prefill vs matmul rate, turn 2 via prefix cache, vs transformers",
+    ),
 }
 
 
-def run_benchmark(name: str, quick: bool = False, reps: int | None = None, *, device=None, dtype=None,
-                  **overrides) -> dict:
+def run_benchmark(
+    name: str, quick: bool = False, reps: int | None = None, *, device=None, dtype=None, **overrides
+) -> dict:
     """Run benchmark ``name`` (a key of :data:`BENCHMARKS`) and return its result dict.
 
     Args:
@@ -51,9 +65,15 @@ def run_benchmark(name: str, quick: bool = False, reps: int | None = None, *, de
     if getattr(module, "PLACEABLE", False):
         result = module.run(quick=quick, reps=reps, device=device, dtype=dtype, **overrides)
     elif device.type != "cpu" or dtype != torch.float32:
-        placeable = [n for n, (m, _) in BENCHMARKS.items() if getattr(importlib.import_module(m), "PLACEABLE", False)]
-        raise ValueError(f"benchmark {name!r} runs on cpu in float32 only (got {device}, {dtype}); "
-                         f"{', '.join(placeable)} take --device / --dtype")
+        placeable = [
+            n
+            for n, (m, _) in BENCHMARKS.items()
+            if getattr(importlib.import_module(m), "PLACEABLE", False)
+        ]
+        raise ValueError(
+            f"benchmark {name!r} runs on cpu in float32 only (got {device}, {dtype}); "
+            f"{', '.join(placeable)} take --device / --dtype"
+        )
     else:
         result = module.run(quick=quick, reps=reps, **overrides)
     result.setdefault("device", str(device))
@@ -67,5 +87,7 @@ def format_targets(result: dict) -> str:
     for key, t in result.get("targets", {}).items():
         m = t["measured"]
         ms = f"{m:.4g}" if isinstance(m, (int, float)) else str(m)
-        lines.append(f"  {key:<34} {ms:>10}  (target {t['target']})  {'met' if t['met'] else 'MISSED'}  - {t['what']}")
+        lines.append(
+            f"  {key:<34} {ms:>10}  (target {t['target']})  {'met' if t['met'] else 'MISSED'}  - {t['what']}"
+        )
     return "\n".join(lines)

@@ -24,10 +24,33 @@ import random
 
 # Recorded shape (characters): system blocks; tools as (description, input schema JSON).
 SYSTEM_BLOCKS = (74, 62, 5676)
-TOOLS = ((1227, 1260), (1218, 1456), (2924, 987), (167, 219), (106, 126), (3724, 5423), (360, 584),
-         (3031, 630), (1923, 502), (619, 981), (838, 776), (574, 1286), (2802, 820), (655, 452),
-         (1713, 345), (2146, 607), (732, 227), (998, 126), (1049, 465), (203, 293), (2243, 1168),
-         (374, 336), (311, 499), (18780, 1833), (240, 367))
+TOOLS = (
+    (1227, 1260),
+    (1218, 1456),
+    (2924, 987),
+    (167, 219),
+    (106, 126),
+    (3724, 5423),
+    (360, 584),
+    (3031, 630),
+    (1923, 502),
+    (619, 981),
+    (838, 776),
+    (574, 1286),
+    (2802, 820),
+    (655, 452),
+    (1713, 345),
+    (2146, 607),
+    (732, 227),
+    (998, 126),
+    (1049, 465),
+    (203, 293),
+    (2243, 1168),
+    (374, 336),
+    (311, 499),
+    (18780, 1833),
+    (240, 367),
+)
 REMINDER = 306
 DEFAULT_SCALE = 1.15
 
@@ -49,14 +72,70 @@ _WORDS = (
     "important carefully quickly together separately instead of with without from into onto over under for "
     "to in on at by as is are was be can should must may will does do has have it its their your you we"
 ).split()
-_CODE_WORDS = ("src/app/main.py", "tests/test_api.py", "README.md", "package.json", "git status",
-               "npm test", "make build", "--verbose", "config.yaml", "$HOME/.config", "*.ts", "**/*.py")
-_PROPS = ("file_path", "command", "pattern", "description", "timeout", "run_in_background", "old_string",
-          "new_string", "replace_all", "offset", "limit", "url", "prompt", "query", "allowed_domains",
-          "blocked_domains", "task_id", "status", "subject", "active_form", "owner", "blocks", "blocked_by",
-          "metadata", "cron", "recurring", "name", "content", "cell_id", "edit_mode", "path", "glob",
-          "output_mode", "head_limit", "multiline", "message", "recipient", "reason", "delay_seconds",
-          "findings", "severity", "location", "branch", "base", "workflow", "inputs", "skill", "args")
+_CODE_WORDS = (
+    "src/app/main.py",
+    "tests/test_api.py",
+    "README.md",
+    "package.json",
+    "git status",
+    "npm test",
+    "make build",
+    "--verbose",
+    "config.yaml",
+    "$HOME/.config",
+    "*.ts",
+    "**/*.py",
+)
+_PROPS = (
+    "file_path",
+    "command",
+    "pattern",
+    "description",
+    "timeout",
+    "run_in_background",
+    "old_string",
+    "new_string",
+    "replace_all",
+    "offset",
+    "limit",
+    "url",
+    "prompt",
+    "query",
+    "allowed_domains",
+    "blocked_domains",
+    "task_id",
+    "status",
+    "subject",
+    "active_form",
+    "owner",
+    "blocks",
+    "blocked_by",
+    "metadata",
+    "cron",
+    "recurring",
+    "name",
+    "content",
+    "cell_id",
+    "edit_mode",
+    "path",
+    "glob",
+    "output_mode",
+    "head_limit",
+    "multiline",
+    "message",
+    "recipient",
+    "reason",
+    "delay_seconds",
+    "findings",
+    "severity",
+    "location",
+    "branch",
+    "base",
+    "workflow",
+    "inputs",
+    "skill",
+    "args",
+)
 
 
 def _sentence(rng: random.Random) -> str:
@@ -73,7 +152,11 @@ def prose(rng: random.Random, chars: int) -> str:
     while n < chars:
         r = rng.random()
         if r < 0.12:
-            piece = "\n# " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 5))).title() + "\n"
+            piece = (
+                "\n# "
+                + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 5))).title()
+                + "\n"
+            )
         elif r < 0.45:
             piece = "\n- " + _sentence(rng)
         else:
@@ -84,16 +167,26 @@ def prose(rng: random.Random, chars: int) -> str:
 
 
 def _property(rng: random.Random, depth: int = 0) -> dict:
-    kind = rng.choice(("string", "string", "string", "integer", "boolean", "array", "enum", "object"))
+    kind = rng.choice(
+        ("string", "string", "string", "integer", "boolean", "array", "enum", "object")
+    )
     desc = prose(rng, rng.randint(40, 160))
     if kind == "enum":
-        return {"type": "string", "enum": [rng.choice(_WORDS) + "_" + rng.choice(_WORDS) for _ in range(3)],
-                "description": desc}
+        return {
+            "type": "string",
+            "enum": [rng.choice(_WORDS) + "_" + rng.choice(_WORDS) for _ in range(3)],
+            "description": desc,
+        }
     if kind == "array":
         return {"type": "array", "items": {"type": "string"}, "description": desc}
     if kind == "object" and depth == 0:
         props = {rng.choice(_PROPS): _property(rng, 1) for _ in range(rng.randint(1, 3))}
-        return {"type": "object", "properties": props, "additionalProperties": False, "description": desc}
+        return {
+            "type": "object",
+            "properties": props,
+            "additionalProperties": False,
+            "description": desc,
+        }
     if kind == "integer":
         return {"type": "integer", "minimum": 0, "description": desc}
     return {"type": "boolean" if kind == "boolean" else "string", "description": desc}
@@ -105,12 +198,18 @@ def _schema(rng: random.Random, chars: int) -> dict:
         name = rng.choice(_PROPS)
         props[name if name not in props else f"{name}_{len(props)}"] = _property(rng)
     required = sorted(props)[: max(1, len(props) // 2)]
-    return {"type": "object", "properties": props, "required": required, "additionalProperties": False,
-            "$schema": "http://json-schema.org/draft-07/schema#"}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": required,
+        "additionalProperties": False,
+        "$schema": "http://json-schema.org/draft-07/schema#",
+    }
 
 
-def claude_code_like_request(scale: float = DEFAULT_SCALE, seed: int = 0, prompt: str = "say hi",
-                             n_tools: int = len(TOOLS)) -> dict:
+def claude_code_like_request(
+    scale: float = DEFAULT_SCALE, seed: int = 0, prompt: str = "say hi", n_tools: int = len(TOOLS)
+) -> dict:
     """Turn 1 of an agent session: an Anthropic Messages body of Claude Code's default shape.
 
     Args:
@@ -126,12 +225,28 @@ def claude_code_like_request(scale: float = DEFAULT_SCALE, seed: int = 0, prompt
     tools = []
     for i, (desc, schema) in enumerate(TOOLS[:n_tools]):
         name = "".join(w.capitalize() for w in (rng.choice(_WORDS), rng.choice(_WORDS))) + str(i)
-        tools.append({"name": name, "description": prose(rng, int(desc * scale)),
-                      "input_schema": _schema(rng, int(schema * scale))})
+        tools.append(
+            {
+                "name": name,
+                "description": prose(rng, int(desc * scale)),
+                "input_schema": _schema(rng, int(schema * scale)),
+            }
+        )
     reminder = "<system-reminder>\n" + prose(rng, int(REMINDER * scale)) + "\n</system-reminder>"
-    messages = [{"role": "user", "content": [{"type": "text", "text": reminder}, {"type": "text", "text": prompt}]}]
-    return {"model": "openk3-tiny", "max_tokens": 64000, "stream": True, "system": system, "tools": tools,
-            "messages": messages}
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": reminder}, {"type": "text", "text": prompt}],
+        }
+    ]
+    return {
+        "model": "openk3-tiny",
+        "max_tokens": 64000,
+        "stream": True,
+        "system": system,
+        "tools": tools,
+        "messages": messages,
+    }
 
 
 def next_turn(request: dict, reply: str, user_text: str) -> dict:

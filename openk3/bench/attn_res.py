@@ -22,13 +22,37 @@ from __future__ import annotations
 import torch
 
 from openk3.bench.common import (
-    check, drive, environment, interleaved, k3_config, medians, random_prompts, settings, target,
+    check,
+    drive,
+    environment,
+    interleaved,
+    k3_config,
+    medians,
+    random_prompts,
+    settings,
+    target,
 )
 
-FULL = {"hidden": 256, "layers": 8, "block": 2, "prompt_len": 128, "new_tokens": 32, "batch": 8, "reps": 5,
-        "compile": False}
-QUICK = {"hidden": 64, "layers": 4, "block": 2, "prompt_len": 8, "new_tokens": 3, "batch": 2, "reps": 1,
-         "compile": False}
+FULL = {
+    "hidden": 256,
+    "layers": 8,
+    "block": 2,
+    "prompt_len": 128,
+    "new_tokens": 32,
+    "batch": 8,
+    "reps": 5,
+    "compile": False,
+}
+QUICK = {
+    "hidden": 64,
+    "layers": 4,
+    "block": 2,
+    "prompt_len": 8,
+    "new_tokens": 3,
+    "batch": 2,
+    "reps": 1,
+    "compile": False,
+}
 
 
 @torch.no_grad()
@@ -64,20 +88,41 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     P, N, Bmax = p["prompt_len"], p["new_tokens"], p["batch"]
     models = {"attn_res": with_ar, "plain": plain}
     result: dict = {
-        "benchmark": "attn-res", "quick": quick,
-        "config": {"model": "k3-test-tiny scaled", "hidden": cfg_on.hidden_size, "layers": cfg_on.num_hidden_layers,
-                   "attn_res_block_size": p["block"], "attn_res_blocks": -(-cfg_on.num_hidden_layers // p["block"]),
-                   "params_plain": sum(t.numel() for t in plain.parameters()), "params_attn_res_extra": extra,
-                   "dtype": "float32", "prompt_len": P, "new_tokens": N, "reps": reps,
-                   "decode": "compiled" if p["compile"] else "eager"},
-        "batches": {}, "targets": {},
+        "benchmark": "attn-res",
+        "quick": quick,
+        "config": {
+            "model": "k3-test-tiny scaled",
+            "hidden": cfg_on.hidden_size,
+            "layers": cfg_on.num_hidden_layers,
+            "attn_res_block_size": p["block"],
+            "attn_res_blocks": -(-cfg_on.num_hidden_layers // p["block"]),
+            "params_plain": sum(t.numel() for t in plain.parameters()),
+            "params_attn_res_extra": extra,
+            "dtype": "float32",
+            "prompt_len": P,
+            "new_tokens": N,
+            "reps": reps,
+            "decode": "compiled" if p["compile"] else "eager",
+        },
+        "batches": {},
+        "targets": {},
     }
     refs: dict[tuple, list[int]] = {}
     for B in (1, Bmax):
         prompts = random_prompts(B, P, cfg_on.vocab_size, seed=500 + B)
-        engines = {name: Engine(m, EngineConfig(max_num_seqs=B, enable_prefix_cache=False, max_model_len=P + N + 16,
-                                                prefill_chunk=max(512, B * P), compile=p["compile"]))
-                   for name, m in models.items()}
+        engines = {
+            name: Engine(
+                m,
+                EngineConfig(
+                    max_num_seqs=B,
+                    enable_prefix_cache=False,
+                    max_model_len=P + N + 16,
+                    prefill_chunk=max(512, B * P),
+                    compile=p["compile"],
+                ),
+            )
+            for name, m in models.items()
+        }
         got: dict[str, list] = {}
 
         def runner(name: str):
@@ -87,7 +132,11 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                 got[name] = [t.tokens for t in traces]
                 first = max(t.times[0] for t in traces)
                 last = max(t.times[-1] for t in traces)
-                return {"prefill_s": first, "decode_ms_per_step": 1e3 * (last - first) / max(N - 1, 1)}
+                return {
+                    "prefill_s": first,
+                    "decode_ms_per_step": 1e3 * (last - first) / max(N - 1, 1),
+                }
+
             return go
 
         meas = interleaved({n: runner(n) for n in models}, reps=reps, warmup=1)
@@ -95,12 +144,24 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
             key = (name, tuple(prompts[0]))
             if key not in refs:
                 refs[key] = full_forward_greedy(m, prompts[0], N)
-            check(got[name][0] == refs[key], f"{name}, B={B}: engine tokens differ from full-forward greedy decode")
+            check(
+                got[name][0] == refs[key],
+                f"{name}, B={B}: engine tokens differ from full-forward greedy decode",
+            )
         med = {n: medians(v) for n, v in meas.items()}
-        dec = med["attn_res"]["decode_ms_per_step"]["median"] / med["plain"]["decode_ms_per_step"]["median"]
+        dec = (
+            med["attn_res"]["decode_ms_per_step"]["median"]
+            / med["plain"]["decode_ms_per_step"]["median"]
+        )
         pre = med["attn_res"]["prefill_s"]["median"] / med["plain"]["prefill_s"]["median"]
-        result["batches"][f"B={B}"] = {**med, "decode_ratio": dec, "prefill_ratio": pre, "tokens_checked": True}
-        result["targets"][f"decode_overhead_B{B}"] = target(dec - 1, "<=", 0.05,
-                                                            f"decode time with AttnRes / without - 1, B={B}")
+        result["batches"][f"B={B}"] = {
+            **med,
+            "decode_ratio": dec,
+            "prefill_ratio": pre,
+            "tokens_checked": True,
+        }
+        result["targets"][f"decode_overhead_B{B}"] = target(
+            dec - 1, "<=", 0.05, f"decode time with AttnRes / without - 1, B={B}"
+        )
     result["env"] = environment()
     return result

@@ -27,19 +27,48 @@ import time
 import torch
 
 from openk3.bench.common import (
-    ForwardTimer, check, drive, environment, interleaved, k3_config, medians, random_prompts, settings, summary,
+    ForwardTimer,
+    check,
+    drive,
+    environment,
+    interleaved,
+    k3_config,
+    medians,
+    random_prompts,
+    settings,
+    summary,
     target,
 )
 
-FULL = {"hidden": 256, "layers": 8, "n_requests": 8, "prompt_lens": (32, 64, 96, 128), "new_tokens": 48, "reps": 5}
-QUICK = {"hidden": 64, "layers": 4, "n_requests": 3, "prompt_lens": (8, 12), "new_tokens": 4, "reps": 1}
+FULL = {
+    "hidden": 256,
+    "layers": 8,
+    "n_requests": 8,
+    "prompt_lens": (32, 64, 96, 128),
+    "new_tokens": 48,
+    "reps": 5,
+}
+QUICK = {
+    "hidden": 64,
+    "layers": 4,
+    "n_requests": 3,
+    "prompt_lens": (8, 12),
+    "new_tokens": 4,
+    "reps": 1,
+}
 
 
 PLACEABLE = True  # takes device / dtype (openk3 bench --device / --dtype)
 
 
-def run(quick: bool = False, reps: int | None = None, *, device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32, **overrides) -> dict:
+def run(
+    quick: bool = False,
+    reps: int | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> dict:
     """Run B3 with the model on `device` in `dtype`; returns the result dict (see the module docstring).
 
     Raises:
@@ -58,11 +87,23 @@ def run(quick: bool = False, reps: int | None = None, *, device: torch.device | 
     prompts = [random_prompts(1, L, cfg.vocab_size, seed=40 + i)[0] for i, L in enumerate(lens)]
     params = SamplingParams(max_tokens=N, temperature=0.0)
     max_len = max(lens) + N + 16
-    engines = {name: Engine(model, EngineConfig(max_num_seqs=k, enable_prefix_cache=False, max_model_len=max_len,
-                                                prefill_chunk=512, cache_memory=None))
-               for name, k in (("concurrent", n), ("serial", 1))}
-    check(engines["concurrent"].scheduler.max_num_seqs == n,
-          f"the default cache budget gives {engines['concurrent'].scheduler.max_num_seqs} slots, not {n}")
+    engines = {
+        name: Engine(
+            model,
+            EngineConfig(
+                max_num_seqs=k,
+                enable_prefix_cache=False,
+                max_model_len=max_len,
+                prefill_chunk=512,
+                cache_memory=None,
+            ),
+        )
+        for name, k in (("concurrent", n), ("serial", 1))
+    }
+    check(
+        engines["concurrent"].scheduler.max_num_seqs == n,
+        f"the default cache budget gives {engines['concurrent'].scheduler.max_num_seqs} slots, not {n}",
+    )
     got: dict[str, list] = {}
     steps: dict[str, list] = {"all": [], "decode_full": []}  # (step seconds, forward seconds)
 
@@ -83,8 +124,15 @@ def run(quick: bool = False, reps: int | None = None, *, device: torch.device | 
                 f0, t0 = timer.total, time.perf_counter()
                 outs = orig()
                 rows, pure = plans[-1]
-                log.append((time.perf_counter() - t0, timer.total - f0, rows, pure,
-                            sum(len(o.new_token_ids) for o in outs)))
+                log.append(
+                    (
+                        time.perf_counter() - t0,
+                        timer.total - f0,
+                        rows,
+                        pure,
+                        sum(len(o.new_token_ids) for o in outs),
+                    )
+                )
                 return outs
 
             engine.step, engine.scheduler.schedule = step, schedule
@@ -96,47 +144,89 @@ def run(quick: bool = False, reps: int | None = None, *, device: torch.device | 
             got[name] = [t.tokens for t in traces]
             if name == "concurrent":
                 steps["all"] += [(s, f) for s, f, *_ in log]
-                steps["decode_full"] += [(s, f) for s, f, rows, pure, _ in log if rows == n and pure]
+                steps["decode_full"] += [
+                    (s, f) for s, f, rows, pure, _ in log if rows == n and pure
+                ]
             produced = sum(len(t.tokens) for t in traces)
             dec_s = sum(s for s, _, _, pure, _ in log if pure)
             dec_tok = sum(k for _, _, _, pure, k in log if pure)
-            return {"wall_s": wall, "tokens_per_s": produced / wall, "decode_tokens_per_s": dec_tok / dec_s,
-                    "steps": len(log)}
+            return {
+                "wall_s": wall,
+                "tokens_per_s": produced / wall,
+                "decode_tokens_per_s": dec_tok / dec_s,
+                "steps": len(log),
+            }
 
         return go
 
-    meas = interleaved({"concurrent": runner("concurrent"), "serial": runner("serial")}, reps=reps, warmup=1)
-    check(got["concurrent"] == got["serial"], "tokens differ between the concurrent and the serial run")
+    meas = interleaved(
+        {"concurrent": runner("concurrent"), "serial": runner("serial")}, reps=reps, warmup=1
+    )
+    check(
+        got["concurrent"] == got["serial"],
+        "tokens differ between the concurrent and the serial run",
+    )
     m = {k: medians(v) for k, v in meas.items()}
     ratio = m["concurrent"]["tokens_per_s"]["median"] / m["serial"]["tokens_per_s"]["median"]
-    ratio_dec = m["concurrent"]["decode_tokens_per_s"]["median"] / m["serial"]["decode_tokens_per_s"]["median"]
+    ratio_dec = (
+        m["concurrent"]["decode_tokens_per_s"]["median"]
+        / m["serial"]["decode_tokens_per_s"]["median"]
+    )
 
     def overhead(rows: list) -> dict:
         if not rows:
             return {"steps": 0}
         shares = [(s - f) / s for s, f in rows]
-        return {"steps": len(rows), "step_ms": summary([1e3 * s for s, _ in rows]),
-                "outside_forward_ms": summary([1e3 * (s - f) for s, f in rows]),
-                "share_outside_forward": summary(shares),
-                "share_of_total_time": sum(s - f for s, f in rows) / sum(s for s, _ in rows)}
+        return {
+            "steps": len(rows),
+            "step_ms": summary([1e3 * s for s, _ in rows]),
+            "outside_forward_ms": summary([1e3 * (s - f) for s, f in rows]),
+            "share_outside_forward": summary(shares),
+            "share_of_total_time": sum(s - f for s, f in rows) / sum(s for s, _ in rows),
+        }
 
     ov_all, ov_dec = overhead(steps["all"]), overhead(steps["decode_full"])
     share = ov_dec.get("share_of_total_time", ov_all.get("share_of_total_time"))
     return {
-        "benchmark": "batching", "quick": quick,
-        "config": {"model": "k3-test-tiny scaled", "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                   "params": sum(t.numel() for t in model.parameters()), "dtype": str(dtype).removeprefix("torch."), "n_requests": n,
-                   "prompt_lens": lens, "new_tokens": N, "reps": reps, "prefix_cache": False, "prefill_chunk": 512},
-        "throughput": {"concurrent": m["concurrent"], "serial": m["serial"], "concurrent_over_serial": ratio,
-                       "decode_concurrent_over_serial": ratio_dec, "tokens_identical": True},
+        "benchmark": "batching",
+        "quick": quick,
+        "config": {
+            "model": "k3-test-tiny scaled",
+            "hidden": cfg.hidden_size,
+            "layers": cfg.num_hidden_layers,
+            "params": sum(t.numel() for t in model.parameters()),
+            "dtype": str(dtype).removeprefix("torch."),
+            "n_requests": n,
+            "prompt_lens": lens,
+            "new_tokens": N,
+            "reps": reps,
+            "prefix_cache": False,
+            "prefill_chunk": 512,
+        },
+        "throughput": {
+            "concurrent": m["concurrent"],
+            "serial": m["serial"],
+            "concurrent_over_serial": ratio,
+            "decode_concurrent_over_serial": ratio_dec,
+            "tokens_identical": True,
+        },
         "scheduler_overhead": {"all_steps": ov_all, f"decode_steps_{n}_running": ov_dec},
         "targets": {
-            "batching_speedup": target(ratio, ">=", 4,
-                                       f"aggregate tokens/s incl. prefill, {n} concurrent / 1 at a time"),
-            "batching_speedup_decode": target(ratio_dec, ">=", 4,
-                                              f"aggregate tokens/s of decode-only steps, {n} concurrent / 1 at a time"),
-            "scheduler_overhead": target(share, "<=", 0.10,
-                                         f"time outside model forward / step time (decode steps, {n} running)"),
+            "batching_speedup": target(
+                ratio, ">=", 4, f"aggregate tokens/s incl. prefill, {n} concurrent / 1 at a time"
+            ),
+            "batching_speedup_decode": target(
+                ratio_dec,
+                ">=",
+                4,
+                f"aggregate tokens/s of decode-only steps, {n} concurrent / 1 at a time",
+            ),
+            "scheduler_overhead": target(
+                share,
+                "<=",
+                0.10,
+                f"time outside model forward / step time (decode steps, {n} running)",
+            ),
         },
         "env": environment(),
     }

@@ -51,7 +51,9 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def interleaved(runs: dict[str, Callable[[], dict]], reps: int, warmup: int = 1) -> dict[str, dict[str, list]]:
+def interleaved(
+    runs: dict[str, Callable[[], dict]], reps: int, warmup: int = 1
+) -> dict[str, dict[str, list]]:
     """Run every contender ``warmup + reps`` times, alternating the order each round.
 
     Args:
@@ -94,17 +96,28 @@ def environment() -> dict:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             text = f.read()
         for line in text.splitlines():
-            if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
+            if line.startswith("model name") and cpu in (
+                "",
+                platform.machine(),
+                platform.processor(),
+            ):
                 cpu = line.split(":", 1)[1].strip()
             if line.startswith("flags"):
                 have = set(line.split(":", 1)[1].split())
-                flags = sorted(have & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+                flags = sorted(
+                    have & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+                )
                 break
     except OSError:
         pass
     env = {
-        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -144,29 +157,62 @@ def kimi_linear_config(hidden: int = 256, layers: int = 4, vocab: int = 1024) ->
         raise ValueError(f"hidden={hidden}: must be a multiple of 64 (heads of 64)")
     heads = hidden // 64
     return preset("kimi-linear-tiny").replace(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=hidden // 4, qk_nope_head_dim=32,
-        qk_rope_head_dim=32, v_head_dim=64, linear_num_heads=heads, linear_head_dim=64,
-        moe_intermediate_size=hidden // 2, layer_types=hybrid_layer_types(layers), mlp_layer_types=[],
-        initializer_range=0.05, bos_token_id=min(256, vocab - 3), eos_token_id=min(258, vocab - 2),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        kv_lora_rank=hidden // 4,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        linear_num_heads=heads,
+        linear_head_dim=64,
+        moe_intermediate_size=hidden // 2,
+        layer_types=hybrid_layer_types(layers),
+        mlp_layer_types=[],
+        initializer_range=0.05,
+        bos_token_id=min(256, vocab - 3),
+        eos_token_id=min(258, vocab - 2),
         pad_token_id=vocab - 1,
     )
 
 
-def k3_config(hidden: int = 256, layers: int = 8, vocab: int = 1024, attn_res_block_size: int | None = 2) -> K3Config:
+def k3_config(
+    hidden: int = 256, layers: int = 8, vocab: int = 1024, attn_res_block_size: int | None = 2
+) -> K3Config:
     """``k3-test-tiny`` (every K3 component: lower-bounded KDA gate, full-rank output gate, gated
     MLA with q-LoRA, dense first layer + LatentMoE, SiTU-GLU, Block AttnRes) scaled to ``hidden``."""
     if hidden % 64:
         raise ValueError(f"hidden={hidden}: must be a multiple of 64 (heads of 64)")
     heads = hidden // 64
     return preset("k3-test-tiny").replace(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4,
-        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, linear_num_heads=heads, linear_head_dim=64,
-        n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=hidden // 2,
-        routed_expert_hidden_size=hidden // 2, attn_res_block_size=attn_res_block_size,
-        layer_types=hybrid_layer_types(layers), mlp_layer_types=[], initializer_range=0.05,
-        bos_token_id=min(256, vocab - 4), eos_token_id=min(258, vocab - 3), pad_token_id=vocab - 1,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=hidden // 2,
+        kv_lora_rank=hidden // 4,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        linear_num_heads=heads,
+        linear_head_dim=64,
+        n_routed_experts=16,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=hidden // 2,
+        routed_expert_hidden_size=hidden // 2,
+        attn_res_block_size=attn_res_block_size,
+        layer_types=hybrid_layer_types(layers),
+        mlp_layer_types=[],
+        initializer_range=0.05,
+        bos_token_id=min(256, vocab - 4),
+        eos_token_id=min(258, vocab - 3),
+        pad_token_id=vocab - 1,
         media_placeholder_token_id=min(277, vocab - 2),
     )
 
@@ -189,8 +235,11 @@ def settings(defaults: dict, overrides: dict) -> dict:
         elif isinstance(ref, int):
             ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
         elif isinstance(ref, (list, tuple)):
-            ok = isinstance(value, (list, tuple)) and bool(value) and all(
-                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+            ok = (
+                isinstance(value, (list, tuple))
+                and bool(value)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+            )
         else:
             ok = isinstance(value, type(ref))
         if not ok:
@@ -222,8 +271,9 @@ class Trace:
         return self.times[0]
 
 
-def drive(engine, requests: list[tuple[list[int], object]],
-          on_step: Callable[[int], None] | None = None) -> tuple[list[Trace], float]:
+def drive(
+    engine, requests: list[tuple[list[int], object]], on_step: Callable[[int], None] | None = None
+) -> tuple[list[Trace], float]:
     """Queue ``(prompt_ids, SamplingParams)`` requests at once and step the engine until idle.
 
     Returns:
@@ -266,7 +316,9 @@ class ForwardTimer:
         self._t[id(mod)] = time.perf_counter()
 
     def _post(self, mod, args, out) -> None:
-        if isinstance(out, torch.Tensor) and out.is_cuda:  # GPU kernels run asynchronously: wait for them
+        if (
+            isinstance(out, torch.Tensor) and out.is_cuda
+        ):  # GPU kernels run asynchronously: wait for them
             torch.cuda.synchronize(out.device)
         self.total += time.perf_counter() - self._t.pop(id(mod))
 

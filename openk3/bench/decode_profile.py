@@ -48,19 +48,57 @@ from collections import Counter, defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from openk3.bench.common import check, environment, kimi_linear_config, random_prompts, settings, target
+from openk3.bench.common import (
+    check,
+    environment,
+    kimi_linear_config,
+    random_prompts,
+    settings,
+    target,
+)
 
-FULL = {"hidden": 256, "layers": 4, "prompt_len": 128, "steps": 8, "warmup_steps": 4, "batches": (1, 8),
-        "reps": 7, "compile": True}
-QUICK = {"hidden": 64, "layers": 4, "prompt_len": 16, "steps": 2, "warmup_steps": 1, "batches": (1, 2), "reps": 1,
-         "compile": False}
+FULL = {
+    "hidden": 256,
+    "layers": 4,
+    "prompt_len": 128,
+    "steps": 8,
+    "warmup_steps": 4,
+    "batches": (1, 8),
+    "reps": 7,
+    "compile": True,
+}
+QUICK = {
+    "hidden": 64,
+    "layers": 4,
+    "prompt_len": 16,
+    "steps": 2,
+    "warmup_steps": 1,
+    "batches": (1, 2),
+    "reps": 1,
+    "compile": False,
+}
 
 # aten ops that make the host wait for a tensor's values (their overload packets' names)
 # (under inference_mode a dispatch mode sees composite ops such as ``item`` / ``is_nonzero`` whole;
 # with autograd keys on it sees what they decompose into, ``_local_scalar_dense``)
-SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static", "masked_select", "unique",
-                      "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave",
-                      "bincount", "histc"})
+SYNC_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "item",
+        "is_nonzero",
+        "nonzero",
+        "nonzero_static",
+        "masked_select",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "repeat_interleave",
+        "bincount",
+        "histc",
+    }
+)
 # indexing with a boolean mask computes the mask's nonzero positions inside the op
 BOOL_INDEX_OPS = frozenset({"index", "index_put", "_index_put_impl", "index_put_"})
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../openk3
@@ -164,20 +202,34 @@ def _engine_at_decode(model, B: int, P: int, total_steps: int, vocab: int, compi
     """An engine whose B requests are prefilled (one step) and will decode ``total_steps`` more."""
     from openk3.engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(model, EngineConfig(max_num_seqs=B, enable_prefix_cache=False, compile=compile,
-                                        prefill_chunk=max(512, B * P), max_model_len=P + total_steps + 16))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_num_seqs=B,
+            enable_prefix_cache=False,
+            compile=compile,
+            prefill_chunk=max(512, B * P),
+            max_model_len=P + total_steps + 16,
+        ),
+    )
     for i, p in enumerate(random_prompts(B, P, vocab, seed=100 + B)):
-        engine.add_request(p, SamplingParams(max_tokens=total_steps + 2, temperature=0.0), request_id=f"{i:04d}")
+        engine.add_request(
+            p, SamplingParams(max_tokens=total_steps + 2, temperature=0.0), request_id=f"{i:04d}"
+        )
     outs = engine.step()
-    check(len(outs) == B and all(len(o.new_token_ids) == 1 for o in outs),
-          f"B={B}: the first step did not prefill every request ({len(outs)} outputs)")
+    check(
+        len(outs) == B and all(len(o.new_token_ids) == 1 for o in outs),
+        f"B={B}: the first step did not prefill every request ({len(outs)} outputs)",
+    )
     return engine
 
 
 def _decode_step(engine, B: int) -> list[int]:
     outs = engine.step()
-    check(len(outs) == B and all(len(o.new_token_ids) == 1 and not o.finished for o in outs),
-          f"B={B}: a decode step did not give one token per request")
+    check(
+        len(outs) == B and all(len(o.new_token_ids) == 1 and not o.finished for o in outs),
+        f"B={B}: a decode step did not give one token per request",
+    )
     return [o.new_token_ids[0] for o in sorted(outs, key=lambda o: o.request_id)]
 
 
@@ -192,8 +244,10 @@ def _eager_vs_compiled(model, B: int, P: int, W: int, reps: int, vocab: int) -> 
 
     torch._dynamo.reset()
     products = weight_products(model, B)
-    engines = {name: _engine_at_decode(model, B, P, W + reps, vocab, compile=name == "compiled")
-               for name in ("eager", "compiled")}
+    engines = {
+        name: _engine_at_decode(model, B, P, W + reps, vocab, compile=name == "compiled")
+        for name in ("eager", "compiled")
+    }
     t = time.perf_counter()
     for _ in range(W):
         toks = {name: _decode_step(e, B) for name, e in engines.items()}
@@ -205,7 +259,7 @@ def _eager_vs_compiled(model, B: int, P: int, W: int, reps: int, vocab: int) -> 
     cpu: dict = {name: [] for name in names}
     for i in range(reps):
         toks = {}
-        for name in names[i % 3:] + names[:i % 3]:
+        for name in names[i % 3 :] + names[: i % 3]:
             t, c = time.perf_counter(), time.thread_time()
             if name == "floor":
                 run_products(products)
@@ -216,13 +270,21 @@ def _eager_vs_compiled(model, B: int, P: int, W: int, reps: int, vocab: int) -> 
         check(toks["eager"] == toks["compiled"], f"B={B}: compiled decode tokens differ from eager")
     eager, compiled, floor = (statistics.median(times[n]) for n in names)
     ce, cc, cf = (statistics.median(cpu[n]) for n in names)
-    return {"eager_step_ms": 1e3 * eager, "compiled_step_ms": 1e3 * compiled, "speedup": eager / compiled,
-            "floor_ms": 1e3 * floor, "compiled_over_floor": compiled / floor, "eager_over_floor": eager / floor,
-            "cpu_ms": {"eager": 1e3 * ce, "compiled": 1e3 * cc, "floor": 1e3 * cf},
-            "cpu_compiled_over_floor": cc / cf, "cpu_eager_over_floor": ce / cf,
-            "warmup_s": warm_s, "graphs": graphs,
-            "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs,
-            "buckets": sorted(engines["compiled"].runner.decode_step.shapes)}
+    return {
+        "eager_step_ms": 1e3 * eager,
+        "compiled_step_ms": 1e3 * compiled,
+        "speedup": eager / compiled,
+        "floor_ms": 1e3 * floor,
+        "compiled_over_floor": compiled / floor,
+        "eager_over_floor": eager / floor,
+        "cpu_ms": {"eager": 1e3 * ce, "compiled": 1e3 * cc, "floor": 1e3 * cf},
+        "cpu_compiled_over_floor": cc / cf,
+        "cpu_eager_over_floor": ce / cf,
+        "warmup_s": warm_s,
+        "graphs": graphs,
+        "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs,
+        "buckets": sorted(engines["compiled"].runner.decode_step.shapes),
+    }
 
 
 @torch.no_grad()
@@ -244,13 +306,24 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     cfg = kimi_linear_config(p["hidden"], p["layers"])
     model = build_model(cfg, seed=0).eval()
     P, W, S = p["prompt_len"], p["warmup_steps"], p["steps"]
-    result: dict = {"benchmark": "decode-profile", "quick": quick,
-                    "config": {"model": "kimi-linear-tiny scaled (as vs-transformers)", "hidden": cfg.hidden_size,
-                               "layers": cfg.num_hidden_layers, "layer_types": cfg.layer_types,
-                               "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}",
-                               "dtype": "float32", "prompt_len": P, "profiled_steps": S, "timed_steps": reps,
-                               "threads": torch.get_num_threads()},
-                    "batches": {}, "targets": {}}
+    result: dict = {
+        "benchmark": "decode-profile",
+        "quick": quick,
+        "config": {
+            "model": "kimi-linear-tiny scaled (as vs-transformers)",
+            "hidden": cfg.hidden_size,
+            "layers": cfg.num_hidden_layers,
+            "layer_types": cfg.layer_types,
+            "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}",
+            "dtype": "float32",
+            "prompt_len": P,
+            "profiled_steps": S,
+            "timed_steps": reps,
+            "threads": torch.get_num_threads(),
+        },
+        "batches": {},
+        "targets": {},
+    }
     for B in p["batches"]:
         # wall time of plain decode steps (no dispatch mode), one engine per measurement run
         engine = _engine_at_decode(model, B, P, W + reps, cfg.vocab_size)
@@ -286,23 +359,36 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
             "aten_calls_per_step": sum(counter.calls.values()) / S,
             "host_syncs_per_step": sum(counter.syncs.values()) / S,
             "op_time_ms_per_step": op_ms,
-            "by_module": {g: {"aten_calls": counter.calls[g] / S, "host_syncs": counter.syncs[g] / S,
-                              "op_ms": 1e3 * counter.seconds[g] / S} for g in groups},
+            "by_module": {
+                g: {
+                    "aten_calls": counter.calls[g] / S,
+                    "host_syncs": counter.syncs[g] / S,
+                    "op_ms": 1e3 * counter.seconds[g] / S,
+                }
+                for g in groups
+            },
             "sync_sites": {site: n / S for site, n in counter.sites.most_common()},
             "top_ops": {op: n / S for op, n in counter.ops.most_common(15)},
         }
         result["batches"][f"B={B}"] = row
-        result["targets"][f"step_over_floor_B{B}"] = target(row["step_over_floor"], "<=", 2.0,
-                                                            f"decode step / weight-product floor at B={B}")
-        result["targets"][f"host_syncs_B{B}"] = target(row["host_syncs_per_step"], "<=", 0,
-                                                       f"host syncs per decode step at B={B}")
+        result["targets"][f"step_over_floor_B{B}"] = target(
+            row["step_over_floor"], "<=", 2.0, f"decode step / weight-product floor at B={B}"
+        )
+        result["targets"][f"host_syncs_B{B}"] = target(
+            row["host_syncs_per_step"], "<=", 0, f"host syncs per decode step at B={B}"
+        )
         if p["compile"]:
             c = _eager_vs_compiled(model, B, P, W, reps, cfg.vocab_size)
             row["compiled"] = c
             result["targets"][f"compiled_over_floor_B{B}"] = target(
-                c["compiled_over_floor"], "<=", 2.0, f"compiled decode step / weight-product floor at B={B}")
-            result["targets"][f"recompiles_B{B}"] = target(c["recompiles_after_warmup"], "<=", 0,
-                                                           f"recompilations after warm-up at B={B}")
+                c["compiled_over_floor"],
+                "<=",
+                2.0,
+                f"compiled decode step / weight-product floor at B={B}",
+            )
+            result["targets"][f"recompiles_B{B}"] = target(
+                c["recompiles_after_warmup"], "<=", 0, f"recompilations after warm-up at B={B}"
+            )
     result["env"] = environment()
     return result
 
@@ -311,21 +397,29 @@ def format_profile(result: dict) -> str:
     """A plain-text table of :func:`run`'s result (one block per batch size)."""
     lines = []
     for b, row in result["batches"].items():
-        lines.append(f"{b}: step {row['step_ms']:.2f} ms, floor {row['gemv_floor_ms']:.2f} ms "
-                     f"({row['step_over_floor']:.1f}x), {row['aten_calls_per_step']:.0f} aten calls, "
-                     f"{row['host_syncs_per_step']:.0f} host syncs, op time {row['op_time_ms_per_step']:.2f} ms")
+        lines.append(
+            f"{b}: step {row['step_ms']:.2f} ms, floor {row['gemv_floor_ms']:.2f} ms "
+            f"({row['step_over_floor']:.1f}x), {row['aten_calls_per_step']:.0f} aten calls, "
+            f"{row['host_syncs_per_step']:.0f} host syncs, op time {row['op_time_ms_per_step']:.2f} ms"
+        )
         lines.append(f"  {'group':<28} {'calls':>7} {'syncs':>6} {'op ms':>7}")
         for g, m in row["by_module"].items():
-            lines.append(f"  {g:<28} {m['aten_calls']:>7.0f} {m['host_syncs']:>6.0f} {m['op_ms']:>7.3f}")
+            lines.append(
+                f"  {g:<28} {m['aten_calls']:>7.0f} {m['host_syncs']:>6.0f} {m['op_ms']:>7.3f}"
+            )
         for site, n in row["sync_sites"].items():
             lines.append(f"  sync {n:>4.0f}/step  {site}")
         if "compiled" in row:
             c = row["compiled"]
-            lines.append(f"  interleaved: eager {c['eager_step_ms']:.2f} ms ({c['eager_over_floor']:.1f}x floor), "
-                         f"compiled {c['compiled_step_ms']:.2f} ms ({c['compiled_over_floor']:.1f}x floor), "
-                         f"floor {c['floor_ms']:.2f} ms, {c['speedup']:.2f}x; {c['recompiles_after_warmup']} recompiles "
-                         f"after warm-up ({c['warmup_s']:.0f} s), buckets {c['buckets']}")
+            lines.append(
+                f"  interleaved: eager {c['eager_step_ms']:.2f} ms ({c['eager_over_floor']:.1f}x floor), "
+                f"compiled {c['compiled_step_ms']:.2f} ms ({c['compiled_over_floor']:.1f}x floor), "
+                f"floor {c['floor_ms']:.2f} ms, {c['speedup']:.2f}x; {c['recompiles_after_warmup']} recompiles "
+                f"after warm-up ({c['warmup_s']:.0f} s), buckets {c['buckets']}"
+            )
             m = c["cpu_ms"]
-            lines.append(f"  thread CPU: eager {m['eager']:.2f} ms ({c['cpu_eager_over_floor']:.1f}x), compiled "
-                         f"{m['compiled']:.2f} ms ({c['cpu_compiled_over_floor']:.1f}x), floor {m['floor']:.2f} ms")
+            lines.append(
+                f"  thread CPU: eager {m['eager']:.2f} ms ({c['cpu_eager_over_floor']:.1f}x), compiled "
+                f"{m['compiled']:.2f} ms ({c['cpu_compiled_over_floor']:.1f}x), floor {m['floor']:.2f} ms"
+            )
     return "\n".join(lines)

@@ -62,7 +62,7 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     p = settings(QUICK if quick else FULL, overrides)
     reps = reps or p["reps"]
     B, H, K = p["B"], p["H"], p["K"]
-    scale = K ** -0.5
+    scale = K**-0.5
     rows, targets = {}, {}
     for T in p["T"]:
         q, k, v, g, beta = make_inputs(B, T, H, K, seed=T)
@@ -74,24 +74,49 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                     dt, out = _timed(fn)
                 outs[name] = (out[0].float(), out[1].float())
                 return {"seconds": dt}
+
             return go
 
-        meas = interleaved({
-            "openk3_chunk": contender("openk3_chunk", lambda: kda(q, k, v, g, beta, scale, chunk_size=64)),
-            "openk3_recurrent": contender("openk3_recurrent", lambda: kda_recurrent(q, k, v, g, beta, scale)),
-            "transformers_chunk": contender("transformers_chunk", lambda: hf.chunk_kimi_delta_attention(
-                q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=True,
-                use_qk_l2norm_in_kernel=False)),
-        }, reps=reps, warmup=1)
+        meas = interleaved(
+            {
+                "openk3_chunk": contender(
+                    "openk3_chunk", lambda: kda(q, k, v, g, beta, scale, chunk_size=64)
+                ),
+                "openk3_recurrent": contender(
+                    "openk3_recurrent", lambda: kda_recurrent(q, k, v, g, beta, scale)
+                ),
+                "transformers_chunk": contender(
+                    "transformers_chunk",
+                    lambda: hf.chunk_kimi_delta_attention(
+                        q,
+                        k,
+                        v,
+                        g,
+                        beta,
+                        chunk_size=64,
+                        initial_state=None,
+                        output_final_state=True,
+                        use_qk_l2norm_in_kernel=False,
+                    ),
+                ),
+            },
+            reps=reps,
+            warmup=1,
+        )
         ref_o, ref_s = outs["openk3_recurrent"]
         o_scale = max(1.0, float(ref_o.abs().max()))
         diffs = {}
         for name in ("openk3_chunk", "transformers_chunk"):
             o, s = outs[name]
-            diffs[name] = {"output": float((o - ref_o).abs().max()), "state": float((s - ref_s).abs().max())}
+            diffs[name] = {
+                "output": float((o - ref_o).abs().max()),
+                "state": float((s - ref_s).abs().max()),
+            }
             s_scale = max(1.0, float(ref_s.abs().max()))
-            check(diffs[name]["output"] <= 1e-4 * o_scale and diffs[name]["state"] <= 1e-4 * s_scale,
-                  f"T={T}: {name} differs from the recurrence by {diffs[name]}")
+            check(
+                diffs[name]["output"] <= 1e-4 * o_scale and diffs[name]["state"] <= 1e-4 * s_scale,
+                f"T={T}: {name} differs from the recurrence by {diffs[name]}",
+            )
         m = {n: medians(v) for n, v in meas.items()}
         sec = {n: m[n]["seconds"]["median"] for n in m}
         row = {n: {"seconds": m[n]["seconds"], "tokens_per_s": B * T / sec[n]} for n in m}
@@ -100,14 +125,34 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         row["chunk_over_transformers_speed"] = sec["transformers_chunk"] / sec["openk3_chunk"]
         rows[f"T={T}"] = row
         if T >= 512:
-            targets[f"chunk_vs_recurrent_T{T}"] = target(row["chunk_over_recurrent_speed"], ">=", 1,
-                                                          f"openk3 chunked / recurrent speed at T={T}")
-        targets[f"chunk_vs_transformers_T{T}"] = target(row["chunk_over_transformers_speed"], ">=", 5,
-                                                         f"openk3 chunked / transformers chunked speed at T={T}")
+            targets[f"chunk_vs_recurrent_T{T}"] = target(
+                row["chunk_over_recurrent_speed"],
+                ">=",
+                1,
+                f"openk3 chunked / recurrent speed at T={T}",
+            )
+        targets[f"chunk_vs_transformers_T{T}"] = target(
+            row["chunk_over_transformers_speed"],
+            ">=",
+            5,
+            f"openk3 chunked / transformers chunked speed at T={T}",
+        )
     return {
-        "benchmark": "kda", "quick": quick,
-        "config": {"B": B, "H": H, "K": K, "V": K, "T": list(p["T"]), "chunk_size": 64, "dtype": "float32",
-                   "reps": reps, "gate": "g = -softplus(N(0,1) - 2)",
-                   "peer": "transformers chunk_kimi_delta_attention (torch fallback)"},
-        "by_T": rows, "targets": targets, "env": environment(),
+        "benchmark": "kda",
+        "quick": quick,
+        "config": {
+            "B": B,
+            "H": H,
+            "K": K,
+            "V": K,
+            "T": list(p["T"]),
+            "chunk_size": 64,
+            "dtype": "float32",
+            "reps": reps,
+            "gate": "g = -softplus(N(0,1) - 2)",
+            "peer": "transformers chunk_kimi_delta_attention (torch fallback)",
+        },
+        "by_T": rows,
+        "targets": targets,
+        "env": environment(),
     }

@@ -36,8 +36,12 @@ def _engine(model, tokens: int):
 
     mc = model.config
     budget = sequence_bytes(mc, tokens, model.lm_head.weight.dtype)
-    return Engine(model, EngineConfig(max_num_seqs=1, enable_prefix_cache=False, cache_memory=budget,
-                                      max_model_len=tokens + 1)), budget
+    return Engine(
+        model,
+        EngineConfig(
+            max_num_seqs=1, enable_prefix_cache=False, cache_memory=budget, max_model_len=tokens + 1
+        ),
+    ), budget
 
 
 def measure(model, tokens: int) -> dict:
@@ -45,29 +49,45 @@ def measure(model, tokens: int) -> dict:
     eng, planned = _engine(model, tokens)
     lay, L = eng.cache.layout, eng.cache.layout.block_size
     blocks, slots = eng.cache.blocks, eng.cache.slots
-    check(blocks.num_blocks * L >= tokens and slots.n >= 1,
-          f"T={tokens}: the planner's budget gives {blocks.num_blocks} blocks x {L} and {slots.n} slots")
+    check(
+        blocks.num_blocks * L >= tokens and slots.n >= 1,
+        f"T={tokens}: the planner's budget gives {blocks.num_blocks} blocks x {L} and {slots.n} slots",
+    )
     per_block = blocks.nbytes / blocks.num_blocks
     per_slot = slots.nbytes / slots.n
-    check(per_block == lay.block_bytes and per_slot == lay.slot_bytes,
-          f"T={tokens}: pool tensors ({per_block}, {per_slot} B) differ from the layout "
-          f"({lay.block_bytes}, {lay.slot_bytes} B)")
+    check(
+        per_block == lay.block_bytes and per_slot == lay.slot_bytes,
+        f"T={tokens}: pool tensors ({per_block}, {per_slot} B) differ from the layout "
+        f"({lay.block_bytes}, {lay.slot_bytes} B)",
+    )
     measured = per_slot + -(-tokens // L) * per_block
-    return {"tokens": tokens, "planner_bytes": planned, "measured_bytes": int(measured),
-            "relative_error": abs(measured - planned) / planned, "kda_slot_bytes": int(per_slot),
-            "mla_bytes_per_token": per_block / L}
+    return {
+        "tokens": tokens,
+        "planner_bytes": planned,
+        "measured_bytes": int(measured),
+        "relative_error": abs(measured - planned) / planned,
+        "kda_slot_bytes": int(per_slot),
+        "mla_bytes_per_token": per_block / L,
+    }
 
 
 def _sweep(model, all_mla, Ts) -> dict:
     rows = {}
     for T in Ts:
         h, a = measure(model, T), measure(all_mla, T)
-        rows[f"T={T}"] = {"hybrid": h, "all_mla": a, "hybrid_over_all_mla": h["measured_bytes"] / a["measured_bytes"]}
+        rows[f"T={T}"] = {
+            "hybrid": h,
+            "all_mla": a,
+            "hybrid_over_all_mla": h["measured_bytes"] / a["measured_bytes"],
+        }
     h0 = rows[f"T={Ts[0]}"]
     S, a_tok = h0["hybrid"]["kda_slot_bytes"], h0["hybrid"]["mla_bytes_per_token"]
     b_tok = h0["all_mla"]["mla_bytes_per_token"]
-    return {"by_T": rows, "crossover_tokens": S / (b_tok - a_tok) if b_tok > a_tok else None,
-            "tokens_for_ratio_0.30": S / (0.30 * b_tok - a_tok) if 0.30 * b_tok > a_tok else None}
+    return {
+        "by_T": rows,
+        "crossover_tokens": S / (b_tok - a_tok) if b_tok > a_tok else None,
+        "tokens_for_ratio_0.30": S / (0.30 * b_tok - a_tok) if 0.30 * b_tok > a_tok else None,
+    }
 
 
 @torch.no_grad()
@@ -93,7 +113,10 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     # One real request: blocks and slots in use after its prefill.
     n = p["run_tokens"]
     eng, _ = _engine(model, n + 16)  # room for the prompt plus the one block the decode will need
-    eng.add_request(torch.randint(0, cfg.vocab_size, (n,)).tolist(), SamplingParams(max_tokens=2, temperature=0.0))
+    eng.add_request(
+        torch.randint(0, cfg.vocab_size, (n,)).tolist(),
+        SamplingParams(max_tokens=2, temperature=0.0),
+    )
     while not any(o.new_token_ids for o in eng.step()):  # chunked prefill: until the first token
         pass
     used_blocks, used_slots = eng.cache.blocks.num_used, eng.cache.slots.num_used
@@ -101,8 +124,13 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     real = used_slots * lay.slot_bytes + used_blocks * lay.block_bytes
     planned = lay.slot_bytes + -(-n // lay.block_size) * lay.block_bytes
     eng.abort_all()
-    results["bench"]["real_request"] = {"tokens": n, "blocks_used": used_blocks, "slots_used": used_slots,
-                                        "bytes_in_use": real, "planner_bytes": planned}
+    results["bench"]["real_request"] = {
+        "tokens": n,
+        "blocks_used": used_blocks,
+        "slots_used": used_slots,
+        "bytes_in_use": real,
+        "planner_bytes": planned,
+    }
     check(real == planned, f"a {n}-token request holds {real} B, the planner says {planned} B")
 
     if p["kimi_k3"]:
@@ -111,23 +139,40 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         k3 = preset("kimi-k3")
         with torch.device("meta"):
             hybrid_meta = K3ForCausalLM(k3).to(torch.bfloat16)
-            mla_meta = K3ForCausalLM(k3.replace(layer_types=[MLA] * k3.num_hidden_layers)).to(torch.bfloat16)
+            mla_meta = K3ForCausalLM(k3.replace(layer_types=[MLA] * k3.num_hidden_layers)).to(
+                torch.bfloat16
+            )
         results["kimi-k3"] = _sweep(hybrid_meta, mla_meta, Ts)
 
     targets = {}
     for name, res in results.items():
-        worst = max(r[k]["relative_error"] for r in res["by_T"].values() for k in ("hybrid", "all_mla"))
-        targets[f"planner_error_{name}"] = target(worst, "<=", 0.02,
-                                                  f"{name}: max |measured - planner| / planner over T")
+        worst = max(
+            r[k]["relative_error"] for r in res["by_T"].values() for k in ("hybrid", "all_mla")
+        )
+        targets[f"planner_error_{name}"] = target(
+            worst, "<=", 0.02, f"{name}: max |measured - planner| / planner over T"
+        )
         last = max(Ts)
         ratio = res["by_T"][f"T={last}"]["hybrid_over_all_mla"]
-        targets[f"hybrid_vs_all_mla_{name}_T{last}"] = target(ratio, "<=", 0.30,
-                                                             f"{name}: hybrid / all-MLA bytes per sequence at T={last}")
+        targets[f"hybrid_vs_all_mla_{name}_T{last}"] = target(
+            ratio, "<=", 0.30, f"{name}: hybrid / all-MLA bytes per sequence at T={last}"
+        )
     return {
-        "benchmark": "memory", "quick": quick,
-        "config": {"T": Ts, "bench_model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                                            "layer_types": cfg.layer_types, "dtype": "float32"},
-                   "kimi_k3": "released config, BF16 pools (KDA recurrent fp32), meta device"
-                   if p["kimi_k3"] else None},
-        "results": results, "targets": targets, "env": environment(),
+        "benchmark": "memory",
+        "quick": quick,
+        "config": {
+            "T": Ts,
+            "bench_model": {
+                "hidden": cfg.hidden_size,
+                "layers": cfg.num_hidden_layers,
+                "layer_types": cfg.layer_types,
+                "dtype": "float32",
+            },
+            "kimi_k3": "released config, BF16 pools (KDA recurrent fp32), meta device"
+            if p["kimi_k3"]
+            else None,
+        },
+        "results": results,
+        "targets": targets,
+        "env": environment(),
     }

@@ -25,13 +25,40 @@ from __future__ import annotations
 import torch
 
 from openk3.bench.common import (
-    check, drive, environment, k3_config, medians, random_prompts, settings, target,
+    check,
+    drive,
+    environment,
+    k3_config,
+    medians,
+    random_prompts,
+    settings,
+    target,
 )
 
-FULL = {"hidden": 256, "layers": 8, "prefix_len": 1024, "suffix_len": 64, "turns": 20, "first_len": 256,
-        "user_len": 48, "gen_len": 24, "snapshot_interval": 512, "reps": 5}
-QUICK = {"hidden": 64, "layers": 4, "prefix_len": 64, "suffix_len": 8, "turns": 3, "first_len": 24,
-         "user_len": 8, "gen_len": 4, "snapshot_interval": 32, "reps": 1}
+FULL = {
+    "hidden": 256,
+    "layers": 8,
+    "prefix_len": 1024,
+    "suffix_len": 64,
+    "turns": 20,
+    "first_len": 256,
+    "user_len": 48,
+    "gen_len": 24,
+    "snapshot_interval": 512,
+    "reps": 5,
+}
+QUICK = {
+    "hidden": 64,
+    "layers": 4,
+    "prefix_len": 64,
+    "suffix_len": 8,
+    "turns": 3,
+    "first_len": 24,
+    "user_len": 8,
+    "gen_len": 4,
+    "snapshot_interval": 32,
+    "reps": 1,
+}
 
 
 def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
@@ -50,17 +77,30 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     cfg = k3_config(p["hidden"], p["layers"])
     model = build_model(cfg, seed=0).eval()
     V = cfg.vocab_size
-    max_len = p["prefix_len"] + p["suffix_len"] + p["first_len"] + p["turns"] * (p["user_len"] + p["gen_len"]) + 64
+    max_len = (
+        p["prefix_len"]
+        + p["suffix_len"]
+        + p["first_len"]
+        + p["turns"] * (p["user_len"] + p["gen_len"])
+        + 64
+    )
     captured: dict[str, torch.Tensor] = {}
 
     def keep(rid: str, logits: torch.Tensor) -> None:
         captured.setdefault(rid, logits.clone())
 
     def make(prefix_cache: bool) -> Engine:
-        return Engine(model, EngineConfig(max_num_seqs=4, enable_prefix_cache=prefix_cache, max_model_len=max_len,
-                                          cache_memory=64 << 20,
-                                          snapshot_interval=p["snapshot_interval"]),
-                      on_logits=keep)
+        return Engine(
+            model,
+            EngineConfig(
+                max_num_seqs=4,
+                enable_prefix_cache=prefix_cache,
+                max_model_len=max_len,
+                cache_memory=64 << 20,
+                snapshot_interval=p["snapshot_interval"],
+            ),
+            on_logits=keep,
+        )
 
     cached, plain = make(True), make(False)
     one = SamplingParams(max_tokens=1, temperature=0.0)
@@ -81,7 +121,9 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         prompt = state["prefix"] + random_prompts(1, S, V, seed=3000 + state["rep"])[0]
         captured.clear()
         (tr,), _ = drive(cached, [(prompt, one)])
-        check(tr.usage.cached_tokens == P, f"hit reused {tr.usage.cached_tokens} tokens, expected {P}")
+        check(
+            tr.usage.cached_tokens == P, f"hit reused {tr.usage.cached_tokens} tokens, expected {P}"
+        )
         hit_logits = next(iter(captured.values()))
         captured.clear()
         drive(plain, [(prompt, one)])  # untimed reference: the same prompt without the cache
@@ -98,8 +140,10 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         if i >= 1:
             meas["cold"]["ttft_s"].append(c["ttft_s"])
             meas["hit"]["ttft_s"].append(h["ttft_s"])
-    check(worst["max_abs"] <= 1e-5 * max(1.0, worst["scale"]),
-          f"hit logits differ from uncached logits by {worst['max_abs']:.3g} (scale {worst['scale']:.3g})")
+    check(
+        worst["max_abs"] <= 1e-5 * max(1.0, worst["scale"]),
+        f"hit logits differ from uncached logits by {worst['max_abs']:.3g} (scale {worst['scale']:.3g})",
+    )
     m = {k: medians(v) for k, v in meas.items()}
     ratio = m["hit"]["ttft_s"]["median"] / m["cold"]["ttft_s"]["median"]
 
@@ -108,7 +152,9 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         prompt = random_prompts(1, p["first_len"], V, seed=7)[0]
         outs, usages, t = [], [], 0.0
         for turn in range(p["turns"]):
-            (tr,), dt = drive(engine, [(prompt, SamplingParams(max_tokens=p["gen_len"], temperature=0.0))])
+            (tr,), dt = drive(
+                engine, [(prompt, SamplingParams(max_tokens=p["gen_len"], temperature=0.0))]
+            )
             t += dt
             outs.append(tr.tokens)
             usages.append(tr.usage)
@@ -130,23 +176,48 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
 
     stats = cached.stats()
     result = {
-        "benchmark": "prefix-cache", "quick": quick,
-        "config": {"model": "k3-test-tiny scaled", "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                   "params": sum(t.numel() for t in model.parameters()), "dtype": "float32",
-                   **{k: v for k, v in p.items() if k != "reps"},
-                   "reps": reps, "block_size": cached.cache.layout.block_size,
-                   "snapshot_interval": cached.cache.prefix.interval},
-        "ttft": {"cold": m["cold"], "hit": m["hit"], "hit_over_cold": ratio,
-                 "hit_logits_max_abs_diff": worst["max_abs"], "logits_scale": worst["scale"]},
-        "session": {"turns": p["turns"], "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
-                    "token_hit_rate": hit_rate, "per_turn_cached": [u.cached_tokens for u in use_c],
-                    "per_turn_prompt": [u.prompt_tokens for u in use_c],
-                    "kda_pool": {"queries": kda_q, "hits": kda_h}, "mla_pool_tokens": {"queries": mla_q, "hits": mla_h},
-                    "seconds_with_cache": t_c, "seconds_without_cache": t_p, "tokens_identical": True},
-        "snapshot_bytes": cached.cache.layout.snapshot_bytes, "snapshots_used": stats["kda_snapshots"]["used"],
+        "benchmark": "prefix-cache",
+        "quick": quick,
+        "config": {
+            "model": "k3-test-tiny scaled",
+            "hidden": cfg.hidden_size,
+            "layers": cfg.num_hidden_layers,
+            "params": sum(t.numel() for t in model.parameters()),
+            "dtype": "float32",
+            **{k: v for k, v in p.items() if k != "reps"},
+            "reps": reps,
+            "block_size": cached.cache.layout.block_size,
+            "snapshot_interval": cached.cache.prefix.interval,
+        },
+        "ttft": {
+            "cold": m["cold"],
+            "hit": m["hit"],
+            "hit_over_cold": ratio,
+            "hit_logits_max_abs_diff": worst["max_abs"],
+            "logits_scale": worst["scale"],
+        },
+        "session": {
+            "turns": p["turns"],
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            "token_hit_rate": hit_rate,
+            "per_turn_cached": [u.cached_tokens for u in use_c],
+            "per_turn_prompt": [u.prompt_tokens for u in use_c],
+            "kda_pool": {"queries": kda_q, "hits": kda_h},
+            "mla_pool_tokens": {"queries": mla_q, "hits": mla_h},
+            "seconds_with_cache": t_c,
+            "seconds_without_cache": t_p,
+            "tokens_identical": True,
+        },
+        "snapshot_bytes": cached.cache.layout.snapshot_bytes,
+        "snapshots_used": stats["kda_snapshots"]["used"],
         "targets": {
-            "hit_ttft_ratio": target(ratio, "<=", 0.2, f"TTFT of a {P}+{S} prompt, prefix hit / cold"),
-            "session_hit_rate": target(hit_rate, ">=", 0.8, f"{p['turns']}-turn session: cached / prompt tokens"),
+            "hit_ttft_ratio": target(
+                ratio, "<=", 0.2, f"TTFT of a {P}+{S} prompt, prefix hit / cold"
+            ),
+            "session_hit_rate": target(
+                hit_rate, ">=", 0.8, f"{p['turns']}-turn session: cached / prompt tokens"
+            ),
         },
         "env": environment(),
     }

@@ -53,14 +53,31 @@ from typing import Any
 
 from openk3.bench.common import check, environment, k3_config, percentile, settings, summary, target
 
-FULL = {"hidden": 128, "layers": 4, "new_tokens": 32, "requests": 40, "streams": (1, 8), "stream_rounds": 3,
-        "model": ""}
-QUICK = {"hidden": 64, "layers": 4, "new_tokens": 4, "requests": 1, "streams": (1, 2), "stream_rounds": 1, "model": ""}
+FULL = {
+    "hidden": 128,
+    "layers": 4,
+    "new_tokens": 32,
+    "requests": 40,
+    "streams": (1, 8),
+    "stream_rounds": 3,
+    "model": "",
+}
+QUICK = {
+    "hidden": 64,
+    "layers": 4,
+    "new_tokens": 4,
+    "requests": 1,
+    "streams": (1, 2),
+    "stream_rounds": 1,
+    "model": "",
+}
 _STARTUP = re.compile(r"openk3 serve: model (\S+) at (http://\S+)/v1")
 MODEL_ID = "openk3-bench"
-PROMPT = ("You are reviewing a pull request that adds a benchmark suite to an inference engine. "
-          "Summarise in three sentences what the benchmarks measure, which peers they compare "
-          "against, and how the results are checked for correctness before any number is reported.")
+PROMPT = (
+    "You are reviewing a pull request that adds a benchmark suite to an inference engine. "
+    "Summarise in three sentences what the benchmarks measure, which peers they compare "
+    "against, and how the results are checked for correctness before any number is reported."
+)
 
 
 def write_checkpoint(directory: Path, hidden: int, layers: int) -> Path:
@@ -76,16 +93,26 @@ def write_checkpoint(directory: Path, hidden: int, layers: int) -> Path:
     bpe = HFTokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=list(K3_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    text = [PROMPT, "message role user assistant system think response tools call argument",
-            "The engine streams tokens; the server renders, parses and frames them as server-sent events."]
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=list(K3_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = [
+        PROMPT,
+        "message role user assistant system think response tools call argument",
+        "The engine streams tokens; the server renders, parses and frames them as server-sent events.",
+    ]
     bpe.train_from_iterator(text * 50, trainer)
     Tokenizer.from_bpe(bpe).save_pretrained(directory)
     tok = load_tokenizer(directory)
     cfg = k3_config(hidden, layers, vocab=tok.vocab_size).replace(
-        bos_token_id=tok.bos_id, eos_token_id=tok.end_of_msg_id, pad_token_id=tok.pad_id,
-        media_placeholder_token_id=tok.media_pad_id)
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.end_of_msg_id,
+        pad_token_id=tok.pad_id,
+        media_placeholder_token_id=tok.media_pad_id,
+    )
     build_model(cfg, seed=0).save_pretrained(str(directory))
     return directory
 
@@ -93,16 +120,43 @@ def write_checkpoint(directory: Path, hidden: int, layers: int) -> Path:
 class _Server:
     """``openk3 serve`` on a free loopback port, its output in a log file."""
 
-    def __init__(self, ckpt: Path, log: Path, timeout: float = 180.0, device: str = "cpu",
-                 dtype: str = "float32", max_num_seqs: int = 4) -> None:
+    def __init__(
+        self,
+        ckpt: Path,
+        log: Path,
+        timeout: float = 180.0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_num_seqs: int = 4,
+    ) -> None:
         self._log = open(log, "w+")
         self.log = log
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("OPENK3_API_KEY", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "openk3.cli", "serve", str(ckpt), "--port", "0",
-                                      "--no-prefix-cache", "--max-num-seqs", str(max_num_seqs), "--served-model-name", MODEL_ID,
-                                      "--device", device, "--dtype", dtype, "--quiet"],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "openk3.cli",
+                "serve",
+                str(ckpt),
+                "--port",
+                "0",
+                "--no-prefix-cache",
+                "--max-num-seqs",
+                str(max_num_seqs),
+                "--served-model-name",
+                MODEL_ID,
+                "--device",
+                device,
+                "--dtype",
+                dtype,
+                "--quiet",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         deadline = time.monotonic() + timeout
         while True:
             m = _STARTUP.search(log.read_text())
@@ -163,18 +217,32 @@ def _concurrent_streams(client, n: int, rounds: int, new_tokens: int) -> dict:
 
     per_stream, aggregate = [], []
     for r in range(rounds):
-        bodies = [{"model": MODEL_ID, "messages": [{"role": "user", "content": f"{PROMPT} (stream {r}.{i})"}],
-                   "stream": True, "max_completion_tokens": new_tokens, "seed": 99 + 100 * r + i} for i in range(n)]
+        bodies = [
+            {
+                "model": MODEL_ID,
+                "messages": [{"role": "user", "content": f"{PROMPT} (stream {r}.{i})"}],
+                "stream": True,
+                "max_completion_tokens": new_tokens,
+                "seed": 99 + 100 * r + i,
+            }
+            for i in range(n)
+        ]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(n) as pool:
             outs = list(pool.map(lambda b: _stream_server(client, b), bodies))
         wall = time.perf_counter() - t0
         for o in outs:
-            check(o["usage"] is not None and o["final"], f"{n} streams: a stream ended without usage")
+            check(
+                o["usage"] is not None and o["final"], f"{n} streams: a stream ended without usage"
+            )
             per_stream.append(o["usage"]["completion_tokens"] / o["final"])
         aggregate.append(sum(o["usage"]["completion_tokens"] for o in outs) / wall)
-    return {"tok_per_s_per_stream": summary(per_stream), "tok_per_s_per_stream_p50": percentile(per_stream, 0.5),
-            "tok_per_s_total_p50": percentile(aggregate, 0.5), "requests": len(per_stream)}
+    return {
+        "tok_per_s_per_stream": summary(per_stream),
+        "tok_per_s_per_stream_p50": percentile(per_stream, 0.5),
+        "tok_per_s_total_p50": percentile(aggregate, 0.5),
+        "requests": len(per_stream),
+    }
 
 
 async def _in_process(aeng, ids: list[int], params, constraint=None) -> dict:
@@ -194,8 +262,12 @@ def _parsed_text(tokenizer, prep, tokens: list[int]) -> tuple[str, int | None]:
     """(reasoning + content text the server would stream, index of the first text-bearing token)."""
     from openk3.chat_format.parser import ContentDelta, OutputParser, ReasoningDelta, ToolCallStart
 
-    parser = OutputParser(tokenizer, start_channel=prep.prompt.channel or "think",
-                          tool_index_start=prep.tool_index_start, tools_enabled=prep.tools_enabled)
+    parser = OutputParser(
+        tokenizer,
+        start_channel=prep.prompt.channel or "think",
+        tool_index_start=prep.tool_index_start,
+        tools_enabled=prep.tools_enabled,
+    )
     text, first = [], None
     for i, t in enumerate(tokens):
         for ev in parser.feed([t]):
@@ -213,8 +285,14 @@ def _parsed_text(tokenizer, prep, tokens: list[int]) -> tuple[str, int | None]:
 PLACEABLE = True  # takes device / dtype (openk3 bench --device / --dtype): both sides use them
 
 
-def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dtype: Any = None,
-        **overrides) -> dict:
+def run(
+    quick: bool = False,
+    reps: int | None = None,
+    *,
+    device: Any = "cpu",
+    dtype: Any = None,
+    **overrides,
+) -> dict:
     """Run B7 with both sides' model on `device` in `dtype` (None: float32); returns the result
     dict (see the module docstring). ``reps`` = requests per side.
 
@@ -237,17 +315,33 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
         else:
             ckpt = write_checkpoint(Path(tmp) / "ckpt", p["hidden"], p["layers"])
         dtype_name = str(dtype or "float32").removeprefix("torch.")
-        server = _Server(ckpt, Path(tmp) / "server.log", device=str(device), dtype=dtype_name,
-                         max_num_seqs=max(4, *p["streams"]))
-        serving, aeng = build_serving(str(ckpt), served_model_name=MODEL_ID, max_num_seqs=4, enable_prefix_cache=False,
-                                      device=device, dtype=dtype)
+        server = _Server(
+            ckpt,
+            Path(tmp) / "server.log",
+            device=str(device),
+            dtype=dtype_name,
+            max_num_seqs=max(4, *p["streams"]),
+        )
+        serving, aeng = build_serving(
+            str(ckpt),
+            served_model_name=MODEL_ID,
+            max_num_seqs=4,
+            enable_prefix_cache=False,
+            device=device,
+            dtype=dtype,
+        )
         loop = asyncio.new_event_loop()
         rows = {"server": [], "in_process": []}
         try:
             with httpx.Client(base_url=server.base, timeout=120) as client:
                 for i in range(n_req + 1):  # request 0 warms both paths up
-                    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": f"{PROMPT} (#{i})"}],
-                            "stream": True, "max_completion_tokens": p["new_tokens"], "seed": 1234 + i}
+                    body = {
+                        "model": MODEL_ID,
+                        "messages": [{"role": "user", "content": f"{PROMPT} (#{i})"}],
+                        "stream": True,
+                        "max_completion_tokens": p["new_tokens"],
+                        "seed": 1234 + i,
+                    }
                     prep = serving.prepare(serving.parse(body))
                     order = ("server", "in_process") if i % 2 == 0 else ("in_process", "server")
                     res = {}
@@ -255,15 +349,23 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
                         if side == "server":
                             res[side] = _stream_server(client, body)
                         else:
-                            res[side] = loop.run_until_complete(_in_process(aeng, prep.prompt.token_ids, prep.params,
-                                                                            prep.constraint))
+                            res[side] = loop.run_until_complete(
+                                _in_process(
+                                    aeng, prep.prompt.token_ids, prep.params, prep.constraint
+                                )
+                            )
                     s, e = res["server"], res["in_process"]
                     text, k = _parsed_text(serving.tokenizer, prep, e["tokens"])
                     n_completion = e["usage"].completion_tokens
-                    check(s["usage"] is not None and s["usage"]["completion_tokens"] == n_completion,
-                          f"request {i}: completion tokens differ: server {s['usage']}, in-process {n_completion}")
-                    check(s["text"] == text, f"request {i}: streamed text differs from the in-process tokens' text:\n"
-                                             f"{s['text']!r}\n{text!r}")
+                    check(
+                        s["usage"] is not None and s["usage"]["completion_tokens"] == n_completion,
+                        f"request {i}: completion tokens differ: server {s['usage']}, in-process {n_completion}",
+                    )
+                    check(
+                        s["text"] == text,
+                        f"request {i}: streamed text differs from the in-process tokens' text:\n"
+                        f"{s['text']!r}\n{text!r}",
+                    )
                     if i == 0 or k is None:
                         continue
                     # engine outputs from the one holding token k (inclusive) to the end
@@ -275,17 +377,35 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
                         seen += len(toks)
                     t_k = e["times"][idx][0]
                     steps_after = len(e["times"]) - 1 - idx
-                    rows["in_process"].append({"ttft_s": t_k, "e2e_s": e["final"], "per_token_s":
-                                               (e["final"] - t_k) / steps_after if steps_after else None})
-                    rows["server"].append({"ttft_s": s["first_text"], "e2e_s": s["final"], "per_token_s":
-                                           (s["final"] - s["first_text"]) / steps_after if steps_after else None})
+                    rows["in_process"].append(
+                        {
+                            "ttft_s": t_k,
+                            "e2e_s": e["final"],
+                            "per_token_s": (e["final"] - t_k) / steps_after
+                            if steps_after
+                            else None,
+                        }
+                    )
+                    rows["server"].append(
+                        {
+                            "ttft_s": s["first_text"],
+                            "e2e_s": s["final"],
+                            "per_token_s": (s["final"] - s["first_text"]) / steps_after
+                            if steps_after
+                            else None,
+                        }
+                    )
             # the in-process engine stops first: the concurrent streams have the machine to themselves
             loop.run_until_complete(aeng.shutdown(drain=False))
             with httpx.Client(base_url=server.base, timeout=600) as client:
-                streams = {f"{n}": _concurrent_streams(client, n, p["stream_rounds"], p["new_tokens"])
-                           for n in p["streams"]}
+                streams = {
+                    f"{n}": _concurrent_streams(client, n, p["stream_rounds"], p["new_tokens"])
+                    for n in p["streams"]
+                }
         finally:
-            loop.run_until_complete(aeng.shutdown(drain=False))  # again after a failure (a no-op after one)
+            loop.run_until_complete(
+                aeng.shutdown(drain=False)
+            )  # again after a failure (a no-op after one)
             loop.close()
             server.stop()
     check(bool(rows["server"]), "no request produced text: nothing to time")
@@ -293,35 +413,71 @@ def run(quick: bool = False, reps: int | None = None, *, device: Any = "cpu", dt
     for side, rs in rows.items():
         ttft = [r["ttft_s"] for r in rs]
         per_tok = [r["per_token_s"] for r in rs if r["per_token_s"] is not None]
-        stats[side] = {"ttft_ms": summary([1e3 * x for x in ttft]), "per_token_ms": summary([1e3 * x for x in per_tok]),
-                       "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
-                       "per_token_p50_ms": 1e3 * percentile(per_tok, 0.5) if per_tok else None}
+        stats[side] = {
+            "ttft_ms": summary([1e3 * x for x in ttft]),
+            "per_token_ms": summary([1e3 * x for x in per_tok]),
+            "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
+            "per_token_p50_ms": 1e3 * percentile(per_tok, 0.5) if per_tok else None,
+        }
     for side, rs in rows.items():
         stats[side]["e2e_ms"] = summary([1e3 * r["e2e_s"] for r in rs])
     # Paired differences (request i on both sides, run back to back) cancel slow drifts of the
     # machine's speed; the targets use their median, the difference of the p50s is reported too.
-    paired = {key: 1e3 * percentile([s[key] - e[key] for s, e in zip(rows["server"], rows["in_process"])
-                                     if s[key] is not None and e[key] is not None], 0.5)
-              for key in ("ttft_s", "per_token_s", "e2e_s")}
+    paired = {
+        key: 1e3
+        * percentile(
+            [
+                s[key] - e[key]
+                for s, e in zip(rows["server"], rows["in_process"])
+                if s[key] is not None and e[key] is not None
+            ],
+            0.5,
+        )
+        for key in ("ttft_s", "per_token_s", "e2e_s")
+    }
     added_ttft = stats["server"]["ttft_p50_ms"] - stats["in_process"]["ttft_p50_ms"]
-    added_tok = (stats["server"]["per_token_p50_ms"] - stats["in_process"]["per_token_p50_ms"]
-                 if stats["server"]["per_token_p50_ms"] is not None else None)
+    added_tok = (
+        stats["server"]["per_token_p50_ms"] - stats["in_process"]["per_token_p50_ms"]
+        if stats["server"]["per_token_p50_ms"] is not None
+        else None
+    )
     return {
-        "benchmark": "server", "quick": quick,
-        "config": {"model": p["model"] or "k3-test-tiny scaled, random weights, trained ~1k BPE", "hidden": p["hidden"],
-                   "layers": p["layers"], "new_tokens": p["new_tokens"], "requests_per_side": n_req,
-                   "prompt_tokens": len(prep.prompt.token_ids), "transport": "httpx streaming over 127.0.0.1",
-                   "sampling": "API fixed (temperature 1.0, top_p 0.95), same seed both sides", "prefix_cache": False},
-        "latency": stats, "added_ttft_ms_p50": added_ttft, "added_per_token_ms_p50": added_tok,
-        "paired_median_difference_ms": {"ttft": paired["ttft_s"], "per_token": paired["per_token_s"],
-                                        "end_to_end": paired["e2e_s"]},
+        "benchmark": "server",
+        "quick": quick,
+        "config": {
+            "model": p["model"] or "k3-test-tiny scaled, random weights, trained ~1k BPE",
+            "hidden": p["hidden"],
+            "layers": p["layers"],
+            "new_tokens": p["new_tokens"],
+            "requests_per_side": n_req,
+            "prompt_tokens": len(prep.prompt.token_ids),
+            "transport": "httpx streaming over 127.0.0.1",
+            "sampling": "API fixed (temperature 1.0, top_p 0.95), same seed both sides",
+            "prefix_cache": False,
+        },
+        "latency": stats,
+        "added_ttft_ms_p50": added_ttft,
+        "added_per_token_ms_p50": added_tok,
+        "paired_median_difference_ms": {
+            "ttft": paired["ttft_s"],
+            "per_token": paired["per_token_s"],
+            "end_to_end": paired["e2e_s"],
+        },
         "outputs_identical": True,
         "concurrent_streams": streams,
         "targets": {
-            "added_ttft": target(paired["ttft_s"], "<=", 5.0,
-                                 "median over requests of TTFT server streaming - in-process AsyncEngine (ms)"),
-            "added_per_token": target(paired["per_token_s"], "<=", 1.0,
-                                      "median over requests of per-token latency, server - in-process (ms)"),
+            "added_ttft": target(
+                paired["ttft_s"],
+                "<=",
+                5.0,
+                "median over requests of TTFT server streaming - in-process AsyncEngine (ms)",
+            ),
+            "added_per_token": target(
+                paired["per_token_s"],
+                "<=",
+                1.0,
+                "median over requests of per-token latency, server - in-process (ms)",
+            ),
         },
         "env": environment(),
     }

@@ -32,12 +32,35 @@ import time
 import torch
 
 from openk3.bench.common import (
-    check, drive, environment, interleaved, kimi_linear_config, medians, random_prompts, settings, target,
+    check,
+    drive,
+    environment,
+    interleaved,
+    kimi_linear_config,
+    medians,
+    random_prompts,
+    settings,
+    target,
 )
 
-FULL = {"hidden": 256, "layers": 4, "prompt_len": 128, "new_tokens": 32, "batches": (1, 8), "reps": 5,
-        "compile": False}
-QUICK = {"hidden": 64, "layers": 4, "prompt_len": 16, "new_tokens": 4, "batches": (1, 2), "reps": 1, "compile": False}
+FULL = {
+    "hidden": 256,
+    "layers": 4,
+    "prompt_len": 128,
+    "new_tokens": 32,
+    "batches": (1, 8),
+    "reps": 5,
+    "compile": False,
+}
+QUICK = {
+    "hidden": 64,
+    "layers": 4,
+    "prompt_len": 16,
+    "new_tokens": 4,
+    "batches": (1, 2),
+    "reps": 1,
+    "compile": False,
+}
 
 
 class _Stamps:
@@ -113,63 +136,106 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     ours = build_model(cfg, seed=0).eval()
     with tempfile.TemporaryDirectory() as tmp:
         ours.save_pretrained(tmp)
-        peer = KimiLinearForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager").eval()
+        peer = KimiLinearForCausalLM.from_pretrained(
+            tmp, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     peer.generation_config.eos_token_id = None  # run exactly new_tokens steps, like the engine
     P, N = p["prompt_len"], p["new_tokens"]
-    result: dict = {"benchmark": "vs-transformers", "quick": quick,
-                    "config": {"model": "kimi-linear-tiny scaled", "hidden": cfg.hidden_size,
-                               "layers": cfg.num_hidden_layers, "layer_types": cfg.layer_types,
-                               "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}",
-                               "vocab": cfg.vocab_size, "params": sum(t.numel() for t in ours.parameters()),
-                               "dtype": "float32", "prompt_len": P, "new_tokens": N, "reps": reps,
-                               "transformers_attn": "eager",
-                               "engine": "prefix cache off, one-step prefill" + (", compiled decode" if p["compile"] else "")},
-                    "batches": {}, "targets": {}}
+    result: dict = {
+        "benchmark": "vs-transformers",
+        "quick": quick,
+        "config": {
+            "model": "kimi-linear-tiny scaled",
+            "hidden": cfg.hidden_size,
+            "layers": cfg.num_hidden_layers,
+            "layer_types": cfg.layer_types,
+            "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}",
+            "vocab": cfg.vocab_size,
+            "params": sum(t.numel() for t in ours.parameters()),
+            "dtype": "float32",
+            "prompt_len": P,
+            "new_tokens": N,
+            "reps": reps,
+            "transformers_attn": "eager",
+            "engine": "prefix cache off, one-step prefill"
+            + (", compiled decode" if p["compile"] else ""),
+        },
+        "batches": {},
+        "targets": {},
+    }
     for B in p["batches"]:
         prompts = random_prompts(B, P, cfg.vocab_size, seed=100 + B)
         ids = torch.tensor(prompts)
-        engine = Engine(ours, EngineConfig(max_num_seqs=max(B, 1), enable_prefix_cache=False, compile=p["compile"],
-                                           prefill_chunk=max(512, B * P), max_model_len=P + N + 16))
+        engine = Engine(
+            ours,
+            EngineConfig(
+                max_num_seqs=max(B, 1),
+                enable_prefix_cache=False,
+                compile=p["compile"],
+                prefill_chunk=max(512, B * P),
+                max_model_len=P + N + 16,
+            ),
+        )
         got: dict[str, list] = {}
 
         def run_peer() -> dict:
             s = _Stamps()
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
-                                    pad_token_id=cfg.pad_token_id, streamer=s)
+                out = peer.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=N,
+                    do_sample=False,
+                    pad_token_id=cfg.pad_token_id,
+                    streamer=s,
+                )
             got["transformers"] = out[:, P:].tolist()
             first, last = s.times[1], s.times[-1]
             return {"ttft_s": first - t0, "decode_s": last - first}
 
         def run_ours() -> dict:
-            traces, _ = drive(engine, [(pr, SamplingParams(max_tokens=N, temperature=0.0)) for pr in prompts])
+            traces, _ = drive(
+                engine, [(pr, SamplingParams(max_tokens=N, temperature=0.0)) for pr in prompts]
+            )
             got["openk3"] = [t.tokens for t in traces]
             first = max(t.times[0] for t in traces)
             last = max(t.times[-1] for t in traces)
             return {"ttft_s": first, "decode_s": last - first}
 
         meas = interleaved({"openk3": run_ours, "transformers": run_peer}, reps=reps, warmup=1)
-        check(got["openk3"] == got["transformers"],
-              f"B={B}: greedy tokens differ between openk3 and transformers:\n{got['openk3']}\n{got['transformers']}")
+        check(
+            got["openk3"] == got["transformers"],
+            f"B={B}: greedy tokens differ between openk3 and transformers:\n{got['openk3']}\n{got['transformers']}",
+        )
         m = {k: medians(v) for k, v in meas.items()}
         steps = B * (N - 1)
         row = {"tokens_identical": True, "openk3": m["openk3"], "transformers": m["transformers"]}
         for who in ("openk3", "transformers"):
             row[who]["decode_tok_per_s"] = steps / m[who]["decode_s"]["median"] if N > 1 else None
             row[who]["decode_ms_per_step"] = 1e3 * m[who]["decode_s"]["median"] / max(N - 1, 1)
-        speed = (row["openk3"]["decode_tok_per_s"] / row["transformers"]["decode_tok_per_s"]) if N > 1 else None
+        speed = (
+            (row["openk3"]["decode_tok_per_s"] / row["transformers"]["decode_tok_per_s"])
+            if N > 1
+            else None
+        )
         ttft_ratio = m["openk3"]["ttft_s"]["median"] / m["transformers"]["ttft_s"]["median"]
         floor = gemv_floor(ours, B, max(reps, 3))
-        row["gemv_floor"] = {"ms_per_step": 1e3 * floor["seconds"], "products": floor["products"],
-                             "max_decode_speedup_vs_transformers": row["transformers"]["decode_ms_per_step"]
-                             / (1e3 * floor["seconds"])}
+        row["gemv_floor"] = {
+            "ms_per_step": 1e3 * floor["seconds"],
+            "products": floor["products"],
+            "max_decode_speedup_vs_transformers": row["transformers"]["decode_ms_per_step"]
+            / (1e3 * floor["seconds"]),
+        }
         row["decode_speedup"] = speed
         row["ttft_ratio"] = ttft_ratio
         result["batches"][f"B={B}"] = row
         goal = 5 if B == 1 else 10
-        result["targets"][f"decode_speedup_B{B}"] = target(speed, ">=", goal,
-                                                           f"decode tokens/s openk3 / transformers at B={B}")
-        result["targets"][f"ttft_ratio_B{B}"] = target(ttft_ratio, "<=", 0.5, f"TTFT openk3 / transformers at B={B}")
+        result["targets"][f"decode_speedup_B{B}"] = target(
+            speed, ">=", goal, f"decode tokens/s openk3 / transformers at B={B}"
+        )
+        result["targets"][f"ttft_ratio_B{B}"] = target(
+            ttft_ratio, "<=", 0.5, f"TTFT openk3 / transformers at B={B}"
+        )
     result["env"] = environment()
     return result

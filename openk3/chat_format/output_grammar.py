@@ -48,19 +48,34 @@ def parser_vocab(tokenizer: Any) -> tuple[TokenBytes, MarkupIds]:
     ``ValueError`` for an id outside the vocabulary, a missing marker, or an
     unsupported tokenizer type.
     """
-    if all(hasattr(tokenizer, a) for a in ("open_id", "close_id", "sep_id", "end_of_msg_id", "special_ids")):
+    if all(
+        hasattr(tokenizer, a)
+        for a in ("open_id", "close_id", "sep_id", "end_of_msg_id", "special_ids")
+    ):
         eom = tokenizer.end_of_msg_id
-        markup = MarkupIds(tokenizer.open_id, tokenizer.close_id, tokenizer.sep_id, eom,
-                           frozenset(getattr(tokenizer, "stop_token_ids", ())) - {eom})
+        markup = MarkupIds(
+            tokenizer.open_id,
+            tokenizer.close_id,
+            tokenizer.sep_id,
+            eom,
+            frozenset(getattr(tokenizer, "stop_token_ids", ())) - {eom},
+        )
         special_ids = frozenset(tokenizer.special_ids)
         decode_one = lambda tid: tokenizer.decode_bytes([tid])  # noqa: E731
-    elif hasattr(tokenizer, "special_tokens_set") and hasattr(tokenizer, "decode_single_token_bytes"):
+    elif hasattr(tokenizer, "special_tokens_set") and hasattr(
+        tokenizer, "decode_single_token_bytes"
+    ):
         special = {s: tokenizer.encode_single_token(s) for s in tokenizer.special_tokens_set}
         missing = [s for s in MARKER_STRINGS if s not in special]
         if missing:
             raise ValueError(f"tokenizer: special tokens {missing} are not in the vocabulary")
-        markup = MarkupIds(special["<|open|>"], special["<|close|>"], special["<|sep|>"], special["<|end_of_msg|>"],
-                           frozenset(special[s] for s in ("[EOS]",) if s in special))
+        markup = MarkupIds(
+            special["<|open|>"],
+            special["<|close|>"],
+            special["<|sep|>"],
+            special["<|end_of_msg|>"],
+            frozenset(special[s] for s in ("[EOS]",) if s in special),
+        )
         special_ids = frozenset(special.values())
 
         def decode_one(tid: int) -> bytes:
@@ -69,8 +84,10 @@ def parser_vocab(tokenizer: Any) -> tuple[TokenBytes, MarkupIds]:
             except KeyError:
                 raise ValueError(f"token_ids: id {tid} is not in the vocabulary") from None
     else:
-        raise ValueError(f"tokenizer: unsupported type {type(tokenizer).__name__}; "
-                         "need an openk3 Tokenizer or a tiktoken.Encoding")
+        raise ValueError(
+            f"tokenizer: unsupported type {type(tokenizer).__name__}; "
+            "need an openk3 Tokenizer or a tiktoken.Encoding"
+        )
     cache: dict[int, bytes] = {}  # generation revisits the same few thousand ids
 
     def token_bytes(tid: int) -> bytes | None:
@@ -149,7 +166,9 @@ digits      ::= [0-9]+
 """
 
 
-def output_grammar(tokenizer: Any = None, start_channel: Literal["think", "response"] = "think") -> OutputGrammar:
+def output_grammar(
+    tokenizer: Any = None, start_channel: Literal["think", "response"] = "think"
+) -> OutputGrammar:
     """Describe the output grammar for a generation that starts in ``start_channel``.
 
     With a tokenizer, ``marker_ids`` holds its marker ids (else None). Raises
@@ -161,7 +180,14 @@ def output_grammar(tokenizer: Any = None, start_channel: Literal["think", "respo
         top = 'output ::= text "<|close|>" "response" "<|sep|>" [tools_ch] msg_end'
     else:
         raise ValueError(f"start_channel: must be 'think' or 'response', got {start_channel!r}")
-    tags = {"message": ("role", "name"), "think": (), "response": (), "tools": (),
-            "call": ("tool", "index"), "argument": ("key", "type"), "json": ("type",)}
+    tags = {
+        "message": ("role", "name"),
+        "think": (),
+        "response": (),
+        "tools": (),
+        "call": ("tool", "index"),
+        "argument": ("key", "type"),
+        "json": ("type",),
+    }
     ids = parser_vocab(tokenizer)[1] if tokenizer is not None else None
     return OutputGrammar(MARKER_STRINGS, ids, tags, ARGUMENT_TYPES, top + _EBNF_COMMON)

@@ -39,7 +39,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Union
 
 from openk3.chat_format.output_grammar import (  # noqa: F401 - re-exported for parser users
-    MARKER_STRINGS, MarkupIds, TokenBytes, parser_vocab, typed_argument_value, unescape_attr)
+    MARKER_STRINGS,
+    MarkupIds,
+    TokenBytes,
+    parser_vocab,
+    typed_argument_value,
+    unescape_attr,
+)
 from openk3.chat_format.tool_ids import make_tool_call_id
 
 _MAX_TAG_BYTES = 16384  # bounds memory if the model never closes a tag
@@ -95,7 +101,9 @@ class MessageEnd:
     finish_reason: Literal["stop", "length", "tool_calls"]
 
 
-Event = Union[ReasoningDelta, ContentDelta, ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd, MessageEnd]
+Event = Union[
+    ReasoningDelta, ContentDelta, ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd, MessageEnd
+]
 
 
 @dataclass
@@ -174,14 +182,25 @@ class OutputParser:
     Raises ``ValueError`` for a negative / non-integer / unknown id or bad arguments.
     """
 
-    def __init__(self, tokenizer: Any = None, *, vocab: tuple[TokenBytes, MarkupIds] | None = None,
-                 start_channel: Literal["think", "response"] = "think", tool_index_start: int = 0,
-                 stream_tool_arguments: bool = True, tools_enabled: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        vocab: tuple[TokenBytes, MarkupIds] | None = None,
+        start_channel: Literal["think", "response"] = "think",
+        tool_index_start: int = 0,
+        stream_tool_arguments: bool = True,
+        tools_enabled: bool = True,
+    ) -> None:
         if (tokenizer is None) == (vocab is None):
             raise ValueError("tokenizer/vocab: pass exactly one of them")
         if start_channel not in ("think", "response"):
             raise ValueError(f"start_channel: must be 'think' or 'response', got {start_channel!r}")
-        if isinstance(tool_index_start, bool) or not isinstance(tool_index_start, int) or tool_index_start < 0:
+        if (
+            isinstance(tool_index_start, bool)
+            or not isinstance(tool_index_start, int)
+            or tool_index_start < 0
+        ):
             raise ValueError(f"tool_index_start: must be an int >= 0, got {tool_index_start!r}")
         self._token_bytes, self._ids = vocab if vocab is not None else parser_vocab(tokenizer)
         self._stops = frozenset({self._ids.end_of_msg}) | self._ids.extra_stop
@@ -224,16 +243,19 @@ class OutputParser:
         ids: Iterable[Any]
         if isinstance(token_ids, (str, bytes, bytearray, dict, set, frozenset)):
             # Iterable, but not a sequence of ids (bytes would iterate as small ints).
-            raise ValueError(f"token_ids: expected an integer id or a sequence of ids, got "
-                             f"{type(token_ids).__name__}")
+            raise ValueError(
+                f"token_ids: expected an integer id or a sequence of ids, got "
+                f"{type(token_ids).__name__}"
+            )
         try:
             ids = [self._index(token_ids)]
         except ValueError:
             try:
                 ids = iter(token_ids)  # type: ignore[call-overload]
             except TypeError:
-                raise ValueError(f"token_ids: expected an integer id or a sequence of ids, got "
-                                 f"{token_ids!r:.60}") from None
+                raise ValueError(
+                    f"token_ids: expected an integer id or a sequence of ids, got {token_ids!r:.60}"
+                ) from None
         out: list[Event] = []
         for raw in ids:
             tid = self._index(raw)
@@ -428,7 +450,9 @@ class OutputParser:
             return
         index = self._n_started
         self._n_started += 1
-        self._call = _Call(index=index, id=make_tool_call_id(name, self._tool_base + index), name=name)
+        self._call = _Call(
+            index=index, id=make_tool_call_id(name, self._tool_base + index), name=name
+        )
         self._emit(ToolCallStart(index, self._call.id, name), out)
 
     def _args_text(self, text: str, out: list[Event]) -> None:
@@ -489,8 +513,13 @@ class OutputParser:
         if not self._tools_enabled:
             return
         out.extend(call.held)
-        self._calls.append({"id": call.id, "type": "function",
-                            "function": {"name": call.name, "arguments": arguments}})
+        self._calls.append(
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": arguments},
+            }
+        )
 
     # --------------------------------------------------------------- message
 

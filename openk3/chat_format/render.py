@@ -29,12 +29,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openk3.chat_format.request import (
-    AssistantMessage, Conversation, DynamicTools, ImageSlot, Message, Parts, RequestOptions, SkippedMessage,
-    TextMessage, ToolCall, ToolResult, parse_conversation, parse_message, tool_name,
+    AssistantMessage,
+    Conversation,
+    DynamicTools,
+    ImageSlot,
+    Message,
+    Parts,
+    RequestOptions,
+    SkippedMessage,
+    TextMessage,
+    ToolCall,
+    ToolResult,
+    parse_conversation,
+    parse_message,
+    tool_name,
 )
 from openk3.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP, Tokenizer
 
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # how an image slot is spelled in prompt text (§10)
+IMAGE_PLACEHOLDER = (
+    "<|kimi_image_placeholder|>"  # how an image slot is spelled in prompt text (§10)
+)
 
 # Internal system-message bodies (§5): exact text, they are training data.
 TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
@@ -51,14 +65,21 @@ TOOL_CHOICE_BODY = {
     "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
     "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
 }
-JSON_RULE = ("Your response must be raw JSON data without markdown code blocks (```json) "
-             "or any additional formatting.")
+JSON_RULE = (
+    "Your response must be raw JSON data without markdown code blocks (```json) "
+    "or any additional formatting."
+)
 RESPONSE_FORMAT_BODY = {
     "json_object": "The system is invoked with `response_format=json_object`.\n" + JSON_RULE,
-    "json_schema": ("The system is invoked with `response_format=json_schema`.\n" + JSON_RULE
-                    + "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"),
+    "json_schema": (
+        "The system is invoked with `response_format=json_schema`.\n"
+        + JSON_RULE
+        + "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"
+    ),
 }
-STUB_TOKENS = 3  # <|open|>think<|sep|> or <|open|>response<|sep|>: the uncounted "pending" tokens (§12)
+STUB_TOKENS = (
+    3  # <|open|>think<|sep|> or <|open|>response<|sep|>: the uncounted "pending" tokens (§12)
+)
 
 
 def canonical_json(value: Any, where: str = "value") -> str:
@@ -68,7 +89,9 @@ def canonical_json(value: Any, where: str = "value") -> str:
         ValueError: `value` is not JSON data (a set, NaN / Infinity, mixed key types; named by `where`).
     """
     try:
-        return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return json.dumps(
+            value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
+        )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: not JSON-serialisable ({e})") from e
 
@@ -106,7 +129,12 @@ class _Builder:
         self.image_slots: list[int] = []
         self.images: list[dict] = []
         self.image_locations: list[str] = []
-        self._markup = {OPEN: tok.open_id, CLOSE: tok.close_id, SEP: tok.sep_id, END_OF_MSG: tok.end_of_msg_id}
+        self._markup = {
+            OPEN: tok.open_id,
+            CLOSE: tok.close_id,
+            SEP: tok.sep_id,
+            END_OF_MSG: tok.end_of_msg_id,
+        }
 
     def markup(self, token: str) -> None:
         self.ids.append(self._markup[token])
@@ -209,16 +237,25 @@ class _Rendered:
     output_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _render(conv: Conversation, tok: Tokenizer, add_generation_prompt: bool, training: bool) -> _Rendered:
-    messages, opts = list(conv.messages), conv.options  # a copy: the final partial message is popped
+def _render(
+    conv: Conversation, tok: Tokenizer, add_generation_prompt: bool, training: bool
+) -> _Rendered:
+    messages, opts = (
+        list(conv.messages),
+        conv.options,
+    )  # a copy: the final partial message is popped
     partial: AssistantMessage | None = None
     if isinstance(messages[-1], AssistantMessage) and messages[-1].partial:
         if training:
-            raise ValueError(f"messages[{messages[-1].index}].partial: not allowed in training rendering")
+            raise ValueError(
+                f"messages[{messages[-1].index}].partial: not allowed in training rendering"
+            )
         partial = messages.pop()
         if partial.calls:
-            raise ValueError(f"messages[{partial.index}].tool_calls: a partial assistant message cannot carry "
-                             "tool calls")
+            raise ValueError(
+                f"messages[{partial.index}].tool_calls: a partial assistant message cannot carry "
+                "tool calls"
+            )
 
     b = _Builder(tok)
     if opts.tools:
@@ -227,15 +264,24 @@ def _render(conv: Conversation, tok: Tokenizer, add_generation_prompt: bool, tra
         b.internal("thinking-effort", EFFORT_BODY.format(effort=opts.thinking_effort))
     names = [tool_name(t) for t in opts.tools]
     names += [tool_name(t) for m in messages if isinstance(m, DynamicTools) for t in m.tools]
-    out = _Rendered(b, opts, pending=0, channel=None, partial=partial is not None, history_tool_calls=0,
-                    tool_names=tuple(n for n in names if n is not None))
+    out = _Rendered(
+        b,
+        opts,
+        pending=0,
+        channel=None,
+        partial=partial is not None,
+        history_tool_calls=0,
+        tool_names=tuple(n for n in names if n is not None),
+    )
     _conversation(b, messages, opts.thinking, not training, out)
 
     if opts.render_tool_choice:
         b.internal("tool-choice", TOOL_CHOICE_BODY[opts.tool_choice])
     if opts.response_format is not None:
         schema = canonical_json(opts.response_schema, "response_format.json_schema")
-        b.internal("response-format", RESPONSE_FORMAT_BODY[opts.response_format].format(schema=schema))
+        b.internal(
+            "response-format", RESPONSE_FORMAT_BODY[opts.response_format].format(schema=schema)
+        )
 
     if partial is not None:
         _partial_prefix(b, partial, opts.thinking, out)
@@ -247,8 +293,9 @@ def _render(conv: Conversation, tok: Tokenizer, add_generation_prompt: bool, tra
     return out
 
 
-def _conversation(b: _Builder, messages: list[Message], thinking: bool, prompt_history: bool,
-                  out: _Rendered) -> None:
+def _conversation(
+    b: _Builder, messages: list[Message], thinking: bool, prompt_history: bool, out: _Rendered
+) -> None:
     """Render the conversation messages. `prompt_history`: an assistant message with tool calls and
     no content renders no response channel (§12: the rule that reproduces both Moonshot counts, the
     99-token README anchor and the 539-token groundtruth); training keeps the channel, as the model
@@ -321,8 +368,10 @@ def _tool_run(b: _Builder, run: list[ToolResult], calls: list[ToolCall], counter
         if name is None and counter <= len(calls):
             name = calls[counter - 1].name
         if name is None:
-            raise ValueError(f"messages[{r.index}].tool_call_id: missing, and no tool name can be resolved "
-                             "(no 'tool'/'name' field and no preceding call at this position)")
+            raise ValueError(
+                f"messages[{r.index}].tool_call_id: missing, and no tool name can be resolved "
+                "(no 'tool'/'name' field and no preceding call at this position)"
+            )
         emit(r, name, counter)
     return counter
 
@@ -414,11 +463,15 @@ class Prompt:
             ValueError: ``len(image_tokens)`` differs from the number of image slots.
         """
         if len(image_tokens) != len(self.image_slots):
-            raise ValueError(f"image_tokens: {len(image_tokens)} sizes for {len(self.image_slots)} image slots")
+            raise ValueError(
+                f"image_tokens: {len(image_tokens)} sizes for {len(self.image_slots)} image slots"
+            )
         return self.prompt_tokens_excluding_images + sum(int(n) for n in image_tokens)
 
 
-def render(conversation: Conversation, tokenizer: Tokenizer, *, add_generation_prompt: bool = True) -> Prompt:
+def render(
+    conversation: Conversation, tokenizer: Tokenizer, *, add_generation_prompt: bool = True
+) -> Prompt:
     """Render a parsed request (:class:`~openk3.chat_format.request.Conversation`, e.g. the server's
     ``ChatRequest``) into K3 prompt ids; `conversation` is not modified.
 
@@ -442,14 +495,27 @@ def render(conversation: Conversation, tokenizer: Tokenizer, *, add_generation_p
     """
     r = _render(conversation, tokenizer, add_generation_prompt, training=False)
     b, o = r.builder, r.options
-    return Prompt(token_ids=b.ids, text=b.text_value, pending_tokens=r.pending, image_slots=b.image_slots,
-                  images=b.images, thinking=o.thinking, thinking_effort=o.thinking_effort,
-                  tool_choice=o.tool_choice, response_format=o.response_format, channel=r.channel,
-                  partial=r.partial, tool_names=r.tool_names,
-                  history_tool_calls=r.history_tool_calls, image_locations=tuple(b.image_locations))
+    return Prompt(
+        token_ids=b.ids,
+        text=b.text_value,
+        pending_tokens=r.pending,
+        image_slots=b.image_slots,
+        images=b.images,
+        thinking=o.thinking,
+        thinking_effort=o.thinking_effort,
+        tool_choice=o.tool_choice,
+        response_format=o.response_format,
+        channel=r.channel,
+        partial=r.partial,
+        tool_names=r.tool_names,
+        history_tool_calls=r.history_tool_calls,
+        image_locations=tuple(b.image_locations),
+    )
 
 
-def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt: bool = True) -> Prompt:
+def encode_request(
+    request: dict, tokenizer: Tokenizer, *, add_generation_prompt: bool = True
+) -> Prompt:
     """Render a chat-completions request body into K3 prompt ids: :func:`render` of its
     :func:`~openk3.chat_format.request.parse_conversation` (the template's leniency).
 
@@ -467,7 +533,9 @@ def encode_request(request: dict, tokenizer: Tokenizer, *, add_generation_prompt
         ValueError: a malformed request; the message names the field, e.g.
             ``messages[2].tool_calls[0].function.arguments: ...`` or ``reasoning_effort: ...``.
     """
-    return render(parse_conversation(request), tokenizer, add_generation_prompt=add_generation_prompt)
+    return render(
+        parse_conversation(request), tokenizer, add_generation_prompt=add_generation_prompt
+    )
 
 
 @dataclass(frozen=True)
@@ -490,7 +558,9 @@ class TrainingExample:
     image_slots: list[int]
 
 
-def render_training(conversation: dict | list, tokenizer: Tokenizer, *, train_on: str = "all") -> TrainingExample:
+def render_training(
+    conversation: dict | list, tokenizer: Tokenizer, *, train_on: str = "all"
+) -> TrainingExample:
     """Render a conversation with an assistant-only loss mask.
 
     Args:
@@ -513,7 +583,9 @@ def render_training(conversation: dict | list, tokenizer: Tokenizer, *, train_on
     return TrainingExample(r.builder.ids, mask, r.builder.text_value, r.builder.image_slots)
 
 
-def render_assistant_output(message: dict, tokenizer: Tokenizer, *, thinking: bool = True) -> list[int]:
+def render_assistant_output(
+    message: dict, tokenizer: Tokenizer, *, thinking: bool = True
+) -> list[int]:
     """Ids the model generates for `message` after the generation prompt (§11.1):
     ``REASONING <|close|>think<|sep|> <|open|>response<|sep|> CONTENT <|close|>response<|sep|>
     [TOOLS] <|close|>message<|sep|><|end_of_msg|>`` (thinking off: from CONTENT on).

@@ -26,13 +26,13 @@ from typing import Any
 #: What ``strict=True`` refuses although the template renders it, and why (the server's decision).
 PLATFORM_RULES = {
     "role": "only system / user / assistant / tool / developer: the legacy `function` role is not part of the "
-            "Kimi API (the template skips such a message)",
+    "Kimi API (the template skips such a message)",
     "content part": "only text, image_url and image parts, a text part with a string `text` (OpenAI-only types "
-                    "such as input_text are not part of the Kimi chat API; the template renders their text)",
+    "such as input_text are not part of the Kimi chat API; the template renders their text)",
     "arguments": "a JSON-object string (k3-chat-format.md §6: valid JSON that is not an object is rejected, as "
-                 "the vLLM port does; the template renders it as a json block)",
+    "the vLLM port does; the template renders it as a json block)",
     "response_format.json_schema": "json_schema with a `schema` object (api.md §1.6; OpenAI allows a schema-less "
-                                   "json_schema and the template then renders the wrapper)",
+    "json_schema and the template then renders the wrapper)",
 }
 
 EFFORTS = ("low", "medium", "high", "max")  # the template's set (§8); the hosted API omits medium
@@ -228,11 +228,15 @@ def parse_content(content: Any, where: str, strict: bool = False) -> Parts:
     if isinstance(content, str):
         return [content] if content else []
     if not isinstance(content, list):
-        raise _fail(where, f"must be a string, null or a list of parts, got {type(content).__name__}")
+        raise _fail(
+            where, f"must be a string, null or a list of parts, got {type(content).__name__}"
+        )
     parts: Parts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
-            raise _fail(f"{where}[{j}]", f"content part must be an object, got {type(part).__name__}")
+            raise _fail(
+                f"{where}[{j}]", f"content part must be an object, got {type(part).__name__}"
+            )
         kind = part.get("type", "text")
         if kind in IMAGE_PART_TYPES:
             parts.append(ImageSlot(part, f"{where}[{j}]"))
@@ -241,7 +245,10 @@ def parse_content(content: Any, where: str, strict: bool = False) -> Parts:
         if strict and kind == "text" and not isinstance(text, str):
             raise _fail(f"{where}[{j}].text", "text part needs a string 'text'")
         if strict and kind != "text":
-            raise _fail(f"{where}[{j}].type", f"unsupported content part type {kind!r} (text, image_url, image)")
+            raise _fail(
+                f"{where}[{j}].type",
+                f"unsupported content part type {kind!r} (text, image_url, image)",
+            )
         if isinstance(text, str) and text:
             parts.append(text)
     return parts
@@ -256,7 +263,10 @@ def _partial(msg: dict, role: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise _fail(f"{where}.partial", f"must be a boolean, got {value!r}")
     if value and role != "assistant":
-        raise _fail(f"{where}.partial", f"only the final assistant message can be partial, not a {role} message")
+        raise _fail(
+            f"{where}.partial",
+            f"only the final assistant message can be partial, not a {role} message",
+        )
     return value
 
 
@@ -295,7 +305,11 @@ def parse_arguments(args: Any, where: str, strict: bool = False) -> tuple[dict |
         return None, None
     try:
         value = json.loads(args, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, _NotStandardJSON, RecursionError):  # ValueError: also ints over Python's digit limit
+    except (
+        ValueError,
+        _NotStandardJSON,
+        RecursionError,
+    ):  # ValueError: also ints over Python's digit limit
         return None, args
     if not isinstance(value, dict):
         if strict:
@@ -314,14 +328,24 @@ def _parse_calls(calls: Any, where: str, strict: bool = False) -> list[ToolCall]
         cw = f"{where}[{j}]"
         if not isinstance(call, dict):
             raise _fail(cw, f"tool call must be an object, got {type(call).__name__}")
-        fn, fw = (_object(call["function"], f"{cw}.function"), f"{cw}.function") \
-            if call.get("function") is not None else (call, cw)
+        fn, fw = (
+            (_object(call["function"], f"{cw}.function"), f"{cw}.function")
+            if call.get("function") is not None
+            else (call, cw)
+        )
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise _fail(f"{fw}.name", f"tool call needs a non-empty string name, got {name!r}")
         arguments, raw = parse_arguments(fn.get("arguments"), f"{fw}.arguments", strict)
-        out.append(ToolCall(name=name, id=_call_id(call.get("id"), f"{cw}.id"),
-                            arguments=arguments, raw_json=raw, type=call.get("type", "function")))
+        out.append(
+            ToolCall(
+                name=name,
+                id=_call_id(call.get("id"), f"{cw}.id"),
+                arguments=arguments,
+                raw_json=raw,
+                type=call.get("type", "function"),
+            )
+        )
     return out
 
 
@@ -340,8 +364,11 @@ def _parse_tools(tools: Any, where: str) -> list:
     for j, tool in enumerate(tools):
         tw = f"{where}[{j}]"
         _object(tool, tw)
-        fn, fw = (_object(tool["function"], f"{tw}.function"), f"{tw}.function") \
-            if tool.get("function") is not None else (tool, tw)
+        fn, fw = (
+            (_object(tool["function"], f"{tw}.function"), f"{tw}.function")
+            if tool.get("function") is not None
+            else (tool, tw)
+        )
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise _fail(f"{fw}.name", f"tool needs a non-empty string name, got {name!r}")
@@ -376,7 +403,9 @@ def parse_message(msg: Any, i: int, where: str | None = None, strict: bool = Fal
         role = "system"
     if role not in ("user", "system", "assistant", "tool"):
         if strict:
-            raise _fail(f"{where}.role", f"unknown role {role!r} (system, user, assistant, tool, developer)")
+            raise _fail(
+                f"{where}.role", f"unknown role {role!r} (system, user, assistant, tool, developer)"
+            )
         return SkippedMessage(i, role)
     partial = _partial(msg, role, where)
     stray_tools = role != "system" and bool(msg.get("tools"))
@@ -386,26 +415,49 @@ def parse_message(msg: Any, i: int, where: str | None = None, strict: bool = Fal
             if tools:  # an empty list declares nothing: a plain system message, as in the template
                 # the content is not rendered; parsed leniently, only for the server's "must be empty"
                 return DynamicTools(i, tools, parse_content(msg.get("content"), f"{where}.content"))
-        return TextMessage(i, role, _name(msg, where), parse_content(msg.get("content"), f"{where}.content", strict),
-                           developer=developer, stray_tools=stray_tools)
+        return TextMessage(
+            i,
+            role,
+            _name(msg, where),
+            parse_content(msg.get("content"), f"{where}.content", strict),
+            developer=developer,
+            stray_tools=stray_tools,
+        )
     if role == "assistant":
         for key in ("reasoning_content", "reasoning"):
             if msg.get(key) is not None and not isinstance(msg[key], str):
                 raise _fail(f"{where}.{key}", f"must be a string, got {type(msg[key]).__name__}")
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         if not reasoning:
-            reasoning = "" if msg.get("reasoning_content") is not None or msg.get("reasoning") is not None else None
-        return AssistantMessage(i, _name(msg, where), reasoning,
-                                parse_content(msg.get("content"), f"{where}.content", strict),
-                                _parse_calls(msg.get("tool_calls"), f"{where}.tool_calls", strict),
-                                partial=partial, stray_tools=stray_tools)
+            reasoning = (
+                ""
+                if msg.get("reasoning_content") is not None or msg.get("reasoning") is not None
+                else None
+            )
+        return AssistantMessage(
+            i,
+            _name(msg, where),
+            reasoning,
+            parse_content(msg.get("content"), f"{where}.content", strict),
+            _parse_calls(msg.get("tool_calls"), f"{where}.tool_calls", strict),
+            partial=partial,
+            stray_tools=stray_tools,
+        )
     key = "tool_call_id" if "tool_call_id" in msg else "id"
     call_id = _call_id(msg.get(key), f"{where}.{key}")
     fallback = msg["tool"] if "tool" in msg else msg.get("name")
     if fallback is not None and not isinstance(fallback, str):
-        raise _fail(f"{where}.{'tool' if 'tool' in msg else 'name'}", f"must be a string, got {fallback!r}")
-    return ToolResult(i, call_id, fallback, parse_content(msg.get("content"), f"{where}.content", strict),
-                      id_key=key, stray_tools=stray_tools)
+        raise _fail(
+            f"{where}.{'tool' if 'tool' in msg else 'name'}", f"must be a string, got {fallback!r}"
+        )
+    return ToolResult(
+        i,
+        call_id,
+        fallback,
+        parse_content(msg.get("content"), f"{where}.content", strict),
+        id_key=key,
+        stray_tools=stray_tools,
+    )
 
 
 def parse_messages(request: dict, strict: bool = False) -> list[Message]:
@@ -416,28 +468,39 @@ def parse_messages(request: dict, strict: bool = False) -> list[Message]:
             message; ``partial: true`` anywhere but on the final message (api.md §1.8).
     """
     if not isinstance(request, dict):
-        raise _fail("request", f"must be a JSON object with a 'messages' list, got {type(request).__name__}")
+        raise _fail(
+            "request", f"must be a JSON object with a 'messages' list, got {type(request).__name__}"
+        )
     msgs = request.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _fail("messages", f"must be a non-empty list, got {msgs!r:.60}")
     parsed = [parse_message(m, i, strict=strict) for i, m in enumerate(msgs)]
     for m in parsed[:-1]:
         if isinstance(m, AssistantMessage) and m.partial:
-            raise _fail(f"messages[{m.index}].partial", "only the final message can be partial "
-                        f"(this is message {m.index} of {len(parsed)})")
+            raise _fail(
+                f"messages[{m.index}].partial",
+                "only the final message can be partial "
+                f"(this is message {m.index} of {len(parsed)})",
+            )
     return parsed
 
 
 def _effort_source(request: dict, ctk: dict, thinking_obj: dict) -> tuple[str | None, str]:
-    for value, where in ((ctk.get("thinking_effort"), "chat_template_kwargs.thinking_effort"),
-                         (thinking_obj.get("effort"), "thinking.effort"),
-                         (request.get("reasoning_effort"), "reasoning_effort")):
+    for value, where in (
+        (ctk.get("thinking_effort"), "chat_template_kwargs.thinking_effort"),
+        (thinking_obj.get("effort"), "thinking.effort"),
+        (request.get("reasoning_effort"), "reasoning_effort"),
+    ):
         if value is not None:
             return value, where
     return None, ""
 
 
-_SCHEMA_WRAPPER_KEYS = {"name", "strict", "description"}  # wrapper fields that are not rendered (§5.4)
+_SCHEMA_WRAPPER_KEYS = {
+    "name",
+    "strict",
+    "description",
+}  # wrapper fields that are not rendered (§5.4)
 
 
 def _response_schema(rf: dict, strict: bool = False) -> Any:
@@ -460,12 +523,16 @@ def _response_schema(rf: dict, strict: bool = False) -> Any:
         check_json(schema, where)
         return schema
     if wrapper is None:
-        raise _fail("response_format.json_schema", "required for type 'json_schema' "
-                    "(shape: {'name': ..., 'schema': {...}})")
+        raise _fail(
+            "response_format.json_schema",
+            "required for type 'json_schema' (shape: {'name': ..., 'schema': {...}})",
+        )
     _object(wrapper, "response_format.json_schema")
     key = next((k for k in ("schema", "json_schema") if k in wrapper), None)
     if key is None and set(wrapper) <= _SCHEMA_WRAPPER_KEYS:  # a wrapper, but its schema is missing
-        raise _fail("response_format.json_schema.schema", "missing (shape: {'name': ..., 'schema': {...}})")
+        raise _fail(
+            "response_format.json_schema.schema", "missing (shape: {'name': ..., 'schema': {...}})"
+        )
     where = f"response_format.json_schema.{key}" if key else "response_format.json_schema"
     schema = wrapper[key] if key else wrapper
     if not isinstance(schema, dict):
@@ -496,7 +563,10 @@ def parse_options(request: dict, messages: list[Message], strict: bool = False) 
     if thinking_obj is None:
         thinking_obj = {}
     if not isinstance(thinking_obj, dict):
-        raise _fail("thinking", f"must be an object like {{'type': 'enabled'}}, got {type(thinking_obj).__name__}")
+        raise _fail(
+            "thinking",
+            f"must be an object like {{'type': 'enabled'}}, got {type(thinking_obj).__name__}",
+        )
     ttype = thinking_obj.get("type")
     if ttype not in (None, "enabled", "disabled"):
         raise _fail("thinking.type", f"must be 'enabled' or 'disabled', got {ttype!r}")
@@ -507,7 +577,9 @@ def parse_options(request: dict, messages: list[Message], strict: bool = False) 
     if ctk_thinking is not None and not isinstance(ctk_thinking, bool):
         raise _fail("chat_template_kwargs.thinking", f"must be a boolean, got {ctk_thinking!r}")
     effort, effort_where = _effort_source(request, ctk, thinking_obj)
-    thinking = not (ttype == "disabled" or ctk_thinking is False or request.get("reasoning_effort") == "none")
+    thinking = not (
+        ttype == "disabled" or ctk_thinking is False or request.get("reasoning_effort") == "none"
+    )
     if effort is not None and effort not in EFFORTS and not (effort == "none" and not thinking):
         raise _fail(effort_where, f"unsupported effort {effort!r} (low, medium, high, max)")
     effort = (effort or "max") if thinking else None
@@ -530,14 +602,24 @@ def parse_options(request: dict, messages: list[Message], strict: bool = False) 
             raise _fail("response_format", f"must be an object, got {type(rf).__name__}")
         kind = rf.get("type", "text")
         if kind not in ("text", "json_object", "json_schema"):
-            raise _fail("response_format.type", f"unsupported value {kind!r} (text, json_object, json_schema)")
+            raise _fail(
+                "response_format.type",
+                f"unsupported value {kind!r} (text, json_object, json_schema)",
+            )
         if kind != "text":
             rf_type = kind
         if kind == "json_schema":
             schema = _response_schema(rf, strict)
-    return RequestOptions(thinking=thinking, thinking_effort=effort, tools=tools, tool_choice=choice,
-                          render_tool_choice=choice in ("none", "required") and bool(declared),
-                          response_format=rf_type, response_schema=schema, keep=keep)
+    return RequestOptions(
+        thinking=thinking,
+        thinking_effort=effort,
+        tools=tools,
+        tool_choice=choice,
+        render_tool_choice=choice in ("none", "required") and bool(declared),
+        response_format=rf_type,
+        response_schema=schema,
+        keep=keep,
+    )
 
 
 def _declared_names(tools: list, messages: list[Message]) -> list[str | None]:
@@ -546,8 +628,9 @@ def _declared_names(tools: list, messages: list[Message]) -> list[str | None]:
     Raises:
         ValueError: a name declared twice (``tools: duplicate tool name ...``).
     """
-    declared = [tool_name(t) for t in tools] + [tool_name(t) for m in messages if isinstance(m, DynamicTools)
-                                                for t in m.tools]
+    declared = [tool_name(t) for t in tools] + [
+        tool_name(t) for m in messages if isinstance(m, DynamicTools) for t in m.tools
+    ]
     seen: set[str | None] = set()
     for name in declared:
         if name is not None and name in seen:
@@ -556,9 +639,16 @@ def _declared_names(tools: list, messages: list[Message]) -> list[str | None]:
     return declared
 
 
-def make_options(messages: list[Message], *, thinking: bool, thinking_effort: str | None = None,
-                 tools: list | None = None, tool_choice: str = "auto", response_format: str | None = None,
-                 response_schema: Any = None) -> RequestOptions:
+def make_options(
+    messages: list[Message],
+    *,
+    thinking: bool,
+    thinking_effort: str | None = None,
+    tools: list | None = None,
+    tool_choice: str = "auto",
+    response_format: str | None = None,
+    response_schema: Any = None,
+) -> RequestOptions:
     """Request options given as values rather than a chat-completions body (the server's Anthropic
     and Responses adapters): the tools are validated as :func:`parse_options` validates them
     (objects with a non-empty name, JSON data, no name declared twice across `tools` and the
@@ -576,15 +666,24 @@ def make_options(messages: list[Message], *, thinking: bool, thinking_effort: st
     if tool_choice not in TOOL_CHOICES:
         raise _fail("tool_choice", f"unsupported value {tool_choice!r} (auto, none, required)")
     if thinking_effort is not None and thinking_effort not in EFFORTS:
-        raise _fail("thinking_effort", f"unsupported effort {thinking_effort!r} (low, medium, high, max)")
+        raise _fail(
+            "thinking_effort", f"unsupported effort {thinking_effort!r} (low, medium, high, max)"
+        )
     if response_format not in (None, "json_object", "json_schema"):
-        raise _fail("response_format", f"unsupported value {response_format!r} (json_object, json_schema)")
+        raise _fail(
+            "response_format", f"unsupported value {response_format!r} (json_object, json_schema)"
+        )
     if response_format == "json_schema":
         check_json(_object(response_schema, "response_format.schema"), "response_format.schema")
-    return RequestOptions(thinking=thinking, thinking_effort=(thinking_effort or "max") if thinking else None,
-                          tools=tools, tool_choice=tool_choice,
-                          render_tool_choice=tool_choice in ("none", "required") and bool(declared),
-                          response_format=response_format, response_schema=response_schema)
+    return RequestOptions(
+        thinking=thinking,
+        thinking_effort=(thinking_effort or "max") if thinking else None,
+        tools=tools,
+        tool_choice=tool_choice,
+        render_tool_choice=tool_choice in ("none", "required") and bool(declared),
+        response_format=response_format,
+        response_schema=response_schema,
+    )
 
 
 @dataclass

@@ -16,12 +16,19 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from openk3.chat_format.request import AssistantMessage, parse_arguments, parse_messages, parse_options
+from openk3.chat_format.request import (
+    AssistantMessage,
+    parse_arguments,
+    parse_messages,
+    parse_options,
+)
 
 
 def chat_template() -> str:
     """Text of ``openk3/chat_format/template.jinja``."""
-    return resources.files("openk3.chat_format").joinpath("template.jinja").read_text(encoding="utf-8")
+    return (
+        resources.files("openk3.chat_format").joinpath("template.jinja").read_text(encoding="utf-8")
+    )
 
 
 def template_variables(request: dict, *, add_generation_prompt: bool = True) -> dict[str, Any]:
@@ -45,13 +52,18 @@ def template_variables(request: dict, *, add_generation_prompt: bool = True) -> 
         if isinstance(m, AssistantMessage) and isinstance(msg.get("tool_calls"), list):
             for j, call in enumerate(msg["tool_calls"]):
                 fn = call["function"] if isinstance(call.get("function"), dict) else call
-                obj, _ = parse_arguments(fn.get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments")
+                obj, _ = parse_arguments(
+                    fn.get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments"
+                )
                 if obj is not None:
                     fn["arguments"] = obj
         messages.append(msg)
-    out: dict[str, Any] = {"messages": messages, "thinking": opts.thinking,
-                           "thinking_effort": opts.thinking_effort or "max",
-                           "add_generation_prompt": add_generation_prompt}
+    out: dict[str, Any] = {
+        "messages": messages,
+        "thinking": opts.thinking,
+        "thinking_effort": opts.thinking_effort or "max",
+        "add_generation_prompt": add_generation_prompt,
+    }
     if opts.tools:
         out["tools"] = opts.tools
     if opts.render_tool_choice:
@@ -65,11 +77,21 @@ def _raise(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # Same keywords and defaults as transformers' override: plain json.dumps, no HTML escaping.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=tuple(separators) if separators else None, sort_keys=sort_keys)
+    return json.dumps(
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=tuple(separators) if separators else None,
+        sort_keys=sort_keys,
+    )
 
 
 @lru_cache(maxsize=4)
@@ -77,7 +99,9 @@ def _compiled(source: str):
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     return env.from_string(source)

@@ -47,8 +47,12 @@ def parse_tool_call_id(call_id: str) -> tuple[str, int] | None:
 def next_tool_call_index(messages: Iterable[Mapping[str, Any]]) -> int:
     """Starting index for the calls of the next assistant response, over chat-completions message
     dicts: :func:`next_index_after` of the ids of every tool call in `messages`."""
-    ids = [call.get("id") if isinstance(call, Mapping) else None
-           for msg in messages if isinstance(msg, Mapping) for call in (msg.get("tool_calls") or [])]
+    ids = [
+        call.get("id") if isinstance(call, Mapping) else None
+        for msg in messages
+        if isinstance(msg, Mapping)
+        for call in (msg.get("tool_calls") or [])
+    ]
     return next_index_after(ids)
 
 

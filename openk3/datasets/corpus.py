@@ -24,16 +24,46 @@ from pathlib import Path
 from typing import Any
 
 from openk3.datasets.corpus_sources import (  # noqa: F401  (re-exported: one import for callers)
-    DEBIAN_PACKAGES, DEBIAN_SOURCES, MB, PERMISSIVE_LICENCES, PYPI_DISTRIBUTIONS, Document, Source,
-    debian_source, default_sources, directory_source, html_to_text, install_debian_packages,
-    licence_is_permissive, module_docstrings, pypi_source,
+    DEBIAN_PACKAGES,
+    DEBIAN_SOURCES,
+    MB,
+    PERMISSIVE_LICENCES,
+    PYPI_DISTRIBUTIONS,
+    Document,
+    Source,
+    debian_source,
+    default_sources,
+    directory_source,
+    html_to_text,
+    install_debian_packages,
+    licence_is_permissive,
+    module_docstrings,
+    pypi_source,
 )
 
 __all__ = [
-    "CORPUS_FORMAT", "DEBIAN_PACKAGES", "DEBIAN_SOURCES", "PERMISSIVE_LICENCES", "PYPI_DISTRIBUTIONS", "Document",
-    "Source", "build_corpus", "clean_text", "debian_source", "default_sources", "directory_source", "html_to_text",
-    "install_debian_packages", "iter_texts", "licence_is_permissive", "load_manifest", "module_docstrings",
-    "pypi_source", "quality_reason", "read_documents", "cli_build_corpus",
+    "CORPUS_FORMAT",
+    "DEBIAN_PACKAGES",
+    "DEBIAN_SOURCES",
+    "PERMISSIVE_LICENCES",
+    "PYPI_DISTRIBUTIONS",
+    "Document",
+    "Source",
+    "build_corpus",
+    "clean_text",
+    "debian_source",
+    "default_sources",
+    "directory_source",
+    "html_to_text",
+    "install_debian_packages",
+    "iter_texts",
+    "licence_is_permissive",
+    "load_manifest",
+    "module_docstrings",
+    "pypi_source",
+    "quality_reason",
+    "read_documents",
+    "cli_build_corpus",
 ]
 CORPUS_FORMAT = "openk3-corpus/1"
 
@@ -55,8 +85,13 @@ def clean_text(text: str) -> str:
     return "\n".join(out).strip("\n")
 
 
-def quality_reason(text: str, *, min_chars: int = 200, min_ascii_letter_share: float = 0.9,
-                   min_letter_share: float = 0.4) -> str | None:
+def quality_reason(
+    text: str,
+    *,
+    min_chars: int = 200,
+    min_ascii_letter_share: float = 0.9,
+    min_letter_share: float = 0.4,
+) -> str | None:
     """Why a cleaned document is dropped, or None to keep it.
 
     ``"short"``: fewer than `min_chars` characters. ``"not_prose"``: under `min_letter_share` of its
@@ -84,8 +119,9 @@ def _unit_hash(key: str) -> float:
     return int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / float(1 << 48)
 
 
-def _strip_boilerplate(docs: list[tuple[str, str, int]], min_docs: int, min_len: int = 40
-                       ) -> tuple[list[tuple[str, str, int]], int]:
+def _strip_boilerplate(
+    docs: list[tuple[str, str, int]], min_docs: int, min_len: int = 40
+) -> tuple[list[tuple[str, str, int]], int]:
     """Remove paragraphs of >= `min_len` chars found in >= `min_docs` documents of one source."""
     seen: Counter[str] = Counter()
     for _, text, _ in docs:
@@ -110,9 +146,17 @@ class _SourceStats:
     boilerplate_paragraphs_removed: int = 0
 
 
-def build_corpus(sources: Iterable[Source], out_dir: str | os.PathLike, *, val_fraction: float = 0.01,
-                 shard_bytes: int = 16 * MB, min_chars: int = 200, boilerplate_min_docs: int = 8,
-                 overwrite: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def build_corpus(
+    sources: Iterable[Source],
+    out_dir: str | os.PathLike,
+    *,
+    val_fraction: float = 0.01,
+    shard_bytes: int = 16 * MB,
+    min_chars: int = 200,
+    boilerplate_min_docs: int = 8,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Build a corpus directory: ``train-NNNNN.jsonl`` / ``val-NNNNN.jsonl`` shards (one JSON object
     per line: ``id``, ``source``, ``text``) and ``manifest.json``.
 
@@ -138,14 +182,18 @@ def build_corpus(sources: Iterable[Source], out_dir: str | os.PathLike, *, val_f
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction: must be in [0, 1), got {val_fraction}")
     if shard_bytes <= 0 or min_chars < 0:
-        raise ValueError(f"shard_bytes / min_chars: must be positive, got {shard_bytes} / {min_chars}")
+        raise ValueError(
+            f"shard_bytes / min_chars: must be positive, got {shard_bytes} / {min_chars}"
+        )
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"sources: duplicate names in {names}")
     for s in sources:
         if not licence_is_permissive(s.licence):
-            raise ValueError(f"source {s.name!r}: licence {s.licence!r} is not permissive "
-                             f"(accepted: {', '.join(sorted(PERMISSIVE_LICENCES))})")
+            raise ValueError(
+                f"source {s.name!r}: licence {s.licence!r} is not permissive "
+                f"(accepted: {', '.join(sorted(PERMISSIVE_LICENCES))})"
+            )
     if out.exists() and not overwrite:
         raise ValueError(f"out_dir: {str(out)!r} exists; pass overwrite=True to replace it")
 
@@ -181,8 +229,10 @@ def build_corpus(sources: Iterable[Source], out_dir: str | os.PathLike, *, val_f
             good = [d for d in good if d[0] in chosen]
         kept.append((src, good, st))
         if log:
-            log(f"{src.name}: {len(good)} documents, {sum(len(t.encode()) for _, t, _ in good):,} bytes "
-                f"(read {st.documents_read}, dropped {dict(st.dropped)})")
+            log(
+                f"{src.name}: {len(good)} documents, {sum(len(t.encode()) for _, t, _ in good):,} bytes "
+                f"(read {st.documents_read}, dropped {dict(st.dropped)})"
+            )
 
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
@@ -197,8 +247,11 @@ def build_corpus(sources: Iterable[Source], out_dir: str | os.PathLike, *, val_f
             if w is not None:
                 w["fh"].close()
             name = f"{split}-{sum(s['split'] == split for s in shards):05d}.jsonl"
-            w = writers[split] = {"fh": open(tmp / name, "w", encoding="utf-8", newline="\n"), "bytes": 0,
-                                  "meta": {"file": name, "split": split, "documents": 0, "text_bytes": 0}}
+            w = writers[split] = {
+                "fh": open(tmp / name, "w", encoding="utf-8", newline="\n"),
+                "bytes": 0,
+                "meta": {"file": name, "split": split, "documents": 0, "text_bytes": 0},
+            }
             shards.append(w["meta"])
         w["fh"].write(line)
         w["bytes"] += nbytes
@@ -214,30 +267,59 @@ def build_corpus(sources: Iterable[Source], out_dir: str | os.PathLike, *, val_f
         for key, text, _ in good:
             split = "val" if is_val[key] else "train"
             n = len(text.encode())
-            write(split, json.dumps({"id": key, "source": src.name, "text": text}, ensure_ascii=False) + "\n", n)
+            write(
+                split,
+                json.dumps({"id": key, "source": src.name, "text": text}, ensure_ascii=False)
+                + "\n",
+                n,
+            )
             counts[split][0] += 1
             counts[split][1] += n
-        source_entries.append({
-            "name": src.name, "licence": src.licence, "origin": src.origin, "version": src.version,
-            "licence_evidence": src.licence_evidence, "documents_read": st.documents_read,
-            "raw_bytes": st.raw_bytes, "documents": len(good), "text_bytes": counts["train"][1] + counts["val"][1],
-            "train_documents": counts["train"][0], "train_bytes": counts["train"][1],
-            "val_documents": counts["val"][0], "val_bytes": counts["val"][1],
-            "dropped": dict(sorted(st.dropped.items())), "max_bytes": src.max_bytes,
-            "boilerplate_paragraphs_removed": st.boilerplate_paragraphs_removed,
-        })
+        source_entries.append(
+            {
+                "name": src.name,
+                "licence": src.licence,
+                "origin": src.origin,
+                "version": src.version,
+                "licence_evidence": src.licence_evidence,
+                "documents_read": st.documents_read,
+                "raw_bytes": st.raw_bytes,
+                "documents": len(good),
+                "text_bytes": counts["train"][1] + counts["val"][1],
+                "train_documents": counts["train"][0],
+                "train_bytes": counts["train"][1],
+                "val_documents": counts["val"][0],
+                "val_bytes": counts["val"][1],
+                "dropped": dict(sorted(st.dropped.items())),
+                "max_bytes": src.max_bytes,
+                "boilerplate_paragraphs_removed": st.boilerplate_paragraphs_removed,
+            }
+        )
     for w in writers.values():
         w["fh"].close()
     for s in shards:
         s["sha256"] = hashlib.sha256((tmp / s["file"]).read_bytes()).hexdigest()
     manifest = {
         "format": CORPUS_FORMAT,
-        "options": {"val_fraction": val_fraction, "shard_bytes": shard_bytes, "min_chars": min_chars,
-                    "boilerplate_min_docs": boilerplate_min_docs},
+        "options": {
+            "val_fraction": val_fraction,
+            "shard_bytes": shard_bytes,
+            "min_chars": min_chars,
+            "boilerplate_min_docs": boilerplate_min_docs,
+        },
         "sources": source_entries,
         "shards": shards,
-        "totals": {k: sum(e[k] for e in source_entries) for k in
-                   ("documents", "text_bytes", "train_documents", "train_bytes", "val_documents", "val_bytes")},
+        "totals": {
+            k: sum(e[k] for e in source_entries)
+            for k in (
+                "documents",
+                "text_bytes",
+                "train_documents",
+                "train_bytes",
+                "val_documents",
+                "val_bytes",
+            )
+        },
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     if out.exists():
@@ -255,7 +337,9 @@ def load_manifest(corpus_dir: str | os.PathLike) -> dict[str, Any]:
     """
     f = Path(corpus_dir) / "manifest.json"
     if not f.is_file():
-        raise ValueError(f"corpus_dir: {str(corpus_dir)!r} has no manifest.json (build it with `openk3 build-corpus`)")
+        raise ValueError(
+            f"corpus_dir: {str(corpus_dir)!r} has no manifest.json (build it with `openk3 build-corpus`)"
+        )
     try:
         m = json.loads(f.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -265,8 +349,9 @@ def load_manifest(corpus_dir: str | os.PathLike) -> dict[str, Any]:
     return m
 
 
-def read_documents(corpus_dir: str | os.PathLike, split: str = "train", *, verify: bool = False
-                   ) -> Iterator[dict[str, str]]:
+def read_documents(
+    corpus_dir: str | os.PathLike, split: str = "train", *, verify: bool = False
+) -> Iterator[dict[str, str]]:
     """Documents (``{"id", "source", "text"}``) of one split, in shard order.
 
     Args:
@@ -282,7 +367,9 @@ def read_documents(corpus_dir: str | os.PathLike, split: str = "train", *, verif
             continue
         path = Path(corpus_dir) / s["file"]
         if verify and hashlib.sha256(path.read_bytes()).hexdigest() != s["sha256"]:
-            raise ValueError(f"{path}: sha256 differs from the manifest (shard modified or truncated)")
+            raise ValueError(
+                f"{path}: sha256 differs from the manifest (shard modified or truncated)"
+            )
         with open(path, encoding="utf-8") as fh:
             for line in fh:
                 yield json.loads(line)
@@ -313,9 +400,16 @@ def cli_build_corpus(args: Any) -> int:
                 raise ValueError(f"--add-dir: expected NAME:LICENCE:PATH, got {spec!r}")
             sources.append(directory_source(name, licence, path))
         if not sources:
-            raise ValueError("no sources: install the Debian packages (--install) or drop --no-debian/--no-pypi")
-        manifest = build_corpus(sources, args.out, val_fraction=args.val_fraction, overwrite=args.overwrite,
-                                log=lambda line: print(line, file=sys.stderr))
+            raise ValueError(
+                "no sources: install the Debian packages (--install) or drop --no-debian/--no-pypi"
+            )
+        manifest = build_corpus(
+            sources,
+            args.out,
+            val_fraction=args.val_fraction,
+            overwrite=args.overwrite,
+            log=lambda line: print(line, file=sys.stderr),
+        )
     except (ValueError, RuntimeError, OSError) as e:
         print(f"openk3 build-corpus: {e}", file=sys.stderr)
         return 2
@@ -323,7 +417,9 @@ def cli_build_corpus(args: Any) -> int:
         print(json.dumps(manifest, indent=2))
     else:
         t = manifest["totals"]
-        print(f"{args.out}: {t['documents']} documents, {t['text_bytes'] / MB:.1f} MiB of text "
-              f"(train {t['train_bytes'] / MB:.1f} MiB, val {t['val_bytes'] / MB:.2f} MiB) from "
-              f"{len(manifest['sources'])} sources")
+        print(
+            f"{args.out}: {t['documents']} documents, {t['text_bytes'] / MB:.1f} MiB of text "
+            f"(train {t['train_bytes'] / MB:.1f} MiB, val {t['val_bytes'] / MB:.2f} MiB) from "
+            f"{len(manifest['sources'])} sources"
+        )
     return 0

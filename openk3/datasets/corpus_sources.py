@@ -30,16 +30,44 @@ from pathlib import Path
 from typing import Any
 
 # SPDX ids (and the few spellings package metadata uses instead) accepted as permissive.
-PERMISSIVE_LICENCES = frozenset({
-    "MIT", "MIT-CMU", "X11", "BSD", "BSD-2-Clause", "BSD-3-Clause", "0BSD", "ISC", "Apache-2.0", "PSF-2.0",
-    "Python-2.0", "CNRI-Python", "Zlib", "BSL-1.0", "PostgreSQL", "Unlicense", "CC0-1.0", "CC-BY-3.0",
-    "CC-BY-4.0", "public-domain",
-})
+PERMISSIVE_LICENCES = frozenset(
+    {
+        "MIT",
+        "MIT-CMU",
+        "X11",
+        "BSD",
+        "BSD-2-Clause",
+        "BSD-3-Clause",
+        "0BSD",
+        "ISC",
+        "Apache-2.0",
+        "PSF-2.0",
+        "Python-2.0",
+        "CNRI-Python",
+        "Zlib",
+        "BSL-1.0",
+        "PostgreSQL",
+        "Unlicense",
+        "CC0-1.0",
+        "CC-BY-3.0",
+        "CC-BY-4.0",
+        "public-domain",
+    }
+)
 _LICENCE_ALIASES = {
-    "mit license": "MIT", "the mit license": "MIT", "bsd license": "BSD", "new bsd license": "BSD-3-Clause",
-    "apache 2.0": "Apache-2.0", "apache-2": "Apache-2.0", "apache 2.0 license": "Apache-2.0",
-    "apache software license": "Apache-2.0", "apache license 2.0": "Apache-2.0", "isc license": "ISC",
-    "isc license (iscl)": "ISC", "python software foundation license": "PSF-2.0", "public domain": "public-domain",
+    "mit license": "MIT",
+    "the mit license": "MIT",
+    "bsd license": "BSD",
+    "new bsd license": "BSD-3-Clause",
+    "apache 2.0": "Apache-2.0",
+    "apache-2": "Apache-2.0",
+    "apache 2.0 license": "Apache-2.0",
+    "apache software license": "Apache-2.0",
+    "apache license 2.0": "Apache-2.0",
+    "isc license": "ISC",
+    "isc license (iscl)": "ISC",
+    "python software foundation license": "PSF-2.0",
+    "public domain": "public-domain",
     "mozilla public license 2.0 (mpl 2.0)": "MPL-2.0",
 }
 
@@ -62,7 +90,11 @@ def licence_is_permissive(expression: str) -> bool:
         raise ValueError(f"licence expression: must be a non-empty string, got {expression!r}")
     toks: list[str] = []
     for t in re.findall(r"\(|\)|[^\s()]+", expression):
-        if t in ("(", ")", "AND", "OR", "WITH") or not toks or toks[-1] in ("(", ")", "AND", "OR", "WITH"):
+        if (
+            t in ("(", ")", "AND", "OR", "WITH")
+            or not toks
+            or toks[-1] in ("(", ")", "AND", "OR", "WITH")
+        ):
             toks.append(t)
         else:  # "Apache 2.0", "BSD License": one id spelled in several words
             toks[-1] += " " + t
@@ -104,16 +136,94 @@ def licence_is_permissive(expression: str) -> bool:
 
 
 # ------------------------------------------------------------------------------- HTML to text
-_SKIP_TAGS = {"script", "style", "head", "nav", "noscript", "svg", "form", "button", "footer", "template"}
-_VOID_TAGS = {"br", "hr", "img", "meta", "link", "input", "area", "base", "col", "embed", "source", "wbr"}
-_BLOCK_TAGS = {"p", "div", "br", "li", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "table", "tr", "dt", "dd",
-               "blockquote", "section", "article", "ul", "ol", "dl", "hr", "caption", "figure", "main"}
+_SKIP_TAGS = {
+    "script",
+    "style",
+    "head",
+    "nav",
+    "noscript",
+    "svg",
+    "form",
+    "button",
+    "footer",
+    "template",
+}
+_VOID_TAGS = {
+    "br",
+    "hr",
+    "img",
+    "meta",
+    "link",
+    "input",
+    "area",
+    "base",
+    "col",
+    "embed",
+    "source",
+    "wbr",
+}
+_BLOCK_TAGS = {
+    "p",
+    "div",
+    "br",
+    "li",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "pre",
+    "table",
+    "tr",
+    "dt",
+    "dd",
+    "blockquote",
+    "section",
+    "article",
+    "ul",
+    "ol",
+    "dl",
+    "hr",
+    "caption",
+    "figure",
+    "main",
+}
 # Navigation and chrome of the Sphinx (Python, Django), DocBook (PostgreSQL) and SQLite page layouts.
-_SKIP_CLASSES = {"sphinxsidebar", "related", "footer", "headerlink", "clearer", "mobile-nav", "menu-wrapper",
-                 "navheader", "navfooter", "nav", "inline-search", "version_switcher_placeholder",
-                 "language_switcher_placeholder", "fancy_toc", "fancy-toc1", "fancy-toc2", "nosearch", "menu",
-                 "sidebar", "toc", "breadcrumbs", "searchbox"}
-_SKIP_IDS = {"hd", "ft", "sidebar", "global-nav", "searchbox", "sidebarbutton", "toc", "breadcrumbs"}
+_SKIP_CLASSES = {
+    "sphinxsidebar",
+    "related",
+    "footer",
+    "headerlink",
+    "clearer",
+    "mobile-nav",
+    "menu-wrapper",
+    "navheader",
+    "navfooter",
+    "nav",
+    "inline-search",
+    "version_switcher_placeholder",
+    "language_switcher_placeholder",
+    "fancy_toc",
+    "fancy-toc1",
+    "fancy-toc2",
+    "nosearch",
+    "menu",
+    "sidebar",
+    "toc",
+    "breadcrumbs",
+    "searchbox",
+}
+_SKIP_IDS = {
+    "hd",
+    "ft",
+    "sidebar",
+    "global-nav",
+    "searchbox",
+    "sidebarbutton",
+    "toc",
+    "breadcrumbs",
+}
 _SKIP_ROLES = {"navigation", "search"}
 
 
@@ -129,8 +239,12 @@ class _TextExtractor(HTMLParser):
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: (v or "") for k, v in attrs}
-        skip = (tag in _SKIP_TAGS or bool(_SKIP_CLASSES.intersection(a.get("class", "").split()))
-                or a.get("id") in _SKIP_IDS or a.get("role") in _SKIP_ROLES)
+        skip = (
+            tag in _SKIP_TAGS
+            or bool(_SKIP_CLASSES.intersection(a.get("class", "").split()))
+            or a.get("id") in _SKIP_IDS
+            or a.get("role") in _SKIP_ROLES
+        )
         if tag in _BLOCK_TAGS and not self._skipping():
             self.out.append("\n" if tag != "li" else "\n- ")
         if tag in ("td", "th") and not self._skipping():
@@ -237,13 +351,23 @@ def _read_file(path: Path) -> str:
     data = path.read_bytes()
     if path.suffix == ".gz":
         import gzip
+
         data = gzip.decompress(data)
     return data.decode("utf-8", errors="replace")
 
 
-def directory_source(name: str, licence: str, root: str | os.PathLike, *, include: Iterable[str] = ("**/*",),
-                     exclude: Iterable[str] = (), origin: str | None = None, licence_evidence: str = "",
-                     max_bytes: int | None = None, version: str | None = None) -> Source:
+def directory_source(
+    name: str,
+    licence: str,
+    root: str | os.PathLike,
+    *,
+    include: Iterable[str] = ("**/*",),
+    exclude: Iterable[str] = (),
+    origin: str | None = None,
+    licence_evidence: str = "",
+    max_bytes: int | None = None,
+    version: str | None = None,
+) -> Source:
     """Files under `root` matching `include` globs (minus `exclude`), sorted by path. ``.html`` /
     ``.htm`` go through :func:`html_to_text`; ``.txt``, ``.md``, ``.rst`` (optionally ``.gz``) are read
     as text; other suffixes are ignored.
@@ -273,27 +397,47 @@ def directory_source(name: str, licence: str, root: str | os.PathLike, *, includ
                 continue
             yield Document(f"{name}:{rel}", text, p.stat().st_size)
 
-    return Source(name, licence, origin or str(root), documents, licence_evidence, max_bytes, version)
+    return Source(
+        name, licence, origin or str(root), documents, licence_evidence, max_bytes, version
+    )
 
 
 def _dpkg_version(package: str) -> str | None:
     try:
-        r = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package], capture_output=True, text=True,
-                           check=False)
+        r = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Version}", package],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     except FileNotFoundError:
         return None
     return r.stdout.strip() or None if r.returncode == 0 else None
 
 
-def debian_source(package: str, licence: str, root: str, *, include: Iterable[str], exclude: Iterable[str] = (),
-                  max_bytes: int | None = None) -> Source:
+def debian_source(
+    package: str,
+    licence: str,
+    root: str,
+    *,
+    include: Iterable[str],
+    exclude: Iterable[str] = (),
+    max_bytes: int | None = None,
+) -> Source:
     """A Debian documentation package (installed by :func:`install_debian_packages`); its licence
     evidence is ``/usr/share/doc/PACKAGE/copyright``."""
     version = _dpkg_version(package)
-    return directory_source(f"debian:{package}", licence, root, include=include, exclude=exclude,
-                            origin=f"Debian package {package} {version or '(not installed)'}",
-                            licence_evidence=f"/usr/share/doc/{package}/copyright", max_bytes=max_bytes,
-                            version=version)
+    return directory_source(
+        f"debian:{package}",
+        licence,
+        root,
+        include=include,
+        exclude=exclude,
+        origin=f"Debian package {package} {version or '(not installed)'}",
+        licence_evidence=f"/usr/share/doc/{package}/copyright",
+        max_bytes=max_bytes,
+        version=version,
+    )
 
 
 def distribution_licence(dist: Any) -> str:
@@ -307,7 +451,11 @@ def distribution_licence(dist: Any) -> str:
     lic = (m.get("License") or "").strip()
     if lic and "\n" not in lic and len(lic) < 40:
         return _normalise_licence_id(lic)
-    cls = [c.split("::")[-1].strip() for c in (m.get_all("Classifier") or []) if c.startswith("License ::")]
+    cls = [
+        c.split("::")[-1].strip()
+        for c in (m.get_all("Classifier") or [])
+        if c.startswith("License ::")
+    ]
     cls = [_normalise_licence_id(c) for c in cls if c not in ("OSI Approved", "DFSG approved")]
     if cls:
         return " AND ".join(sorted(set(cls)))
@@ -316,11 +464,24 @@ def distribution_licence(dist: Any) -> str:
     return "UNKNOWN"
 
 
-_SKIP_DIRS = frozenset({"tests", "test", "testing", "_tests", "_vendor", "vendor", "vendored", "benchmarks",
-                        "examples"})  # test suites, benchmarks and third-party code inside wheels
+_SKIP_DIRS = frozenset(
+    {
+        "tests",
+        "test",
+        "testing",
+        "_tests",
+        "_vendor",
+        "vendor",
+        "vendored",
+        "benchmarks",
+        "examples",
+    }
+)  # test suites, benchmarks and third-party code inside wheels
 
 
-def pypi_source(distribution: str, *, max_bytes: int | None = None, skip: Iterable[str] = ()) -> Source:
+def pypi_source(
+    distribution: str, *, max_bytes: int | None = None, skip: Iterable[str] = ()
+) -> Source:
     """An installed PyPI distribution: its README (wheel metadata description) and the docstrings of
     its ``.py`` files (directories named in ``_SKIP_DIRS`` skipped: tests, benchmarks, vendored
     third-party code; plus paths matching the `skip` globs).
@@ -342,7 +503,9 @@ def pypi_source(distribution: str, *, max_bytes: int | None = None, skip: Iterab
         readme = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
         if readme.strip():
             yield Document(f"{name}:README", readme, len(readme.encode()))
-        files = sorted((f for f in (dist.files or []) if f.suffix == ".py"), key=lambda f: f.as_posix())
+        files = sorted(
+            (f for f in (dist.files or []) if f.suffix == ".py"), key=lambda f: f.as_posix()
+        )
         for f in files:
             rel = f.as_posix()
             if _SKIP_DIRS.intersection(f.parts[:-1]) or any(fnmatch.fnmatch(rel, g) for g in skip):
@@ -357,9 +520,15 @@ def pypi_source(distribution: str, *, max_bytes: int | None = None, skip: Iterab
             if text:
                 yield Document(f"{name}:{rel}", text, len(src.encode()))
 
-    return Source(name, licence, f"PyPI distribution {dist.metadata['Name']} {dist.version} (installed)",
-                  documents, "wheel METADATA (License-Expression / License / classifiers)", max_bytes,
-                  dist.version)
+    return Source(
+        name,
+        licence,
+        f"PyPI distribution {dist.metadata['Name']} {dist.version} (installed)",
+        documents,
+        "wheel METADATA (License-Expression / License / classifiers)",
+        max_bytes,
+        dist.version,
+    )
 
 
 # ---------------------------------------------------------------------------- default sources
@@ -368,21 +537,60 @@ MB = 1 << 20
 # exclude, byte budget). The metapackages pull the release's versioned doc package (python3.11-doc
 # and postgresql-doc-15 on Debian 12); the root glob finds it, and `dpkg-query -S` names it.
 DEBIAN_SOURCES: tuple[tuple[str, str, str, tuple[str, ...], tuple[str, ...], int], ...] = (
-    ("python3-doc", "PSF-2.0", "/usr/share/doc/python3.*/html", ("**/*.html",),
-     ("genindex*", "py-modindex.html", "search.html", "_*/*", "whatsnew/changelog.html"), 14 * MB),
-    ("python-django-doc", "BSD-3-Clause", "/usr/share/doc/python-django-doc/html", ("**/*.html",),
-     ("genindex*", "py-modindex.html", "search.html", "_*/*", "releases/*"), 10 * MB),
-    ("postgresql-doc", "PostgreSQL", "/usr/share/doc/postgresql-doc-*/html", ("*.html",),
-     ("bookindex.html", "release-*.html"), 8 * MB),
-    ("sqlite3-doc", "public-domain", "/usr/share/doc/sqlite3", ("*.html", "c3ref/*.html"),
-     ("releaselog/*", "changes.html", "chronology.html", "doclist.html", "keyword_index.html", "sitemap.html",
-      "toc.html"), 6 * MB),
+    (
+        "python3-doc",
+        "PSF-2.0",
+        "/usr/share/doc/python3.*/html",
+        ("**/*.html",),
+        ("genindex*", "py-modindex.html", "search.html", "_*/*", "whatsnew/changelog.html"),
+        14 * MB,
+    ),
+    (
+        "python-django-doc",
+        "BSD-3-Clause",
+        "/usr/share/doc/python-django-doc/html",
+        ("**/*.html",),
+        ("genindex*", "py-modindex.html", "search.html", "_*/*", "releases/*"),
+        10 * MB,
+    ),
+    (
+        "postgresql-doc",
+        "PostgreSQL",
+        "/usr/share/doc/postgresql-doc-*/html",
+        ("*.html",),
+        ("bookindex.html", "release-*.html"),
+        8 * MB,
+    ),
+    (
+        "sqlite3-doc",
+        "public-domain",
+        "/usr/share/doc/sqlite3",
+        ("*.html", "c3ref/*.html"),
+        (
+            "releaselog/*",
+            "changes.html",
+            "chronology.html",
+            "doclist.html",
+            "keyword_index.html",
+            "sitemap.html",
+            "toc.html",
+        ),
+        6 * MB,
+    ),
 )
 DEBIAN_PACKAGES = tuple(s[0] for s in DEBIAN_SOURCES)
 # Installed with openk3 or its test extras (torch pulls sympy, networkx, mpmath).
 PYPI_DISTRIBUTIONS: tuple[tuple[str, int], ...] = (
-    ("numpy", 3 * MB), ("torch", 3 * MB), ("sympy", 3 * MB), ("networkx", 2 * MB), ("mpmath", 1 * MB),
-    ("transformers", 2 * MB), ("jinja2", MB), ("tokenizers", MB), ("safetensors", MB), ("tiktoken", MB),
+    ("numpy", 3 * MB),
+    ("torch", 3 * MB),
+    ("sympy", 3 * MB),
+    ("networkx", 2 * MB),
+    ("mpmath", 1 * MB),
+    ("transformers", 2 * MB),
+    ("jinja2", MB),
+    ("tokenizers", MB),
+    ("safetensors", MB),
+    ("tiktoken", MB),
 )
 
 
@@ -410,7 +618,9 @@ def default_sources(*, debian: bool = True, pypi: bool = True) -> list[Source]:
         roots = sorted((r for r in glob.glob(root_glob) if Path(r).is_dir()), key=_version_key)
         if roots:
             owner = _owning_package(roots[-1]) or pkg
-            out.append(debian_source(owner, lic, roots[-1], include=inc, exclude=exc, max_bytes=budget))
+            out.append(
+                debian_source(owner, lic, roots[-1], include=inc, exclude=exc, max_bytes=budget)
+            )
     for dist, budget in PYPI_DISTRIBUTIONS if pypi else ():
         try:
             out.append(pypi_source(dist, max_bytes=budget))
@@ -427,14 +637,22 @@ def install_debian_packages(packages: Iterable[str] = DEBIAN_PACKAGES) -> None:
     """
     packages = list(packages)
     if shutil.which("apt-get") is None:
-        raise RuntimeError("install_debian_packages: apt-get not found (a Debian/Ubuntu machine is needed)")
+        raise RuntimeError(
+            "install_debian_packages: apt-get not found (a Debian/Ubuntu machine is needed)"
+        )
     if hasattr(os, "geteuid") and os.geteuid() != 0:
-        raise RuntimeError("install_debian_packages: must run as root; run `sudo apt-get install "
-                           + " ".join(packages) + "` yourself, then build without --install")
+        raise RuntimeError(
+            "install_debian_packages: must run as root; run `sudo apt-get install "
+            + " ".join(packages)
+            + "` yourself, then build without --install"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
+    ):
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:2])} failed ({r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
-
-
+            raise RuntimeError(
+                f"{' '.join(cmd[:2])} failed ({r.returncode}): {(r.stdout + r.stderr)[-2000:]}"
+            )

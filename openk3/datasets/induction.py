@@ -84,8 +84,9 @@ def induction_text(seed: int, index: int, kind: str | None = None) -> str:
     raise ValueError(f"kind={kind!r}: must be one of {KINDS}")
 
 
-def span_ids(seed: int, index: int, ordinary: int, lengths: tuple[int, int] = (4, 20),
-             ids: int | None = None) -> list[int]:
+def span_ids(
+    seed: int, index: int, ordinary: int, lengths: tuple[int, int] = (4, 20), ids: int | None = None
+) -> list[int]:
     """Random-span copy document ``index`` of seed ``seed``: a span of ``L`` ids drawn uniformly
     from ``[256, ordinary)`` (the BPE's merged tokens: byte ids excluded, as in the induction
     probe), or from the first ``ids`` of them (``[256, min(ordinary, 256 + ids))``), ``L`` uniform
@@ -117,7 +118,9 @@ def span_ids(seed: int, index: int, ordinary: int, lengths: tuple[int, int] = (4
     return span + span
 
 
-def span_store(seed: int, n: int, tokenizer, lengths: tuple[int, int] = (4, 20), ids: int | None = None):
+def span_store(
+    seed: int, n: int, tokenizer, lengths: tuple[int, int] = (4, 20), ids: int | None = None
+):
     """A :class:`~openk3.train.data.DocumentStore` of ``n`` random-span copy documents
     (:func:`span_ids`; ``[BOS] span span [EOS]``, every next token a target) over the tokenizer's
     ordinary ids (``256 .. min(special_ids) - 1``; only the first ``ids`` of them if given)."""
@@ -126,8 +129,9 @@ def span_store(seed: int, n: int, tokenizer, lengths: tuple[int, int] = (4, 20),
     ordinary = min(tokenizer.special_ids) if tokenizer.special_ids else tokenizer.vocab_size
     head = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    return DocumentStore.from_documents(document_from_ids(head + span_ids(seed, i, ordinary, lengths, ids) + tail)
-                                        for i in range(n))
+    return DocumentStore.from_documents(
+        document_from_ids(head + span_ids(seed, i, ordinary, lengths, ids) + tail) for i in range(n)
+    )
 
 
 def induction_store(seed: int, n: int, tokenizer):
@@ -135,7 +139,9 @@ def induction_store(seed: int, n: int, tokenizer):
     next token a target)."""
     from openk3.train.data import DocumentStore, text_document
 
-    return DocumentStore.from_documents(text_document(induction_text(seed, i), tokenizer) for i in range(n))
+    return DocumentStore.from_documents(
+        text_document(induction_text(seed, i), tokenizer) for i in range(n)
+    )
 
 
 __all__ = ["KINDS", "induction_text", "induction_store", "span_ids", "span_store"]

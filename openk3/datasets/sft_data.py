@@ -39,13 +39,36 @@ from openk3.datasets.sft_tasks import TASKS, Item, _effort, _with_reasoning, rea
 EFFORTS = ("low", "medium", "high", "max")
 EVAL_SEED_OFFSET = 1_000_003
 # Shares of the training mixture (sum 1).
-MIXTURE = {"problems": 0.24, "tools": 0.15, "tools_two": 0.04, "tool_result": 0.07, "tools_none": 0.02,
-           "json": 0.08, "recall": 0.08, "out_of_scope": 0.03, "chat": 0.06, "effort": 0.04, "partial": 0.02,
-           "multi_turn": 0.03, "copy": 0.08, "lookup": 0.06}
+MIXTURE = {
+    "problems": 0.24,
+    "tools": 0.15,
+    "tools_two": 0.04,
+    "tool_result": 0.07,
+    "tools_none": 0.02,
+    "json": 0.08,
+    "recall": 0.08,
+    "out_of_scope": 0.03,
+    "chat": 0.06,
+    "effort": 0.04,
+    "partial": 0.02,
+    "multi_turn": 0.03,
+    "copy": 0.08,
+    "lookup": 0.06,
+}
 # Held-out suites (openk3 eval). ``arithmetic``: two-operand problems at effort max, operations
 # cycling + - *; ``reasoning``: the same problems with efforts cycling (reasoning length per effort).
-EVAL_SUITES = ("arithmetic", "reasoning", "tools", "tools_two", "tool_result", "json", "recall", "effort", "echo",
-               "out_of_scope")
+EVAL_SUITES = (
+    "arithmetic",
+    "reasoning",
+    "tools",
+    "tools_two",
+    "tool_result",
+    "json",
+    "recall",
+    "effort",
+    "echo",
+    "out_of_scope",
+)
 OPS = ("+", "-", "*")
 _POS = ("ones", "tens", "hundreds", "thousands", "ten-thousands")
 
@@ -69,7 +92,10 @@ def column_add(a: int, b: int) -> list[str]:
         if i == n - 1:
             lines.append(f"{_POS[i]}: {expr} = {s}, write {s}")
         else:
-            lines.append(f"{_POS[i]}: {expr} = {s}, write {s % 10}" + (f", carry {s // 10}" if s >= 10 else ""))
+            lines.append(
+                f"{_POS[i]}: {expr} = {s}, write {s % 10}"
+                + (f", carry {s // 10}" if s >= 10 else "")
+            )
         carry = s // 10
     return lines
 
@@ -85,7 +111,9 @@ def column_sub(a: int, b: int) -> list[str]:
             lines.append(f"{_POS[i]}: {head} = {x - borrow - y}")
             borrow = 0
         else:
-            lines.append(f"{_POS[i]}: {head} needs a borrow, {x - borrow + 10} - {y} = {x - borrow + 10 - y}")
+            lines.append(
+                f"{_POS[i]}: {head} needs a borrow, {x - borrow + 10} - {y} = {x - borrow + 10 - y}"
+            )
             borrow = 1
     return lines
 
@@ -102,7 +130,9 @@ def column_mul(a: int, d: int) -> list[str]:
         if i == len(da) - 1:
             lines.append(f"{_POS[i]}: {expr}, write {s}")
         else:
-            lines.append(f"{_POS[i]}: {expr}, write {s % 10}" + (f", carry {s // 10}" if s >= 10 else ""))
+            lines.append(
+                f"{_POS[i]}: {expr}, write {s % 10}" + (f", carry {s // 10}" if s >= 10 else "")
+            )
         carry = s // 10
     return lines
 
@@ -114,7 +144,10 @@ def work(a: int, op: str, b: int) -> tuple[list[str], int]:
     if op == "-":
         if a >= b:
             return column_sub(a, b), a - b
-        return [f"{a} is less than {b}, so I compute {b} - {a} and negate it", *column_sub(b, a)], a - b
+        return [
+            f"{a} is less than {b}, so I compute {b} - {a} and negate it",
+            *column_sub(b, a),
+        ], a - b
     if op == "*":
         big, d = (a, b) if b < 10 else (b, a)
         if d >= 10:
@@ -123,24 +156,51 @@ def work(a: int, op: str, b: int) -> tuple[list[str], int]:
     raise ValueError(f"op={op!r}: must be one of {OPS}")
 
 
-def effort_reasoning(problem: str, columns: list[str], result: str, effort: str | None) -> str | None:
+def effort_reasoning(
+    problem: str, columns: list[str], result: str, effort: str | None
+) -> str | None:
     """Think text by effort: low ``result``; medium first column + result; high every column +
     result; max ``Problem: ...`` + every column + result. None when thinking is off."""
     if effort is None:
         return None
-    chosen = {"low": [result], "medium": columns[:1] + [result], "high": columns + [result],
-              "max": [f"Problem: {problem}", *columns, result]}[effort]
+    chosen = {
+        "low": [result],
+        "medium": columns[:1] + [result],
+        "high": columns + [result],
+        "max": [f"Problem: {problem}", *columns, result],
+    }[effort]
     return "\n".join(chosen)
 
 
 # ---------------------------------------------------------------------------------- problems
 _FORMS = {
-    "+": ("Compute {a} + {b}.", "What is {a} + {b}?", "What is {a} plus {b}?", "{a} + {b} = ?", "Add {a} and {b}.",
-          "Calculate {a} + {b}.", "How much is {a} + {b}?"),
-    "-": ("Compute {a} - {b}.", "What is {a} - {b}?", "What is {a} minus {b}?", "{a} - {b} = ?",
-          "Subtract {b} from {a}.", "Calculate {a} - {b}.", "How much is {a} - {b}?"),
-    "*": ("Compute {a} * {b}.", "What is {a} * {b}?", "What is {a} times {b}?", "{a} * {b} = ?",
-          "Multiply {a} by {b}.", "Calculate {a} * {b}.", "What is {a} x {b}?"),
+    "+": (
+        "Compute {a} + {b}.",
+        "What is {a} + {b}?",
+        "What is {a} plus {b}?",
+        "{a} + {b} = ?",
+        "Add {a} and {b}.",
+        "Calculate {a} + {b}.",
+        "How much is {a} + {b}?",
+    ),
+    "-": (
+        "Compute {a} - {b}.",
+        "What is {a} - {b}?",
+        "What is {a} minus {b}?",
+        "{a} - {b} = ?",
+        "Subtract {b} from {a}.",
+        "Calculate {a} - {b}.",
+        "How much is {a} - {b}?",
+    ),
+    "*": (
+        "Compute {a} * {b}.",
+        "What is {a} * {b}?",
+        "What is {a} times {b}?",
+        "{a} * {b} = ?",
+        "Multiply {a} by {b}.",
+        "Calculate {a} * {b}.",
+        "What is {a} x {b}?",
+    ),
 }
 
 
@@ -154,8 +214,14 @@ def operands(rng: random.Random, op: str, *, wide: bool = False) -> tuple[int, i
     return (big, d) if rng.random() < 0.5 else (d, big)
 
 
-def gen_arith(rng: random.Random, effort: str | None, held_out: bool = False, *, op: str | None = None,
-              wide: bool | None = None) -> Item:
+def gen_arith(
+    rng: random.Random,
+    effort: str | None,
+    held_out: bool = False,
+    *,
+    op: str | None = None,
+    wide: bool | None = None,
+) -> Item:
     """A two-operand problem (``op`` drawn if None; ``wide`` 3-digit operands a fifth of the time
     in training, never in eval) worked in columns; the answer ends ``The answer is N.``;
     ``expected`` = ``{"answer", "op", "key"}`` (key: the canonical expression)."""
@@ -167,15 +233,19 @@ def gen_arith(rng: random.Random, effort: str | None, held_out: bool = False, *,
     expr = f"{a} {op} {b}"
     request = {"messages": [{"role": "user", "content": rng.choice(_FORMS[op]).format(a=a, b=b)}]}
     _effort(request, effort)
-    ref = _with_reasoning({"role": "assistant", "content": f"The answer is {value}."},
-                          effort_reasoning(expr, columns, f"so {expr} = {value}", effort))
+    ref = _with_reasoning(
+        {"role": "assistant", "content": f"The answer is {value}."},
+        effort_reasoning(expr, columns, f"so {expr} = {value}", effort),
+    )
     return Item("problems", request, ref, {"answer": value, "op": op, "key": expr})
 
 
 def _word(rng: random.Random, effort: str | None, held_out: bool) -> Item:
     """Someone has items, gets / gives some (one or two steps), worked in columns."""
     who = draw(rng, "first_name", held_out)
-    thing = rng.choice(("apples", "books", "coins", "stickers", "marbles", "pencils", "stamps", "cards"))
+    thing = rng.choice(
+        ("apples", "books", "coins", "stickers", "marbles", "pencils", "stamps", "cards")
+    )
     v = rng.randint(3, 99)
     text, cols, steps = f"{who} has {v} {thing}.", [], []
     for _ in range(rng.randint(1, 2)):
@@ -196,10 +266,18 @@ def _word(rng: random.Random, effort: str | None, held_out: bool) -> Item:
     _effort(request, effort)
     r = None
     if effort is not None:
-        r = {"low": steps[-1], "medium": "\n".join(steps), "high": "\n".join(cols),
-             "max": "\n".join([f"Problem: {question}", *cols])}[effort]
-    return Item("problems", request, _with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
-                {"answer": v})
+        r = {
+            "low": steps[-1],
+            "medium": "\n".join(steps),
+            "high": "\n".join(cols),
+            "max": "\n".join([f"Problem: {question}", *cols]),
+        }[effort]
+    return Item(
+        "problems",
+        request,
+        _with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
+        {"answer": v},
+    )
 
 
 def _chain(rng: random.Random, effort: str | None, held_out: bool) -> Item:
@@ -218,10 +296,18 @@ def _chain(rng: random.Random, effort: str | None, held_out: bool) -> Item:
     _effort(request, effort)
     r = None
     if effort is not None:
-        r = {"low": steps[-1], "medium": "\n".join(steps), "high": "\n".join(cols),
-             "max": "\n".join([f"Problem: {expr}", *cols])}[effort]
-    return Item("problems", request, _with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
-                {"answer": v})
+        r = {
+            "low": steps[-1],
+            "medium": "\n".join(steps),
+            "high": "\n".join(cols),
+            "max": "\n".join([f"Problem: {expr}", *cols]),
+        }[effort]
+    return Item(
+        "problems",
+        request,
+        _with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
+        {"answer": v},
+    )
 
 
 def _count(rng: random.Random, effort: str | None, held_out: bool) -> Item:
@@ -229,12 +315,29 @@ def _count(rng: random.Random, effort: str | None, held_out: bool) -> Item:
     word = draw(rng, "word", held_out)
     letter = rng.choice(sorted(set(word)))
     hits = [f"{i + 1}:{c}" for i, c in enumerate(word) if c == letter]
-    request = {"messages": [{"role": "user", "content": f"How many times does the letter '{letter}' appear in '{word}'?"}]}
+    request = {
+        "messages": [
+            {
+                "role": "user",
+                "content": f"How many times does the letter '{letter}' appear in '{word}'?",
+            }
+        ]
+    }
     _effort(request, effort)
-    r = reasoning([f"Spell it: {' '.join(word)}", f"Positions of '{letter}': {', '.join(hits)}",
-                   f"That is {len(hits)}."], effort)
-    return Item("problems", request, _with_reasoning({"role": "assistant", "content": f"The answer is {len(hits)}."}, r),
-                {"answer": len(hits)})
+    r = reasoning(
+        [
+            f"Spell it: {' '.join(word)}",
+            f"Positions of '{letter}': {', '.join(hits)}",
+            f"That is {len(hits)}.",
+        ],
+        effort,
+    )
+    return Item(
+        "problems",
+        request,
+        _with_reasoning({"role": "assistant", "content": f"The answer is {len(hits)}."}, r),
+        {"answer": len(hits)},
+    )
 
 
 def gen_problem(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
@@ -251,12 +354,22 @@ def gen_problem(rng: random.Random, effort: str | None, held_out: bool = False) 
 
 
 # ----------------------------------------------------------------------------------- chat
-_GREETINGS = (("Hi!", "Hello! How can I help you today?"), ("Hello", "Hello! How can I help you today?"),
-              ("Good morning!", "Good morning! How can I help?"), ("Thanks!", "You're welcome!"),
-              ("Who are you?", "I am openk3-tiny, a small Kimi K3 model trained by openk3."),
-              ("Bye", "Goodbye!"))
-_ECHO_FORMS = ("Say '{w}' and nothing else.", "Reply with just '{w}'.", "Answer only: {w}",
-               "Respond with the single word '{w}'.", "Say '{w}'.", "Output '{w}' and nothing more.")
+_GREETINGS = (
+    ("Hi!", "Hello! How can I help you today?"),
+    ("Hello", "Hello! How can I help you today?"),
+    ("Good morning!", "Good morning! How can I help?"),
+    ("Thanks!", "You're welcome!"),
+    ("Who are you?", "I am openk3-tiny, a small Kimi K3 model trained by openk3."),
+    ("Bye", "Goodbye!"),
+)
+_ECHO_FORMS = (
+    "Say '{w}' and nothing else.",
+    "Reply with just '{w}'.",
+    "Answer only: {w}",
+    "Respond with the single word '{w}'.",
+    "Say '{w}'.",
+    "Output '{w}' and nothing more.",
+)
 
 
 def echo_word(rng: random.Random, held_out: bool) -> str:
@@ -282,8 +395,13 @@ def gen_echo(rng: random.Random, effort: str | None, held_out: bool = False) -> 
     form = _ECHO_FORMS[0] if rng.random() < 0.5 else rng.choice(_ECHO_FORMS)
     request = {"messages": [{"role": "user", "content": form.format(w=w)}]}
     _effort(request, effort)
-    r = reasoning([f"The user wants exactly '{w}' and nothing else.", "No punctuation or extra words."], effort)
-    return Item("echo", request, _with_reasoning({"role": "assistant", "content": w}, r), {"content": w})
+    r = reasoning(
+        [f"The user wants exactly '{w}' and nothing else.", "No punctuation or extra words."],
+        effort,
+    )
+    return Item(
+        "echo", request, _with_reasoning({"role": "assistant", "content": w}, r), {"content": w}
+    )
 
 
 def gen_chat(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
@@ -295,27 +413,67 @@ def gen_chat(rng: random.Random, effort: str | None, held_out: bool = False) -> 
     request = {"messages": [{"role": "user", "content": user}]}
     _effort(request, effort)
     r = reasoning(["A short social turn; answer briefly."], effort)
-    return Item("chat", request, _with_reasoning({"role": "assistant", "content": answer}, r), {"content": answer})
+    return Item(
+        "chat",
+        request,
+        _with_reasoning({"role": "assistant", "content": answer}, r),
+        {"content": answer},
+    )
 
 
-_EFFORT_Q = ("What is your current thinking effort?", "Which thinking effort are you using?",
-             "Tell me your thinking effort setting.", "How much are you set to think: low, medium, high or max?",
-             "What thinking effort were you invoked with?", "State your thinking effort.",
-             "What is your reasoning effort right now?", "Which effort level is set?")
-_LEAD = ("", "Quick question. ", "Hi! ", "Before we start: ", "Hello there. ", "One thing: ", "Just curious. ",
-         "Please tell me. ", "Out of interest, ", "Hey, ", "Simple check. ", "Thanks for helping. ",
-         "Good day! ", "I wonder. ", "For my notes: ", "OK, ", "Hi, I'm {n}. ", "This is {n} from {c}. ",
-         "{n} here. ", "Greetings from {c}! ")
+_EFFORT_Q = (
+    "What is your current thinking effort?",
+    "Which thinking effort are you using?",
+    "Tell me your thinking effort setting.",
+    "How much are you set to think: low, medium, high or max?",
+    "What thinking effort were you invoked with?",
+    "State your thinking effort.",
+    "What is your reasoning effort right now?",
+    "Which effort level is set?",
+)
+_LEAD = (
+    "",
+    "Quick question. ",
+    "Hi! ",
+    "Before we start: ",
+    "Hello there. ",
+    "One thing: ",
+    "Just curious. ",
+    "Please tell me. ",
+    "Out of interest, ",
+    "Hey, ",
+    "Simple check. ",
+    "Thanks for helping. ",
+    "Good day! ",
+    "I wonder. ",
+    "For my notes: ",
+    "OK, ",
+    "Hi, I'm {n}. ",
+    "This is {n} from {c}. ",
+    "{n} here. ",
+    "Greetings from {c}! ",
+)
 
 
 def gen_effort(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
     """Report the request's ``thinking_effort`` (as rendered in the effort system message)."""
     effort = effort or rng.choice(EFFORTS)
-    lead = rng.choice(_LEAD).format(n=draw(rng, "first_name", held_out), c=draw(rng, "city", held_out))
-    request = {"messages": [{"role": "user", "content": lead + rng.choice(_EFFORT_Q)}], "reasoning_effort": effort}
+    lead = rng.choice(_LEAD).format(
+        n=draw(rng, "first_name", held_out), c=draw(rng, "city", held_out)
+    )
+    request = {
+        "messages": [{"role": "user", "content": lead + rng.choice(_EFFORT_Q)}],
+        "reasoning_effort": effort,
+    }
     r = reasoning([f"The system says thinking_effort={effort}.", "I report it."], effort)
-    return Item("effort", request, _with_reasoning({"role": "assistant", "content": f"My current thinking effort is {effort}."}, r),
-                {"effort": effort})
+    return Item(
+        "effort",
+        request,
+        _with_reasoning(
+            {"role": "assistant", "content": f"My current thinking effort is {effort}."}, r
+        ),
+        {"effort": effort},
+    )
 
 
 def gen_partial(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
@@ -323,9 +481,12 @@ def gen_partial(rng: random.Random, effort: str | None, held_out: bool = False) 
     base = gen_arith(rng, None, held_out)
     answer = base.expected["answer"]
     prefix = rng.choice(("The answer", "The answer is"))
-    request = dict(base.request, messages=base.request["messages"]
-                   + [{"role": "assistant", "content": prefix, "partial": True}])
-    ref = {"role": "assistant", "content": f"The answer is {answer}."[len(prefix):]}
+    request = dict(
+        base.request,
+        messages=base.request["messages"]
+        + [{"role": "assistant", "content": prefix, "partial": True}],
+    )
+    ref = {"role": "assistant", "content": f"The answer is {answer}."[len(prefix) :]}
     return Item("partial", request, ref, {"answer": answer, "prefix": prefix})
 
 
@@ -333,12 +494,19 @@ def gen_multi_turn(rng: random.Random, effort: str | None, held_out: bool = Fals
     """Two problem turns; the first assistant turn (with its reasoning) stays in the history."""
     first, second = gen_problem(rng, effort, held_out), gen_problem(rng, effort, held_out)
     msgs = first.request["messages"] + [first.reference] + second.request["messages"]
-    return Item("multi_turn", dict(second.request, messages=msgs), second.reference, second.expected)
+    return Item(
+        "multi_turn", dict(second.request, messages=msgs), second.reference, second.expected
+    )
 
 
 GENERATORS: dict[str, Callable[..., Item]] = {
-    "problems": gen_problem, "chat": gen_chat, "echo": gen_echo, "effort": gen_effort, "partial": gen_partial,
-    "multi_turn": gen_multi_turn, **TASKS,
+    "problems": gen_problem,
+    "chat": gen_chat,
+    "echo": gen_echo,
+    "effort": gen_effort,
+    "partial": gen_partial,
+    "multi_turn": gen_multi_turn,
+    **TASKS,
 }
 
 
@@ -349,7 +517,9 @@ def item_key(item: Item) -> str:
     the effort, for the effort suite, whose answer depends on it)."""
     if "key" in item.expected:
         return str(item.expected["key"])
-    key = json.dumps([m.get("content") for m in item.request["messages"] if m.get("role") in ("user", "system")])
+    key = json.dumps(
+        [m.get("content") for m in item.request["messages"] if m.get("role") in ("user", "system")]
+    )
     return key + item.request["reasoning_effort"] if item.suite == "effort" else key
 
 
@@ -371,7 +541,9 @@ def _draw(rng: random.Random, suite: str, thinking_off: float) -> Item:
     return GENERATORS[suite](rng, effort)
 
 
-def normalise_mixture(shares: dict, name: str = "mixture", *, base: dict | None = None) -> dict[str, float]:
+def normalise_mixture(
+    shares: dict, name: str = "mixture", *, base: dict | None = None
+) -> dict[str, float]:
     """``shares`` (task -> share) merged over ``base`` (default :data:`MIXTURE`) and scaled to sum 1.
 
     Tasks ``shares`` does not name keep their ``base`` share (set one to 0 to drop it).
@@ -394,7 +566,9 @@ def normalise_mixture(shares: dict, name: str = "mixture", *, base: dict | None 
     return {k: v / total for k, v in merged.items()}
 
 
-def sft_items(seed: int, n: int, *, thinking_off: float = 0.1, mixture: dict | None = None) -> list[Item]:
+def sft_items(
+    seed: int, n: int, *, thinking_off: float = 0.1, mixture: dict | None = None
+) -> list[Item]:
     """``n`` training items of the mixture (:data:`MIXTURE`), held-out keys excluded.
 
     Args:
@@ -464,8 +638,14 @@ def eval_items(suite: str, seed: int, n: int) -> list[Item]:
             columns, value = work(*_parse_key(p.expected["key"]))
             for e in EFFORTS:
                 request = {"messages": p.request["messages"], "reasoning_effort": e}
-                r = effort_reasoning(p.expected["key"], columns, f"so {p.expected['key']} = {value}", e)
-                out.append(Item("problems", request, _with_reasoning(dict(p.reference), r), dict(p.expected)))
+                r = effort_reasoning(
+                    p.expected["key"], columns, f"so {p.expected['key']} = {value}", e
+                )
+                out.append(
+                    Item(
+                        "problems", request, _with_reasoning(dict(p.reference), r), dict(p.expected)
+                    )
+                )
         return out[:n]
     rng = random.Random(seed + EVAL_SEED_OFFSET + EVAL_SUITES.index(suite))
     gen = _eval_gen(suite)
@@ -484,7 +664,33 @@ def eval_items(suite: str, seed: int, n: int) -> list[Item]:
     return out
 
 
-__all__ = ["EFFORTS", "MIXTURE", "OPS", "normalise_mixture", "EVAL_SUITES", "EVAL_SEED_OFFSET", "GENERATORS",
-           "Item", "column_add", "column_sub", "column_mul", "work", "effort_reasoning", "operands", "gen_arith",
-           "gen_problem", "gen_chat", "gen_echo", "echo_word", "gen_effort", "gen_partial", "gen_multi_turn",
-           "item_key", "is_held_out", "is_held_out_key", "sft_items", "sft_conversations", "eval_items"]
+__all__ = [
+    "EFFORTS",
+    "MIXTURE",
+    "OPS",
+    "normalise_mixture",
+    "EVAL_SUITES",
+    "EVAL_SEED_OFFSET",
+    "GENERATORS",
+    "Item",
+    "column_add",
+    "column_sub",
+    "column_mul",
+    "work",
+    "effort_reasoning",
+    "operands",
+    "gen_arith",
+    "gen_problem",
+    "gen_chat",
+    "gen_echo",
+    "echo_word",
+    "gen_effort",
+    "gen_partial",
+    "gen_multi_turn",
+    "item_key",
+    "is_held_out",
+    "is_held_out_key",
+    "sft_items",
+    "sft_conversations",
+    "eval_items",
+]

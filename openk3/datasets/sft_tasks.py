@@ -58,9 +58,13 @@ def reasoning(lines: list[str], effort: str | None) -> str | None:
     if effort is None:
         return None
     n = len(lines)
-    k = {"low": 1 if len(lines[0]) > 40 or n == 1 else 2, "medium": max(1, n // 2),
-         "high": max(1, n - 1), "max": n}[effort]
-    return "\n".join(lines[:min(k, n)])
+    k = {
+        "low": 1 if len(lines[0]) > 40 or n == 1 else 2,
+        "medium": max(1, n // 2),
+        "high": max(1, n - 1),
+        "max": n,
+    }[effort]
+    return "\n".join(lines[: min(k, n)])
 
 
 def _effort(request: dict, effort: str | None) -> None:
@@ -78,8 +82,19 @@ def _with_reasoning(msg: dict, text: str | None) -> dict:
 
 # ------------------------------------------------------------------------------------ tools
 def _fn(name: str, desc: str, props: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": desc, "parameters": {
-        "type": "object", "properties": props, "required": required, "additionalProperties": False}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": desc,
+            "parameters": {
+                "type": "object",
+                "properties": props,
+                "required": required,
+                "additionalProperties": False,
+            },
+        },
+    }
 
 
 _S = {"type": "string"}
@@ -89,37 +104,95 @@ _DATE = {"type": "string", "description": "ISO date YYYY-MM-DD"}
 MODES = ("driving", "walking", "cycling", "transit")
 
 TOOLS: dict[str, dict] = {
-    "get_weather": _fn("get_weather", "Current weather for a city.", {
-        "city": _S, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, ["city"]),
-    "convert_currency": _fn("convert_currency", "Convert an amount between currencies.", {
-        "amount": _N, "from_currency": {"type": "string", "enum": list(pool("currency"))},
-        "to_currency": {"type": "string", "enum": list(pool("currency"))}}, ["amount", "from_currency", "to_currency"]),
-    "search_web": _fn("search_web", "Search the web.", {
-        "query": _S, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}}, ["query"]),
-    "set_timer": _fn("set_timer", "Start a countdown timer.", {
-        "minutes": {"type": "integer", "minimum": 1}, "label": _S}, ["minutes"]),
-    "send_email": _fn("send_email", "Send an email.", {"to": _S, "subject": _S, "body": _S}, ["to", "subject"]),
-    "get_time": _fn("get_time", "Current local time in a time zone.", {
-        "timezone": {"type": "string", "enum": list(pool("timezone"))}}, ["timezone"]),
-    "calculator": _fn("calculator", "Evaluate an arithmetic expression.", {"expression": _S}, ["expression"]),
-    "book_flight": _fn("book_flight", "Book a one-way flight.", {
-        "origin": _S, "destination": _S, "date": _DATE}, ["origin", "destination", "date"]),
-    "create_event": _fn("create_event", "Add an event to the calendar.", {
-        "title": _S, "date": _DATE, "time": {"type": "string", "description": "HH:MM"}}, ["title", "date"]),
-    "lookup_contact": _fn("lookup_contact", "Find a person's phone number and e-mail in the address book.", {
-        "name": _S}, ["name"]),
-    "get_stock_price": _fn("get_stock_price", "Latest price of a stock by ticker symbol.", {"symbol": _S}, ["symbol"]),
-    "translate_text": _fn("translate_text", "Translate a text into another language.", {
-        "text": _S, "target_language": {"type": "string", "enum": list(pool("language"))}},
-        ["text", "target_language"]),
-    "get_directions": _fn("get_directions", "Route between two places.", {
-        "origin": _S, "destination": _S, "mode": {"type": "string", "enum": list(MODES)}}, ["origin", "destination"]),
-    "order_food": _fn("order_food", "Order food for delivery.", {
-        "dish": {"type": "string", "enum": list(pool("dish"))}, "quantity": {"type": "integer", "minimum": 1}},
-        ["dish", "quantity"]),
+    "get_weather": _fn(
+        "get_weather",
+        "Current weather for a city.",
+        {"city": _S, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        ["city"],
+    ),
+    "convert_currency": _fn(
+        "convert_currency",
+        "Convert an amount between currencies.",
+        {
+            "amount": _N,
+            "from_currency": {"type": "string", "enum": list(pool("currency"))},
+            "to_currency": {"type": "string", "enum": list(pool("currency"))},
+        },
+        ["amount", "from_currency", "to_currency"],
+    ),
+    "search_web": _fn(
+        "search_web",
+        "Search the web.",
+        {"query": _S, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}},
+        ["query"],
+    ),
+    "set_timer": _fn(
+        "set_timer",
+        "Start a countdown timer.",
+        {"minutes": {"type": "integer", "minimum": 1}, "label": _S},
+        ["minutes"],
+    ),
+    "send_email": _fn(
+        "send_email", "Send an email.", {"to": _S, "subject": _S, "body": _S}, ["to", "subject"]
+    ),
+    "get_time": _fn(
+        "get_time",
+        "Current local time in a time zone.",
+        {"timezone": {"type": "string", "enum": list(pool("timezone"))}},
+        ["timezone"],
+    ),
+    "calculator": _fn(
+        "calculator", "Evaluate an arithmetic expression.", {"expression": _S}, ["expression"]
+    ),
+    "book_flight": _fn(
+        "book_flight",
+        "Book a one-way flight.",
+        {"origin": _S, "destination": _S, "date": _DATE},
+        ["origin", "destination", "date"],
+    ),
+    "create_event": _fn(
+        "create_event",
+        "Add an event to the calendar.",
+        {"title": _S, "date": _DATE, "time": {"type": "string", "description": "HH:MM"}},
+        ["title", "date"],
+    ),
+    "lookup_contact": _fn(
+        "lookup_contact",
+        "Find a person's phone number and e-mail in the address book.",
+        {"name": _S},
+        ["name"],
+    ),
+    "get_stock_price": _fn(
+        "get_stock_price", "Latest price of a stock by ticker symbol.", {"symbol": _S}, ["symbol"]
+    ),
+    "translate_text": _fn(
+        "translate_text",
+        "Translate a text into another language.",
+        {"text": _S, "target_language": {"type": "string", "enum": list(pool("language"))}},
+        ["text", "target_language"],
+    ),
+    "get_directions": _fn(
+        "get_directions",
+        "Route between two places.",
+        {"origin": _S, "destination": _S, "mode": {"type": "string", "enum": list(MODES)}},
+        ["origin", "destination"],
+    ),
+    "order_food": _fn(
+        "order_food",
+        "Order food for delivery.",
+        {
+            "dish": {"type": "string", "enum": list(pool("dish"))},
+            "quantity": {"type": "integer", "minimum": 1},
+        },
+        ["dish", "quantity"],
+    ),
     "play_music": _fn("play_music", "Play a song.", {"song": _S}, ["song"]),
-    "create_reminder": _fn("create_reminder", "Create a reminder for a date.", {"text": _S, "date": _DATE},
-                           ["text", "date"]),
+    "create_reminder": _fn(
+        "create_reminder",
+        "Create a reminder for a date.",
+        {"text": _S, "date": _DATE},
+        ["text", "date"],
+    ),
 }
 
 
@@ -159,120 +232,266 @@ def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
         t = rng.randint(-30, 110) if unit == "fahrenheit" else rng.randint(-25, 45)
         u = "F" if unit == "fahrenheit" else "C"
         sky = rng.choice(["sunny", "cloudy", "rainy", "windy", "foggy", "snowy"])
-        base = rng.choice(["check the weather in {c}", "tell me how warm it is in {c}", "get the forecast for {c}",
-                           "look up the current weather in {c}"]).format(c=city)
-        return Call(name, base + (f" in {unit}" if unit else ""), args,
-                    json.dumps({"temperature": t, "unit": u, "sky": sky}),
-                    f"It is {t} degrees {u} and {sky} in {city}.", [str(t)])
+        base = rng.choice(
+            [
+                "check the weather in {c}",
+                "tell me how warm it is in {c}",
+                "get the forecast for {c}",
+                "look up the current weather in {c}",
+            ]
+        ).format(c=city)
+        return Call(
+            name,
+            base + (f" in {unit}" if unit else ""),
+            args,
+            json.dumps({"temperature": t, "unit": u, "sky": sky}),
+            f"It is {t} degrees {u} and {sky} in {city}.",
+            [str(t)],
+        )
     if name == "convert_currency":
         amt = _amount(rng)
         a, b = rng.sample(pool("currency"), 2)
         res = round(amt * rng.uniform(0.05, 20.0), 2)
-        phrase = rng.choice(["tell me how much {x} {a} is in {b}", "convert {x} {a} to {b}", "change {x} {a} into {b}"])
-        return Call(name, phrase.format(x=_num(amt), a=a, b=b), {"amount": amt, "from_currency": a, "to_currency": b},
-                    json.dumps({"result": res}), f"{_num(amt)} {a} is {_num(res)} {b}.", [_num(res)])
+        phrase = rng.choice(
+            [
+                "tell me how much {x} {a} is in {b}",
+                "convert {x} {a} to {b}",
+                "change {x} {a} into {b}",
+            ]
+        )
+        return Call(
+            name,
+            phrase.format(x=_num(amt), a=a, b=b),
+            {"amount": amt, "from_currency": a, "to_currency": b},
+            json.dumps({"result": res}),
+            f"{_num(amt)} {a} is {_num(res)} {b}.",
+            [_num(res)],
+        )
     if name == "search_web":
         topic = draw(rng, "topic", h)
         n = rng.choice([None, None, rng.randint(1, 10)])
         args = {"query": topic} if n is None else {"query": topic, "max_results": n}
-        t1, t2 = (f"{draw(rng, 'word', h).capitalize()} {rng.choice(('guide', 'notes', 'basics', 'review'))}"
-                  for _ in range(2))
-        phrase = rng.choice(["search the web for {t}", "look up {t} online", "find web pages about {t}"]).format(t=topic)
-        return Call(name, phrase + (f", top {n} results" if n else ""), args, json.dumps({"results": [t1, t2]}),
-                    f"I found: {t1}; {t2}.", [t1])
+        t1, t2 = (
+            f"{draw(rng, 'word', h).capitalize()} {rng.choice(('guide', 'notes', 'basics', 'review'))}"
+            for _ in range(2)
+        )
+        phrase = rng.choice(
+            ["search the web for {t}", "look up {t} online", "find web pages about {t}"]
+        ).format(t=topic)
+        return Call(
+            name,
+            phrase + (f", top {n} results" if n else ""),
+            args,
+            json.dumps({"results": [t1, t2]}),
+            f"I found: {t1}; {t2}.",
+            [t1],
+        )
     if name == "set_timer":
         m = rng.randint(1, 999)
         label = rng.choice([None, draw(rng, "word", h)])
         args = {"minutes": m} if label is None else {"minutes": m, "label": label}
         ends = draw_time(rng)
-        return Call(name, f"set a timer for {m} minutes" + (f" called {label}" if label else ""), args,
-                    json.dumps({"ok": True, "ends_at": ends}), f"Your {m}-minute timer is running; it ends at {ends}.",
-                    [ends])
+        return Call(
+            name,
+            f"set a timer for {m} minutes" + (f" called {label}" if label else ""),
+            args,
+            json.dumps({"ok": True, "ends_at": ends}),
+            f"Your {m}-minute timer is running; it ends at {ends}.",
+            [ends],
+        )
     if name == "send_email":
         to = draw(rng, "email", h)
         subject = draw(rng, "title", h) if rng.random() < 0.5 else draw(rng, "word", h)
         mid = _code(rng, "msg")
         phrase = rng.choice(["email {to} with the subject {s}", "send an email to {to} about {s}"])
-        return Call(name, phrase.format(to=to, s=subject), {"to": to, "subject": subject},
-                    json.dumps({"sent": True, "message_id": mid}), f"Done: the email to {to} is sent ({mid}).", [mid])
+        return Call(
+            name,
+            phrase.format(to=to, s=subject),
+            {"to": to, "subject": subject},
+            json.dumps({"sent": True, "message_id": mid}),
+            f"Done: the email to {to} is sent ({mid}).",
+            [mid],
+        )
     if name == "get_time":
         z = rng.choice(pool("timezone"))
         t = draw_time(rng)
-        return Call(name, rng.choice(["tell me what time it is in {z}", "check the local time in {z}"]).format(z=z), {"timezone": z},
-                    json.dumps({"time": t}), f"It is {t} in {z}.", [t])
+        return Call(
+            name,
+            rng.choice(["tell me what time it is in {z}", "check the local time in {z}"]).format(
+                z=z
+            ),
+            {"timezone": z},
+            json.dumps({"time": t}),
+            f"It is {t} in {z}.",
+            [t],
+        )
     if name == "calculator":
         a, b = rng.randint(2, 9999), rng.randint(2, 999)
         op = rng.choice("+-*")
         val = a + b if op == "+" else a - b if op == "-" else a * b
         expr = f"{a} {op} {b}"
-        return Call(name, f"use the calculator for {expr}", {"expression": expr}, json.dumps({"value": val}),
-                    f"{expr} = {val}.", [str(val)])
+        return Call(
+            name,
+            f"use the calculator for {expr}",
+            {"expression": expr},
+            json.dumps({"value": val}),
+            f"{expr} = {val}.",
+            [str(val)],
+        )
     if name == "book_flight":
         o, d = draw(rng, "city", h), draw(rng, "city", h)
         while d == o:
             d = draw(rng, "city", h)
         date = draw_date(rng)
         ref, price = _code(rng, "BK"), rng.randint(40, 2500)
-        phrase = rng.choice(["book a flight from {o} to {d} on {t}", "get me a flight from {o} to {d} on {t}"])
-        return Call(name, phrase.format(o=o, d=d, t=date), {"origin": o, "destination": d, "date": date},
-                    json.dumps({"booking": ref, "price_usd": price}),
-                    f"Booked: {o} to {d} on {date}, reference {ref}, {price} USD.", [ref])
+        phrase = rng.choice(
+            ["book a flight from {o} to {d} on {t}", "get me a flight from {o} to {d} on {t}"]
+        )
+        return Call(
+            name,
+            phrase.format(o=o, d=d, t=date),
+            {"origin": o, "destination": d, "date": date},
+            json.dumps({"booking": ref, "price_usd": price}),
+            f"Booked: {o} to {d} on {date}, reference {ref}, {price} USD.",
+            [ref],
+        )
     if name == "create_event":
         title, date = draw(rng, "title", h), draw_date(rng)
         t = rng.choice([None, draw_time(rng)])
-        args = {"title": title, "date": date} if t is None else {"title": title, "date": date, "time": t}
+        args = (
+            {"title": title, "date": date}
+            if t is None
+            else {"title": title, "date": date, "time": t}
+        )
         eid = _code(rng, "evt")
-        return Call(name, f"add {title} to my calendar on {date}" + (f" at {t}" if t else ""), args,
-                    json.dumps({"event_id": eid}), f"Added {title} on {date} ({eid}).", [eid])
+        return Call(
+            name,
+            f"add {title} to my calendar on {date}" + (f" at {t}" if t else ""),
+            args,
+            json.dumps({"event_id": eid}),
+            f"Added {title} on {date} ({eid}).",
+            [eid],
+        )
     if name == "lookup_contact":
         who = f"{draw(rng, 'first_name', h)} {draw(rng, 'surname', h)}"
         phone = f"+{rng.randint(1, 99)} {rng.randint(100, 999)} {rng.randint(1000, 9999)}"
-        phrase = rng.choice(["find the phone number of {n}", "look up {n} in my contacts", "get the contact details of {n}"])
-        return Call(name, phrase.format(n=who), {"name": who}, json.dumps({"name": who, "phone": phone}),
-                    f"{who}'s phone number is {phone}.", [phone])
+        phrase = rng.choice(
+            [
+                "find the phone number of {n}",
+                "look up {n} in my contacts",
+                "get the contact details of {n}",
+            ]
+        )
+        return Call(
+            name,
+            phrase.format(n=who),
+            {"name": who},
+            json.dumps({"name": who, "phone": phone}),
+            f"{who}'s phone number is {phone}.",
+            [phone],
+        )
     if name == "get_stock_price":
         sym = draw(rng, "symbol", h)
         price = round(rng.randint(100, 500000) / 100, 2)
-        phrase = rng.choice(["get the stock price of {s}", "check how {s} shares are trading", "look up the latest price for {s}"])
-        return Call(name, phrase.format(s=sym), {"symbol": sym}, json.dumps({"symbol": sym, "price": price}),
-                    f"{sym} is at {_num(price)}.", [_num(price)])
+        phrase = rng.choice(
+            [
+                "get the stock price of {s}",
+                "check how {s} shares are trading",
+                "look up the latest price for {s}",
+            ]
+        )
+        return Call(
+            name,
+            phrase.format(s=sym),
+            {"symbol": sym},
+            json.dumps({"symbol": sym, "price": price}),
+            f"{sym} is at {_num(price)}.",
+            [_num(price)],
+        )
     if name == "translate_text":
-        text = draw(rng, "word", h) if rng.random() < 0.5 else f"{draw(rng, 'word', h)} {draw(rng, 'word', h)}"
+        text = (
+            draw(rng, "word", h)
+            if rng.random() < 0.5
+            else f"{draw(rng, 'word', h)} {draw(rng, 'word', h)}"
+        )
         lang = rng.choice(pool("language"))
         out = "".join(rng.choice("aeioulmnrstkv") for _ in range(rng.randint(4, 9)))
-        return Call(name, f"translate '{text}' into {lang}", {"text": text, "target_language": lang},
-                    json.dumps({"translation": out}), f"In {lang}, '{text}' is '{out}'.", [out])
+        return Call(
+            name,
+            f"translate '{text}' into {lang}",
+            {"text": text, "target_language": lang},
+            json.dumps({"translation": out}),
+            f"In {lang}, '{text}' is '{out}'.",
+            [out],
+        )
     if name == "get_directions":
         o, d = draw(rng, "city", h), draw(rng, "city", h)
         while d == o:
             d = draw(rng, "city", h)
         mode = rng.choice([None, *MODES])
-        args = {"origin": o, "destination": d} if mode is None else {"origin": o, "destination": d, "mode": mode}
+        args = (
+            {"origin": o, "destination": d}
+            if mode is None
+            else {"origin": o, "destination": d, "mode": mode}
+        )
         km, mins = rng.randint(1, 3000), rng.randint(5, 3000)
-        return Call(name, f"get directions from {o} to {d}" + (f" by {mode}" if mode else ""), args,
-                    json.dumps({"distance_km": km, "minutes": mins}), f"It is {km} km, about {mins} minutes.", [str(km)])
+        return Call(
+            name,
+            f"get directions from {o} to {d}" + (f" by {mode}" if mode else ""),
+            args,
+            json.dumps({"distance_km": km, "minutes": mins}),
+            f"It is {km} km, about {mins} minutes.",
+            [str(km)],
+        )
     if name == "order_food":
         dish, q = rng.choice(pool("dish")), rng.randint(1, 20)
         oid, eta = _code(rng, "ord"), rng.randint(10, 90)
-        return Call(name, f"order {q} {dish}", {"dish": dish, "quantity": q},
-                    json.dumps({"order_id": oid, "eta_minutes": eta}), f"Ordered {q} {dish}; it arrives in {eta} minutes.",
-                    [str(eta)])
+        return Call(
+            name,
+            f"order {q} {dish}",
+            {"dish": dish, "quantity": q},
+            json.dumps({"order_id": oid, "eta_minutes": eta}),
+            f"Ordered {q} {dish}; it arrives in {eta} minutes.",
+            [str(eta)],
+        )
     if name == "play_music":
         song = draw(rng, "song", h)
         pos = rng.randint(1, 50)
-        return Call(name, rng.choice(["play the song {s}", "put on {s}"]).format(s=song), {"song": song},
-                    json.dumps({"playing": song, "queue_position": pos}), f"Playing {song} (queue position {pos}).",
-                    [str(pos)])
+        return Call(
+            name,
+            rng.choice(["play the song {s}", "put on {s}"]).format(s=song),
+            {"song": song},
+            json.dumps({"playing": song, "queue_position": pos}),
+            f"Playing {song} (queue position {pos}).",
+            [str(pos)],
+        )
     if name == "create_reminder":
-        text, date = f"{rng.choice(('call', 'pay', 'buy', 'visit', 'email'))} {draw(rng, 'first_name', h)}", draw_date(rng)
+        text, date = (
+            f"{rng.choice(('call', 'pay', 'buy', 'visit', 'email'))} {draw(rng, 'first_name', h)}",
+            draw_date(rng),
+        )
         rid = _code(rng, "rem")
-        return Call(name, f"remind me to {text} on {date}", {"text": text, "date": date},
-                    json.dumps({"reminder_id": rid}), f"I will remind you to {text} on {date} ({rid}).", [rid])
+        return Call(
+            name,
+            f"remind me to {text} on {date}",
+            {"text": text, "date": date},
+            json.dumps({"reminder_id": rid}),
+            f"I will remind you to {text} on {date} ({rid}).",
+            [rid],
+        )
     raise ValueError(f"tool {name!r}: unknown (known: {', '.join(TOOLS)})")
 
 
-_ASK = ("Please {p}.", "Can you {p}?", "I want you to {p}.", "{P}, please.", "Could you {p}?", "Hey, {p}.",
-        "I'd like you to {p}.", "{P}.")  # every phrase is a verb phrase
+_ASK = (
+    "Please {p}.",
+    "Can you {p}?",
+    "I want you to {p}.",
+    "{P}, please.",
+    "Could you {p}?",
+    "Hey, {p}.",
+    "I'd like you to {p}.",
+    "{P}.",
+)  # every phrase is a verb phrase
 _JOIN = (" and ", ", and also ", " and then ", ", then ")
 
 
@@ -280,7 +499,9 @@ def _ask(rng: random.Random, text: str) -> str:
     return rng.choice(_ASK).format(p=text, P=text[:1].upper() + text[1:])
 
 
-def _declare(rng: random.Random, names: list[str], request: dict, messages: list[dict], dynamic_share: float) -> None:
+def _declare(
+    rng: random.Random, names: list[str], request: dict, messages: list[dict], dynamic_share: float
+) -> None:
     tools = [TOOLS[n] for n in names]
     if rng.random() < dynamic_share:  # dynamic tool declaration (system message with tools)
         messages.insert(0, {"role": "system", "tools": tools})
@@ -288,8 +509,14 @@ def _declare(rng: random.Random, names: list[str], request: dict, messages: list
         request["tools"] = tools
 
 
-def _tool_request(rng: random.Random, effort: str | None, n_calls: int, held_out: bool, *,
-                  n_declared: int | None = None) -> tuple[dict, list[Call], list[str], str]:
+def _tool_request(
+    rng: random.Random,
+    effort: str | None,
+    n_calls: int,
+    held_out: bool,
+    *,
+    n_declared: int | None = None,
+) -> tuple[dict, list[Call], list[str], str]:
     names = rng.sample(sorted(TOOLS), n_declared or rng.randint(max(3, n_calls), 6))
     chosen = rng.sample(names, n_calls)
     calls = [_call_for(rng, n, held_out) for n in chosen]
@@ -304,26 +531,42 @@ def _tool_request(rng: random.Random, effort: str | None, n_calls: int, held_out
 
 
 def _call_message(calls: list[Call], text: str, effort: str | None, start: int = 0) -> dict:
-    tcs = [{"id": make_tool_call_id(c.name, start + i), "type": "function",
-            "function": {"name": c.name, "arguments": json.dumps(c.args)}} for i, c in enumerate(calls)]
-    lines = [f"The user wants {text}; I will call {' and '.join(c.name for c in calls)}.",
-             *[f"{c.name} arguments: {json.dumps(c.args)}" for c in calls],
-             "The arguments come from the user's words and fit the schema."]
-    return _with_reasoning({"role": "assistant", "content": None, "tool_calls": tcs}, reasoning(lines, effort))
+    tcs = [
+        {
+            "id": make_tool_call_id(c.name, start + i),
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.args)},
+        }
+        for i, c in enumerate(calls)
+    ]
+    lines = [
+        f"The user wants {text}; I will call {' and '.join(c.name for c in calls)}.",
+        *[f"{c.name} arguments: {json.dumps(c.args)}" for c in calls],
+        "The arguments come from the user's words and fit the schema.",
+    ]
+    return _with_reasoning(
+        {"role": "assistant", "content": None, "tool_calls": tcs}, reasoning(lines, effort)
+    )
 
 
 def _answer_message(calls: list[Call], effort: str | None) -> dict:
     lines = [f"The tool returned {calls[0].result}; I report it."]
-    return _with_reasoning({"role": "assistant", "content": " ".join(c.answer for c in calls)},
-                           reasoning(lines, effort))
+    return _with_reasoning(
+        {"role": "assistant", "content": " ".join(c.answer for c in calls)},
+        reasoning(lines, effort),
+    )
 
 
 def _expected_calls(calls: list[Call], names: list[str]) -> dict:
-    return {"calls": [{"name": c.name, "arguments": c.args} for c in calls],
-            "schemas": {n: TOOLS[n]["function"]["parameters"] for n in names}}
+    return {
+        "calls": [{"name": c.name, "arguments": c.args} for c in calls],
+        "schemas": {n: TOOLS[n]["function"]["parameters"] for n in names},
+    }
 
 
-def gen_tool_call(rng: random.Random, effort: str | None, held_out: bool = False, *, n_calls: int | None = None) -> Item:
+def gen_tool_call(
+    rng: random.Random, effort: str | None, held_out: bool = False, *, n_calls: int | None = None
+) -> Item:
     """Choose one (or, a quarter of the time, two) of 3-6 declared tools and fill their arguments
     from the user's words; variants: tool_choice auto/required, tools declared dynamically in a
     system message, two calls in one turn. The follow-up is the tool result(s) and an answer that
@@ -335,12 +578,19 @@ def gen_tool_call(rng: random.Random, effort: str | None, held_out: bool = False
     if choice != "auto":
         request["tool_choice"] = choice
     ref = _call_message(calls, text, effort)
-    follow = [{"role": "tool", "tool_call_id": tc["id"], "content": c.result}
-              for tc, c in zip(ref["tool_calls"], calls)]
+    follow = [
+        {"role": "tool", "tool_call_id": tc["id"], "content": c.result}
+        for tc, c in zip(ref["tool_calls"], calls)
+    ]
     # The tool-choice system message renders after the whole conversation (it belongs to the next
     # assistant turn), so a conversation that sets it ends at the call it governs.
-    return Item("tools", request, ref, _expected_calls(calls, names),
-                follow + [_answer_message(calls, effort)] if choice == "auto" else [])
+    return Item(
+        "tools",
+        request,
+        ref,
+        _expected_calls(calls, names),
+        follow + [_answer_message(calls, effort)] if choice == "auto" else [],
+    )
 
 
 def gen_tool_two(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
@@ -356,24 +606,47 @@ def gen_tool_result(rng: random.Random, effort: str | None, held_out: bool = Fal
     request, calls, names, text = _tool_request(rng, effort, n_calls, held_out)
     call = _call_message(calls, text, effort if effort is not None else None)
     if "reasoning_content" not in call:
-        call["reasoning_content"] = ""  # a tool-call turn in history needs its reasoning (may be "")
-    msgs = request["messages"] + [call] + [{"role": "tool", "tool_call_id": tc["id"], "content": c.result}
-                                           for tc, c in zip(call["tool_calls"], calls)]
+        call["reasoning_content"] = (
+            ""  # a tool-call turn in history needs its reasoning (may be "")
+        )
+    msgs = (
+        request["messages"]
+        + [call]
+        + [
+            {"role": "tool", "tool_call_id": tc["id"], "content": c.result}
+            for tc, c in zip(call["tool_calls"], calls)
+        ]
+    )
     req = dict(request, messages=msgs)
-    return Item("tool_result", req, _answer_message(calls, effort),
-                {"values": [v for c in calls for v in c.result_values]})
+    return Item(
+        "tool_result",
+        req,
+        _answer_message(calls, effort),
+        {"values": [v for c in calls for v in c.result_values]},
+    )
 
 
 def gen_tool_none(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
     """Tools declared but ``tool_choice: none``: answer in words, say what would be needed."""
     names = rng.sample(sorted(TOOLS), 3)
     c = _call_for(rng, names[0], held_out)
-    request = {"messages": [{"role": "user", "content": _ask(rng, c.phrase)}],
-               "tools": [TOOLS[n] for n in names], "tool_choice": "none"}
+    request = {
+        "messages": [{"role": "user", "content": _ask(rng, c.phrase)}],
+        "tools": [TOOLS[n] for n in names],
+        "tool_choice": "none",
+    }
     _effort(request, effort)
-    ref = {"role": "assistant", "content": f"I cannot use tools right now, so I cannot {c.phrase} for you."}
-    r = reasoning([f"Tools are disabled (tool_choice=none); I must answer without calling {names[0]}.",
-                   "I explain what I would need."], effort)
+    ref = {
+        "role": "assistant",
+        "content": f"I cannot use tools right now, so I cannot {c.phrase} for you.",
+    }
+    r = reasoning(
+        [
+            f"Tools are disabled (tool_choice=none); I must answer without calling {names[0]}.",
+            "I explain what I would need.",
+        ],
+        effort,
+    )
     return Item("tools_none", request, _with_reasoning(ref, r), {"calls": []})
 
 
@@ -425,39 +698,84 @@ def gen_json(rng: random.Random, effort: str | None, held_out: bool = False) -> 
         v, prop, clause = _field(rng, key, held_out)
         fields[key], props[key] = v, prop
         clauses.append(clause)
-    facts = f"{name} " + (clauses[0] if len(clauses) == 1 else ", ".join(clauses[:-1]) + " and " + clauses[-1])
+    facts = f"{name} " + (
+        clauses[0] if len(clauses) == 1 else ", ".join(clauses[:-1]) + " and " + clauses[-1]
+    )
     keys = list(fields)
-    schema = {"type": "object", "properties": props, "required": keys, "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": props,
+        "required": keys,
+        "additionalProperties": False,
+    }
     if rng.random() < 0.5:
-        user = f"{facts}. " + rng.choice(["Return a JSON object with the keys {k}.", "Reply in JSON with {k}.",
-                                          "Give me JSON with the fields {k}."]).format(k=", ".join(keys))
+        user = f"{facts}. " + rng.choice(
+            [
+                "Return a JSON object with the keys {k}.",
+                "Reply in JSON with {k}.",
+                "Give me JSON with the fields {k}.",
+            ]
+        ).format(k=", ".join(keys))
         rf: dict = {"type": "json_object"}
     else:
-        user = f"{facts}. " + rng.choice(["Give the record as JSON.", "Return it as JSON.", "Fill in the record."])
-        rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}}
+        user = f"{facts}. " + rng.choice(
+            ["Give the record as JSON.", "Return it as JSON.", "Fill in the record."]
+        )
+        rf = {
+            "type": "json_schema",
+            "json_schema": {"name": "record", "schema": schema, "strict": True},
+        }
     request = {"messages": [{"role": "user", "content": user}], "response_format": rf}
     _effort(request, effort)
     ref = {"role": "assistant", "content": json.dumps(fields)}
-    r = reasoning([f"I need a JSON object with {', '.join(keys)}.",
-                   *[f"{k} = {json.dumps(v)}" for k, v in fields.items()], "Raw JSON, no code fence."], effort)
+    r = reasoning(
+        [
+            f"I need a JSON object with {', '.join(keys)}.",
+            *[f"{k} = {json.dumps(v)}" for k, v in fields.items()],
+            "Raw JSON, no code fence.",
+        ],
+        effort,
+    )
     return Item("json", request, _with_reasoning(ref, r), {"fields": fields, "schema": schema})
 
 
 # ----------------------------------------------------------------------------------- recall
 _FACTS = {
-    "name": (("My name is {v}.", "Hi, I'm {v}.", "Call me {v}.", "Hello, I am {v}."), "first_name",
-             ("What is my name?", "What's my name?", "Do you remember my name?", "Who am I?"),
-             "Nice to meet you, {v}!", "Your name is {v}."),
-    "city": (("I live in {v}.", "I'm from {v}.", "My home town is {v}."), "city",
-             ("Where do I live?", "Which city am I from?", "What is my home town?"),
-             "{v} sounds like a nice place.", "You live in {v}."),
-    "number": (("My favourite number is {v}.", "Remember the number {v}.", "My lucky number is {v}."), None,
-               ("What is my favourite number?", "Which number did I tell you?", "What was the number?"),
-               "Noted: {v}.", "The number is {v}."),
-    "pet": (("My dog is called {v}.", "I have a cat named {v}.", "My pet's name is {v}."), "pet_name",
-            ("What is my pet called?", "What's my pet's name?"), "{v} is a lovely name.", "Your pet is called {v}."),
-    "code": (("My locker code is {v}.", "The door code is {v}."), "symbol",
-             ("What is the code?", "Which code did I give you?"), "Got it, {v}.", "The code is {v}."),
+    "name": (
+        ("My name is {v}.", "Hi, I'm {v}.", "Call me {v}.", "Hello, I am {v}."),
+        "first_name",
+        ("What is my name?", "What's my name?", "Do you remember my name?", "Who am I?"),
+        "Nice to meet you, {v}!",
+        "Your name is {v}.",
+    ),
+    "city": (
+        ("I live in {v}.", "I'm from {v}.", "My home town is {v}."),
+        "city",
+        ("Where do I live?", "Which city am I from?", "What is my home town?"),
+        "{v} sounds like a nice place.",
+        "You live in {v}.",
+    ),
+    "number": (
+        ("My favourite number is {v}.", "Remember the number {v}.", "My lucky number is {v}."),
+        None,
+        ("What is my favourite number?", "Which number did I tell you?", "What was the number?"),
+        "Noted: {v}.",
+        "The number is {v}.",
+    ),
+    "pet": (
+        ("My dog is called {v}.", "I have a cat named {v}.", "My pet's name is {v}."),
+        "pet_name",
+        ("What is my pet called?", "What's my pet's name?"),
+        "{v} is a lovely name.",
+        "Your pet is called {v}.",
+    ),
+    "code": (
+        ("My locker code is {v}.", "The door code is {v}."),
+        "symbol",
+        ("What is the code?", "Which code did I give you?"),
+        "Got it, {v}.",
+        "The code is {v}.",
+    ),
 }
 
 
@@ -473,31 +791,55 @@ def gen_recall(rng: random.Random, effort: str | None, held_out: bool = False) -
     kinds = rng.sample(sorted(_FACTS), rng.randint(1, 3))
     values = {k: _fact_value(rng, k, held_out) for k in kinds}
     said = {k: rng.choice(_FACTS[k][0]).format(v=values[k]) for k in kinds}
-    pairs = [[{"role": "user", "content": said[k]}, {"role": "assistant", "content": _FACTS[k][3].format(v=values[k])}]
-             for k in kinds]
+    pairs = [
+        [
+            {"role": "user", "content": said[k]},
+            {"role": "assistant", "content": _FACTS[k][3].format(v=values[k])},
+        ]
+        for k in kinds
+    ]
     for _ in range(rng.randint(0, 2)):
         w = draw(rng, "word", held_out)
-        pairs.append([{"role": "user", "content": f"Say '{w}' and nothing else."}, {"role": "assistant", "content": w}])
+        pairs.append(
+            [
+                {"role": "user", "content": f"Say '{w}' and nothing else."},
+                {"role": "assistant", "content": w},
+            ]
+        )
     if rng.random() < 0.3:
         rng.shuffle(pairs)
     target = rng.choice(kinds)
     v = values[target]
-    msgs = [m for pair in pairs for m in pair] + [{"role": "user", "content": rng.choice(_FACTS[target][2])}]
+    msgs = [m for pair in pairs for m in pair] + [
+        {"role": "user", "content": rng.choice(_FACTS[target][2])}
+    ]
     request = {"messages": msgs}
     _effort(request, effort)
     r = reasoning([f"Earlier the user said: {said[target]}", f"So the answer is {v}."], effort)
-    return Item("recall", request, _with_reasoning({"role": "assistant", "content": _FACTS[target][4].format(v=v)}, r),
-                {"value": v})
+    return Item(
+        "recall",
+        request,
+        _with_reasoning({"role": "assistant", "content": _FACTS[target][4].format(v=v)}, r),
+        {"value": v},
+    )
 
 
 # ------------------------------------------------------------------------------ out of scope
 _OOS = (
-    "What is the population of {city}?", "Who will win the next {word} championship?",
-    "What number am I thinking of?", "What did I eat for breakfast today?",
-    "What is the password of my {word} account?", "How many {animal}s live in {city}?",
-    "What was the name of my first teacher?", "What will the price of {word}s be in ten years?",
-    "Who is the mayor of {city}?", "What is {first}'s middle name?", "In which year was {city} founded?",
-    "How tall is the tallest tree in {city}?", "What colour is my car?", "What is my neighbour's name?",
+    "What is the population of {city}?",
+    "Who will win the next {word} championship?",
+    "What number am I thinking of?",
+    "What did I eat for breakfast today?",
+    "What is the password of my {word} account?",
+    "How many {animal}s live in {city}?",
+    "What was the name of my first teacher?",
+    "What will the price of {word}s be in ten years?",
+    "Who is the mayor of {city}?",
+    "What is {first}'s middle name?",
+    "In which year was {city} founded?",
+    "How tall is the tallest tree in {city}?",
+    "What colour is my car?",
+    "What is my neighbour's name?",
 )
 OOS_ANSWER = "I don't know that, and I have no way to find it out."
 
@@ -505,21 +847,39 @@ OOS_ANSWER = "I don't know that, and I have no way to find it out."
 def gen_out_of_scope(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
     """A question the model cannot know (and no declared tool answers): a short honest answer,
     no tool call. Half the requests declare 2-4 unrelated tools (tool_choice auto)."""
-    q = rng.choice(_OOS).format(city=draw(rng, "city", held_out), word=draw(rng, "word", held_out),
-                                animal=rng.choice(pool("animal")), first=draw(rng, "first_name", held_out))
+    q = rng.choice(_OOS).format(
+        city=draw(rng, "city", held_out),
+        word=draw(rng, "word", held_out),
+        animal=rng.choice(pool("animal")),
+        first=draw(rng, "first_name", held_out),
+    )
     request: dict = {"messages": [{"role": "user", "content": q}]}
     if rng.random() < 0.5:
         allowed = [n for n in sorted(TOOLS) if n not in ("search_web", "lookup_contact")]
         _declare(rng, rng.sample(allowed, rng.randint(2, 4)), request, request["messages"], 0.2)
     _effort(request, effort)
-    r = reasoning(["I have no information about this, and no tool can find it; I say so briefly.",
-                   "No guessing."], effort)
-    return Item("out_of_scope", request, _with_reasoning({"role": "assistant", "content": OOS_ANSWER}, r),
-                {"honest": True})
+    r = reasoning(
+        [
+            "I have no information about this, and no tool can find it; I say so briefly.",
+            "No guessing.",
+        ],
+        effort,
+    )
+    return Item(
+        "out_of_scope",
+        request,
+        _with_reasoning({"role": "assistant", "content": OOS_ANSWER}, r),
+        {"honest": True},
+    )
 
 
 # ------------------------------------------------------------------------------------- copy
-_COPY_FORMS = ("Repeat exactly: {t}", "Copy this text: {t}", "Echo back: {t}", "Say back exactly this: {t}")
+_COPY_FORMS = (
+    "Repeat exactly: {t}",
+    "Copy this text: {t}",
+    "Echo back: {t}",
+    "Say back exactly this: {t}",
+)
 
 
 def _copy_piece(rng: random.Random, h: bool) -> str:
@@ -544,10 +904,17 @@ def gen_copy(rng: random.Random, effort: str | None, held_out: bool = False) -> 
     loss (the induction-head curriculum); the reasoning line copies the text once more, as the
     tool reasoning does before the call."""
     text = " ".join(_copy_piece(rng, held_out) for _ in range(rng.randint(3, 10)))
-    request: dict = {"messages": [{"role": "user", "content": rng.choice(_COPY_FORMS).format(t=text)}]}
+    request: dict = {
+        "messages": [{"role": "user", "content": rng.choice(_COPY_FORMS).format(t=text)}]
+    }
     _effort(request, effort)
     r = reasoning([f"The user wants exactly: {text}", "I repeat it without changes."], effort)
-    return Item("copy", request, _with_reasoning({"role": "assistant", "content": text}, r), {"content": text})
+    return Item(
+        "copy",
+        request,
+        _with_reasoning({"role": "assistant", "content": text}, r),
+        {"content": text},
+    )
 
 
 def gen_lookup(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
@@ -566,14 +933,44 @@ def gen_lookup(rng: random.Random, effort: str | None, held_out: bool = False) -
     q = rng.choice(("What is the value for {k}?", "Which value does {k} have?", "Look up {k}."))
     request: dict = {"messages": [{"role": "user", "content": f"{table}\n{q.format(k=keys[i])}"}]}
     _effort(request, effort)
-    r = reasoning([f"The line for {keys[i]} reads {keys[i]}: {vals[i]}.", f"So the value is {vals[i]}."], effort)
-    return Item("lookup", request, _with_reasoning({"role": "assistant", "content": vals[i]}, r), {"content": vals[i]})
+    r = reasoning(
+        [f"The line for {keys[i]} reads {keys[i]}: {vals[i]}.", f"So the value is {vals[i]}."],
+        effort,
+    )
+    return Item(
+        "lookup",
+        request,
+        _with_reasoning({"role": "assistant", "content": vals[i]}, r),
+        {"content": vals[i]},
+    )
 
 
 TASKS: dict[str, Callable[..., Item]] = {
-    "tools": gen_tool_call, "tools_two": gen_tool_two, "tool_result": gen_tool_result, "tools_none": gen_tool_none,
-    "json": gen_json, "recall": gen_recall, "out_of_scope": gen_out_of_scope, "copy": gen_copy, "lookup": gen_lookup,
+    "tools": gen_tool_call,
+    "tools_two": gen_tool_two,
+    "tool_result": gen_tool_result,
+    "tools_none": gen_tool_none,
+    "json": gen_json,
+    "recall": gen_recall,
+    "out_of_scope": gen_out_of_scope,
+    "copy": gen_copy,
+    "lookup": gen_lookup,
 }
 
-__all__ = ["Item", "Call", "TOOLS", "TASKS", "OOS_ANSWER", "reasoning", "gen_tool_call", "gen_tool_two",
-           "gen_tool_result", "gen_tool_none", "gen_json", "gen_recall", "gen_out_of_scope", "gen_copy", "gen_lookup"]
+__all__ = [
+    "Item",
+    "Call",
+    "TOOLS",
+    "TASKS",
+    "OOS_ANSWER",
+    "reasoning",
+    "gen_tool_call",
+    "gen_tool_two",
+    "gen_tool_result",
+    "gen_tool_none",
+    "gen_json",
+    "gen_recall",
+    "gen_out_of_scope",
+    "gen_copy",
+    "gen_lookup",
+]

@@ -40,8 +40,14 @@ from openk3.datasets.sft_tasks import Item, _effort, reasoning
 
 IMAGE_SIZE = 112
 QUESTION_TYPES = ("color", "shape", "count", "position", "digit", "word")
-COLORS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), "yellow": (235, 200, 20),
-          "purple": (140, 40, 170), "orange": (245, 130, 20)}
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 50),
+    "blue": (30, 70, 220),
+    "yellow": (235, 200, 20),
+    "purple": (140, 40, 170),
+    "orange": (245, 130, 20),
+}
 SHAPES = ("circle", "square", "triangle")
 WORDS = ("cat", "dog", "sun", "car", "box", "hat", "pen", "map", "cup", "bed")
 BACKGROUNDS = ((255, 255, 255), (235, 235, 235), (250, 240, 220), (220, 235, 250))
@@ -49,7 +55,9 @@ SUITE = "images"
 
 
 # ------------------------------------------------------------------------------------ drawing
-def _draw_shape(d: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, fill: tuple) -> None:
+def _draw_shape(
+    d: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, fill: tuple
+) -> None:
     if kind == "circle":
         d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
     elif kind == "square":
@@ -78,7 +86,9 @@ def draw_scene(rng: random.Random, qtype: str) -> tuple[Image.Image, str, str, l
     if qtype in ("color", "shape"):
         kind, colour = rng.choice(SHAPES), rng.choice(sorted(COLORS))
         r = rng.uniform(16, 30)
-        _draw_shape(d, kind, rng.uniform(r + 4, s - r - 4), rng.uniform(r + 4, s - r - 4), r, COLORS[colour])
+        _draw_shape(
+            d, kind, rng.uniform(r + 4, s - r - 4), rng.uniform(r + 4, s - r - 4), r, COLORS[colour]
+        )
         answer = colour if qtype == "color" else kind
         q = "What colour is the shape?" if qtype == "color" else "What shape is in the image?"
         return img, q, answer, [f"I see one {colour} {kind}.", f"The answer is {answer}."]
@@ -91,10 +101,23 @@ def draw_scene(rng: random.Random, qtype: str) -> tuple[Image.Image, str, str, l
             x0, y0 = (c % 2) * s / 2, (c // 2) * s / 2
             kind = rng.choice(SHAPES)
             kinds.append(kind)
-            _draw_shape(d, kind, x0 + rng.uniform(r + 3, s / 2 - r - 3), y0 + rng.uniform(r + 3, s / 2 - r - 3), r,
-                        COLORS[rng.choice(sorted(COLORS))])
-        return img, "How many shapes are in the image?", str(n), [
-            "Counting: " + ", ".join(str(i + 1) for i in range(n)) + ".", f"There are {n} shapes."]
+            _draw_shape(
+                d,
+                kind,
+                x0 + rng.uniform(r + 3, s / 2 - r - 3),
+                y0 + rng.uniform(r + 3, s / 2 - r - 3),
+                r,
+                COLORS[rng.choice(sorted(COLORS))],
+            )
+        return (
+            img,
+            "How many shapes are in the image?",
+            str(n),
+            [
+                "Counting: " + ", ".join(str(i + 1) for i in range(n)) + ".",
+                f"There are {n} shapes.",
+            ],
+        )
     if qtype == "position":
         kind, colour = rng.choice(SHAPES), rng.choice(sorted(COLORS))
         r = rng.uniform(12, 20)
@@ -107,7 +130,12 @@ def draw_scene(rng: random.Random, qtype: str) -> tuple[Image.Image, str, str, l
         else:
             _draw_shape(d, kind, far, main, r, COLORS[colour])
             q, answer = "Is the shape at the top or the bottom?", "top" if first else "bottom"
-        return img, q, answer, [f"The {colour} {kind} is in the {answer} half.", f"The answer is {answer}."]
+        return (
+            img,
+            q,
+            answer,
+            [f"The {colour} {kind} is in the {answer} half.", f"The answer is {answer}."],
+        )
     if qtype in ("digit", "word"):
         answer = str(rng.randint(0, 9)) if qtype == "digit" else rng.choice(WORDS)
         size = rng.randint(48, 64) if qtype == "digit" else rng.randint(28, 36)
@@ -118,7 +146,11 @@ def draw_scene(rng: random.Random, qtype: str) -> tuple[Image.Image, str, str, l
         x = rng.uniform(2, max(2.0, s - w - 2)) - x0
         y = rng.uniform(2, max(2.0, s - h - 2)) - y0
         d.text((x, y), answer, fill=colour, font=font)
-        q = "What digit is shown in the image?" if qtype == "digit" else "What word is written in the image?"
+        q = (
+            "What digit is shown in the image?"
+            if qtype == "digit"
+            else "What word is written in the image?"
+        )
         return img, q, answer, [f"The {cname} text reads {answer}.", f"The answer is {answer}."]
     raise ValueError(f"qtype={qtype!r}: must be one of {QUESTION_TYPES}")
 
@@ -147,8 +179,17 @@ def gen_image_item(rng: random.Random, effort: str | None, qtype: str | None = N
     qtype = qtype or rng.choice(QUESTION_TYPES)
     img, question, answer, lines = draw_scene(rng, qtype)
     png = png_bytes(img)
-    request = {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(png)}}, {"type": "text", "text": question}]}]}
+    request = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(png)}},
+                    {"type": "text", "text": question},
+                ],
+            }
+        ]
+    }
     _effort(request, effort)
     ref = {"role": "assistant", "content": answer}
     r = reasoning(lines, effort)
@@ -210,10 +251,28 @@ def summarize_images(items: list[Item], scores: list[dict]) -> dict:
     for it, s in zip(items, scores):
         by.setdefault(it.expected["type"], []).append(bool(s["correct"]))
     n = len(scores)
-    return {"n": n, "accuracy": sum(bool(s["correct"]) for s in scores) / n if n else float("nan"),
-            "accuracy_by_type": {t: sum(by[t]) / len(by[t]) for t in QUESTION_TYPES if t in by}}
+    return {
+        "n": n,
+        "accuracy": sum(bool(s["correct"]) for s in scores) / n if n else float("nan"),
+        "accuracy_by_type": {t: sum(by[t]) / len(by[t]) for t in QUESTION_TYPES if t in by},
+    }
 
 
-__all__ = ["IMAGE_SIZE", "QUESTION_TYPES", "COLORS", "SHAPES", "WORDS", "SUITE", "draw_scene", "png_bytes", "data_url",
-           "normalise_answer", "gen_image_item", "is_held_out_image", "image_items", "eval_image_items",
-           "score_image", "summarize_images"]
+__all__ = [
+    "IMAGE_SIZE",
+    "QUESTION_TYPES",
+    "COLORS",
+    "SHAPES",
+    "WORDS",
+    "SUITE",
+    "draw_scene",
+    "png_bytes",
+    "data_url",
+    "normalise_answer",
+    "gen_image_item",
+    "is_held_out_image",
+    "image_items",
+    "eval_image_items",
+    "score_image",
+    "summarize_images",
+]

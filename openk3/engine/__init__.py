@@ -7,5 +7,14 @@ from openk3.engine.engine import Engine, EngineConfig, EngineOverloaded, Request
 from openk3.engine.mm import ImageInput
 from openk3.engine.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineOverloaded", "ImageInput", "RequestOutput",
-           "SamplingParams", "TokenLogprob", "Usage"]
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineOverloaded",
+    "ImageInput",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+    "Usage",
+]

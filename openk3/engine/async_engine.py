@@ -45,8 +45,14 @@ class AsyncEngine:
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
-    async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, constraint=None,
-                       request_id: str | None = None, mm_inputs=None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        constraint=None,
+        request_id: str | None = None,
+        mm_inputs=None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request until it finishes (``mm_inputs``: image inputs, see
         :meth:`Engine.add_request`).
 
@@ -71,7 +77,9 @@ class AsyncEngine:
                 raise ValueError(f"request_id={rid!r}: already in use")
             waiting = len(self.engine.scheduler.waiting) + self._pending_adds
             if waiting >= self.engine.config.max_waiting:
-                raise EngineOverloaded(f"{waiting} requests waiting (max_waiting={self.engine.config.max_waiting})")
+                raise EngineOverloaded(
+                    f"{waiting} requests waiting (max_waiting={self.engine.config.max_waiting})"
+                )
             self._streams[rid] = (loop, queue)
             self._cmds.append(("add", rid, list(prompt_ids), params, constraint, mm_inputs))
             self._pending_adds += 1
@@ -138,7 +146,9 @@ class AsyncEngine:
             with self._cond:
                 self._pending_adds -= 1
             try:
-                self.engine.add_request(prompt, params, constraint, request_id=rid, mm_inputs=mm_inputs)
+                self.engine.add_request(
+                    prompt, params, constraint, request_id=rid, mm_inputs=mm_inputs
+                )
             except Exception as e:  # noqa: BLE001 - handed to the waiting consumer
                 self._deliver(rid, e)
         elif kind == "abort":

@@ -50,13 +50,29 @@ class CacheManager:
         ValueError: ``memory`` too small for one KDA state plus one MLA block.
     """
 
-    def __init__(self, config: K3Config, memory: int, *, block_size: int, max_num_seqs: int,
-                 snapshot_interval: int | None, snapshot_fraction: float, enable_prefix_cache: bool,
-                 device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: K3Config,
+        memory: int,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        snapshot_interval: int | None,
+        snapshot_fraction: float,
+        enable_prefix_cache: bool,
+        device,
+        dtype: torch.dtype,
+    ) -> None:
         L = block_size
         self.block_size = L
-        self.layout: CacheLayout = cache_layout(config, memory, block_size=L, max_num_seqs=max_num_seqs,
-                                                snapshot_fraction=snapshot_fraction, dtype=dtype)
+        self.layout: CacheLayout = cache_layout(
+            config,
+            memory,
+            block_size=L,
+            max_num_seqs=max_num_seqs,
+            snapshot_fraction=snapshot_fraction,
+            dtype=dtype,
+        )
         lay = self.layout
         self.blocks = MLABlockPool(config, lay.num_blocks, L, device, dtype)
         self.slots = SlotPool(config, lay.num_slots, device, dtype)
@@ -95,7 +111,9 @@ class CacheManager:
         extend_keys(req.keys, req.prompt, self.block_size, req.key_salt)
         hit = self.prefix.match(req.prompt, req.keys, req.key_salt)
         need = self.blocks_needed(req) - len(hit.blocks)
-        revived = sum(1 for b in hit.blocks if self.blocks.refcount[b] == 0)  # leave the evictable set
+        revived = sum(
+            1 for b in hit.blocks if self.blocks.refcount[b] == 0
+        )  # leave the evictable set
         if need > self.blocks.num_available - revived:
             return False
         for b in hit.blocks:
@@ -106,7 +124,9 @@ class CacheManager:
         req.slot = self.slots.allocate()
         if hit.snapshot is not None:
             tail = self._allocate_block(req) if hit.snapshot.tail_len else None
-            req.pending_logits = self.prefix.restore(hit, self.slots, req.slot, tail, len(req.prompt))
+            req.pending_logits = self.prefix.restore(
+                hit, self.slots, req.slot, tail, len(req.prompt)
+            )
         req.num_computed = req.cached_tokens = hit.length
         req.published = len(hit.blocks)
         self.prefix.commit(hit, len(req.prompt))
@@ -134,21 +154,33 @@ class CacheManager:
             return
         L = self.block_size
         extend_keys(req.keys, req.tokens, L, req.key_salt)
-        req.published = self.prefix.publish_blocks(req.keys, req.blocks, req.num_computed // L, req.published)
+        req.published = self.prefix.publish_blocks(
+            req.keys, req.blocks, req.num_computed // L, req.published
+        )
         p = req.num_computed
         if p == len(req.prompt) and logits is not None:
-            self.prefix.save(req.tokens, req.keys, p, self.slots, req.slot, req.blocks, logits,
-                             salt=req.key_salt)
+            self.prefix.save(
+                req.tokens, req.keys, p, self.slots, req.slot, req.blocks, logits, salt=req.key_salt
+            )
         elif p % self.prefix.interval == 0:
-            self.prefix.save(req.tokens, req.keys, p, self.slots, req.slot, req.blocks, salt=req.key_salt)
+            self.prefix.save(
+                req.tokens, req.keys, p, self.slots, req.slot, req.blocks, salt=req.key_salt
+            )
 
     def on_finished(self, req: Request) -> None:
         """Sequence-end snapshot of a request that stopped normally (before :meth:`release`): a
         follow-up turn that extends this conversation resumes here."""
         if self.prefix.enabled and req.slot is not None:
             extend_keys(req.keys, req.tokens, self.block_size, req.key_salt)
-            self.prefix.save(req.tokens, req.keys, req.num_computed, self.slots, req.slot, req.blocks,
-                             salt=req.key_salt)
+            self.prefix.save(
+                req.tokens,
+                req.keys,
+                req.num_computed,
+                self.slots,
+                req.slot,
+                req.blocks,
+                salt=req.key_salt,
+            )
 
     def release(self, req: Request) -> None:
         """Return every block reference, the unused reservation and the slot of ``req`` at once
@@ -191,11 +223,26 @@ class CacheManager:
         """Pool occupancy, prefix-cache counters per pool and the memory layout."""
         b, s, n, lay = self.blocks, self.slots, self.snapshots, self.layout
         return {
-            "mla_blocks": {"total": b.num_blocks, "used": b.num_used, "cached": b.num_evictable,
-                           "free": b.num_free, "reserved": b.reserved, "evictions": b.evictions},
+            "mla_blocks": {
+                "total": b.num_blocks,
+                "used": b.num_used,
+                "cached": b.num_evictable,
+                "free": b.num_free,
+                "reserved": b.reserved,
+                "evictions": b.evictions,
+            },
             "kda_slots": {"total": s.n, "used": s.num_used, "free": s.num_free},
-            "kda_snapshots": {"total": n.n, "used": n.num_used, "free": n.num_free, "evictions": n.evictions},
+            "kda_snapshots": {
+                "total": n.n,
+                "used": n.num_used,
+                "free": n.num_free,
+                "evictions": n.evictions,
+            },
             "prefix_cache": self.prefix.stats(),
-            "memory": {"block_bytes": lay.block_bytes, "slot_bytes": lay.slot_bytes,
-                       "snapshot_bytes": lay.snapshot_bytes, "total": lay.total_bytes},
+            "memory": {
+                "block_bytes": lay.block_bytes,
+                "slot_bytes": lay.slot_bytes,
+                "snapshot_bytes": lay.snapshot_bytes,
+                "total": lay.total_bytes,
+            },
         }

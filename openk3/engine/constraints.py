@@ -29,8 +29,17 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from openk3.engine.grammars import Markers, Tool, output_grammar_lark
 from openk3.engine.json_schema import bound_schema
 
-__all__ = ["Constraint", "GrammarConstraint", "ll_tokenizer", "make_constraint", "normalize_tools",
-           "check_json_schema", "check_schema_depth", "COMPACT_JSON", "MAX_SCHEMA_DEPTH"]
+__all__ = [
+    "Constraint",
+    "GrammarConstraint",
+    "ll_tokenizer",
+    "make_constraint",
+    "normalize_tools",
+    "check_json_schema",
+    "check_schema_depth",
+    "COMPACT_JSON",
+    "MAX_SCHEMA_DEPTH",
+]
 
 # JSON layout of every constrained JSON value (response formats, tool arguments): compact, as the
 # platform writes it (the vendor verifier's test_response_format_with requires no newline or tab):
@@ -58,12 +67,17 @@ class Constraint(Protocol):
 
 # --------------------------------------------------------------------------- tokenizer bridge
 
+
 def _eos_stand_in(tokenizer: Any) -> int:
     """The id llguidance treats as EOS. The grammar ends with an explicit ``<|end_of_msg|>``, which
     llguidance must see as an ordinary special token (its EOS is only allowed once the grammar is
     complete), so EOS is another special id: ``[EOS]`` when present, else any non-marker special."""
     markers = {tokenizer.end_of_msg_id, tokenizer.open_id, tokenizer.close_id, tokenizer.sep_id}
-    for tid in (getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None), *sorted(tokenizer.special_ids)):
+    for tid in (
+        getattr(tokenizer, "eos_id", None),
+        getattr(tokenizer, "pad_id", None),
+        *sorted(tokenizer.special_ids),
+    ):
         if tid is not None and tid not in markers:
             return tid
     return tokenizer.end_of_msg_id
@@ -99,19 +113,34 @@ def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
     Raises:
         ValueError: `tokenizer` lacks the openk3 Tokenizer attributes.
     """
-    missing = [a for a in ("vocab_size", "special_ids", "end_of_msg_id", "open_id", "close_id", "sep_id",
-                           "decode_bytes", "encode_text") if not hasattr(tokenizer, a)]
+    missing = [
+        a
+        for a in (
+            "vocab_size",
+            "special_ids",
+            "end_of_msg_id",
+            "open_id",
+            "close_id",
+            "sep_id",
+            "decode_bytes",
+            "encode_text",
+        )
+        if not hasattr(tokenizer, a)
+    ]
     if missing:
         raise ValueError(f"tokenizer: not an openk3 Tokenizer (missing {missing})")
     with _LL_LOCK:
         llt = _LL_CACHE.get(tokenizer)
         if llt is None:
-            llt = LLTokenizer(TokenizerWrapper(_TokenizerAdapter(tokenizer)), n_vocab=tokenizer.vocab_size)
+            llt = LLTokenizer(
+                TokenizerWrapper(_TokenizerAdapter(tokenizer)), n_vocab=tokenizer.vocab_size
+            )
             _LL_CACHE[tokenizer] = llt
     return llt
 
 
 # --------------------------------------------------------------------------- the constraint
+
 
 class GrammarConstraint:
     """A ``Constraint`` backed by one llguidance ``LLMatcher`` over a Lark grammar.
@@ -126,12 +155,19 @@ class GrammarConstraint:
         ValueError: the grammar does not compile (message from llguidance), or V < tokenizer vocab.
     """
 
-    def __init__(self, llt: LLTokenizer, grammar: str, vocab_size: int | None = None,
-                 _matcher: LLMatcher | None = None):
+    def __init__(
+        self,
+        llt: LLTokenizer,
+        grammar: str,
+        vocab_size: int | None = None,
+        _matcher: LLMatcher | None = None,
+    ):
         n_tok = llt.vocab_size
         self.vocab_size = n_tok if vocab_size is None else int(vocab_size)
         if self.vocab_size < n_tok:
-            raise ValueError(f"vocab_size: {self.vocab_size} is smaller than the tokenizer's {n_tok}")
+            raise ValueError(
+                f"vocab_size: {self.vocab_size} is smaller than the tokenizer's {n_tok}"
+            )
         self.grammar = grammar
         self._llt = llt
         self._n_tok = n_tok
@@ -168,7 +204,9 @@ class GrammarConstraint:
         tid = int(token_id)
         if not 0 <= tid < self._n_tok or self._m.is_error():
             return False
-        if self._m.validate_tokens([tid]) != 1 and not (tid == self._llt.eos_token and self._m.is_accepting()):
+        if self._m.validate_tokens([tid]) != 1 and not (
+            tid == self._llt.eos_token and self._m.is_accepting()
+        ):
             return False
         return self._m.consume_token(tid)
 
@@ -190,7 +228,9 @@ class GrammarConstraint:
 
     def copy(self) -> "GrammarConstraint":
         """An independent constraint in the same state (e.g. for n > 1 samples)."""
-        return GrammarConstraint(self._llt, self.grammar, self.vocab_size, _matcher=self._m.deep_copy())
+        return GrammarConstraint(
+            self._llt, self.grammar, self.vocab_size, _matcher=self._m.deep_copy()
+        )
 
 
 def _first_line(msg: str) -> str:
@@ -213,11 +253,19 @@ def check_schema_depth(schema: Any, where: str = "schema", limit: int = MAX_SCHE
     stack = [(schema, 1)]
     while stack:
         value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else None
+        children = (
+            value.values()
+            if isinstance(value, dict)
+            else value
+            if isinstance(value, (list, tuple))
+            else None
+        )
         if children is None:
             continue
         if depth > limit:
-            raise ValueError(f"{where}: nested too deeply (at most {limit} levels of objects / arrays are supported)")
+            raise ValueError(
+                f"{where}: nested too deeply (at most {limit} levels of objects / arrays are supported)"
+            )
         stack.extend((child, depth + 1) for child in children)
 
 
@@ -271,12 +319,23 @@ def normalize_tools(tools: Sequence[Any] | None) -> list[Tool]:
 Kind = Literal["text", "json_object", "json_schema"]
 
 
-def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, tools: Sequence[Any] | None = None,
-                    tool_choice: Any = "auto", thinking: bool = True, *, vocab_size: int | None = None,
-                    json_whitespace: str | None = None, lenient: bool = False,
-                    lenient_tools: bool = True,
-                    think_max_chars: int | None = None, text_max_chars: int | None = None,
-                    max_tool_calls: int = 16, json_block: bool = True) -> GrammarConstraint:
+def make_constraint(
+    tokenizer: Any,
+    kind: Kind = "text",
+    schema: Any = None,
+    tools: Sequence[Any] | None = None,
+    tool_choice: Any = "auto",
+    thinking: bool = True,
+    *,
+    vocab_size: int | None = None,
+    json_whitespace: str | None = None,
+    lenient: bool = False,
+    lenient_tools: bool = True,
+    think_max_chars: int | None = None,
+    text_max_chars: int | None = None,
+    max_tool_calls: int = 16,
+    json_block: bool = True,
+) -> GrammarConstraint:
     """Build the per-request constraint over the whole K3 output (module docstring).
 
     Args:
@@ -313,13 +372,19 @@ def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, too
         raise ValueError(f"thinking: must be a bool, got {thinking!r}")
     tool_list = normalize_tools(tools)
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        name = (
+            (tool_choice.get("function") or {}).get("name")
+            if tool_choice.get("type") == "function"
+            else None
+        )
         chosen = [t for t in tool_list if t.name == name]
         if not chosen:
             raise ValueError(f"tool_choice.function.name: {name!r} is not one of the tools")
         tool_list, tool_choice = chosen, "required"
     if tool_choice not in ("auto", "none", "required"):
-        raise ValueError(f"tool_choice: must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}")
+        raise ValueError(
+            f"tool_choice: must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}"
+        )
     if tool_choice == "required" and not tool_list:
         raise ValueError("tool_choice: 'required' needs at least one tool")
     if kind == "json_schema":
@@ -337,13 +402,24 @@ def make_constraint(tokenizer: Any, kind: Kind = "text", schema: Any = None, too
     tool_options = dict(options, lenient=bool(lenient_tools))
     m = Markers(tokenizer.open_id, tokenizer.close_id, tokenizer.sep_id, tokenizer.end_of_msg_id)
     grammar = output_grammar_lark(
-        m, body="text" if kind == "text" else "json", thinking=thinking, tools=tool_list,
-        tool_choice=tool_choice, json_schema=json_schema, json_options=options, tool_json_options=tool_options,
-        think_max_chars=think_max_chars, text_max_chars=text_max_chars, max_tool_calls=max_tool_calls,
-        json_block=json_block)
+        m,
+        body="text" if kind == "text" else "json",
+        thinking=thinking,
+        tools=tool_list,
+        tool_choice=tool_choice,
+        json_schema=json_schema,
+        json_options=options,
+        tool_json_options=tool_options,
+        think_max_chars=think_max_chars,
+        text_max_chars=text_max_chars,
+        max_tool_calls=max_tool_calls,
+        json_block=json_block,
+    )
     llt = ll_tokenizer(tokenizer)
     err = LLMatcher.validate_grammar(grammar, llt)
     if err:
-        raise ValueError(f"{'schema' if kind == 'json_schema' else 'tools'}: cannot be enforced "
-                         f"({_first_line(err)})")
+        raise ValueError(
+            f"{'schema' if kind == 'json_schema' else 'tools'}: cannot be enforced "
+            f"({_first_line(err)})"
+        )
     return GrammarConstraint(llt, grammar, vocab_size)

@@ -93,8 +93,17 @@ class StaticDecodeStep:
             fixed-shape forward eagerly (for parity tests and as the fallback).
     """
 
-    def __init__(self, model, blocks, slots, layer_pools: list[tuple[str, int]], *, max_batch: int,
-                 max_blocks: int, compile: bool) -> None:
+    def __init__(
+        self,
+        model,
+        blocks,
+        slots,
+        layer_pools: list[tuple[str, int]],
+        *,
+        max_batch: int,
+        max_blocks: int,
+        compile: bool,
+    ) -> None:
         self.model = model
         self.blocks, self.slots = blocks, slots
         self.layer_pools = layer_pools
@@ -104,12 +113,16 @@ class StaticDecodeStep:
         # experts) runs eagerly between graphs instead of failing the step. size_asserts off:
         # the guards of a dynamic=False graph already match every input's sizes and strides, and
         # the wrapper's ~100 repeated asserts per call were Python time on every decode step.
-        self.forward: Callable = (torch.compile(self._forward, dynamic=False, options={"size_asserts": False})
-                                  if compile else self._forward)
+        self.forward: Callable = (
+            torch.compile(self._forward, dynamic=False, options={"size_asserts": False})
+            if compile
+            else self._forward
+        )
         self.shapes: set[tuple[int, int]] = set()  # (Bp, MB) buckets run so far
 
-    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 past: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, past: torch.Tensor
+    ) -> torch.Tensor:
         """ids [Bp, 1], slots [Bp], tables [Bp, MB], past [Bp] (int64) -> logits [Bp, V] fp32."""
         layers = layer_views(self.layer_pools, self.blocks, self.slots, slots, tables)
         cache = HybridCache(layers=layers, lengths=past.clone())
@@ -124,10 +137,15 @@ class StaticDecodeStep:
         Bp = bucket(B, self.max_batch)
         MB = bucket(max(len(blocks) for _, _, blocks, _ in rows), self.max_blocks)
         rows = rows + [rows[-1]] * (Bp - B)
-        ids = torch.tensor([[tokens[past]] for tokens, _, _, past in rows], dtype=torch.long, device=dev)
+        ids = torch.tensor(
+            [[tokens[past]] for tokens, _, _, past in rows], dtype=torch.long, device=dev
+        )
         slots = torch.tensor([slot for _, slot, _, _ in rows], dtype=torch.long, device=dev)
-        tables = torch.tensor([blocks + blocks[-1:] * (MB - len(blocks)) for _, _, blocks, _ in rows],
-                              dtype=torch.long, device=dev)
+        tables = torch.tensor(
+            [blocks + blocks[-1:] * (MB - len(blocks)) for _, _, blocks, _ in rows],
+            dtype=torch.long,
+            device=dev,
+        )
         past = torch.tensor([p for _, _, _, p in rows], dtype=torch.long, device=dev)
         self.shapes.add((Bp, MB))
         return self.forward(ids, slots, tables, past)[:B]

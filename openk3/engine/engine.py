@@ -55,7 +55,13 @@ from openk3.engine.mm import check_images, image_span
 from openk3.engine.planner import kda_state_bytes, sequence_bytes
 from openk3.engine.request import Request
 from openk3.engine.runner import ModelRunner
-from openk3.engine.sampling import SamplingParams, constraint_mask, make_generator, sample, top_logprobs
+from openk3.engine.sampling import (
+    SamplingParams,
+    constraint_mask,
+    make_generator,
+    sample,
+    top_logprobs,
+)
 from openk3.engine.scheduler import Scheduler
 from openk3.typed_fields import check_fields
 
@@ -106,7 +112,9 @@ class EngineConfig:
 
     # A wrong type reads like the field's range error ("max_num_seqs='4': must be an integer >= 1").
     max_num_seqs: int = field(default=16, metadata={"expect": "an integer >= 1"})
-    cache_memory: int | None = field(default=None, metadata={"expect": "a positive number of bytes"})
+    cache_memory: int | None = field(
+        default=None, metadata={"expect": "a positive number of bytes"}
+    )
     block_size: int = field(default=16, metadata={"expect": "an integer >= 1"})
     max_model_len: int | None = field(default=None, metadata={"expect": "an integer >= 2"})
     enable_prefix_cache: bool = True
@@ -116,8 +124,12 @@ class EngineConfig:
     snapshot_interval: int | None = None
     snapshot_fraction: float = field(default=0.25, metadata={"expect": "a number in [0, 1)"})
     seed: int | None = None
-    prefill_forward_cost: int | None = field(default=32, metadata={"expect": "an integer >= 0 or None"})
-    encoder_step_flops: int | None = field(default=None, metadata={"expect": "an integer >= 1 or None"})
+    prefill_forward_cost: int | None = field(
+        default=32, metadata={"expect": "an integer >= 0 or None"}
+    )
+    encoder_step_flops: int | None = field(
+        default=None, metadata={"expect": "an integer >= 1 or None"}
+    )
     compile: bool = field(default=False, metadata={"expect": "True or False"})
 
     def validate(self) -> None:
@@ -132,12 +144,16 @@ class EngineConfig:
             if v < 1:
                 raise ValueError(f"{name}={v!r}: must be an integer >= 1")
         if self.cache_memory is not None and self.cache_memory < 1:
-            raise ValueError(f"cache_memory={self.cache_memory!r}: must be a positive number of bytes")
+            raise ValueError(
+                f"cache_memory={self.cache_memory!r}: must be a positive number of bytes"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len!r}: must be an integer >= 2")
         si = self.snapshot_interval
         if si is not None and (si < self.block_size or si % self.block_size):
-            raise ValueError(f"snapshot_interval={si!r}: must be a positive multiple of block_size={self.block_size}")
+            raise ValueError(
+                f"snapshot_interval={si!r}: must be a positive multiple of block_size={self.block_size}"
+            )
         pfc = self.prefill_forward_cost
         if pfc is not None and pfc < 0:
             raise ValueError(f"prefill_forward_cost={pfc!r}: must be an integer >= 0 or None")
@@ -201,8 +217,14 @@ class Engine:
         ValueError: bad config, or a ``cache_memory`` too small for one sequence.
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, *, detokenize: Callable | None = None,
-                 on_logits: Callable | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        config: EngineConfig | None = None,
+        *,
+        detokenize: Callable | None = None,
+        on_logits: Callable | None = None,
+    ) -> None:
         self.model = model.eval()
         self.config = cfg = config or EngineConfig()
         cfg.validate()
@@ -215,23 +237,45 @@ class Engine:
         self.on_logits = on_logits
         L = cfg.block_size
         frac = cfg.snapshot_fraction if cfg.enable_prefix_cache else 0.0
-        memory = cfg.cache_memory if cfg.cache_memory is not None else self._default_cache_memory(frac)
-        self.cache = CacheManager(mc, memory, block_size=L, max_num_seqs=cfg.max_num_seqs,
-                                  snapshot_interval=cfg.snapshot_interval, snapshot_fraction=frac,
-                                  enable_prefix_cache=cfg.enable_prefix_cache, device=self.device,
-                                  dtype=self.dtype)
+        memory = (
+            cfg.cache_memory if cfg.cache_memory is not None else self._default_cache_memory(frac)
+        )
+        self.cache = CacheManager(
+            mc,
+            memory,
+            block_size=L,
+            max_num_seqs=cfg.max_num_seqs,
+            snapshot_interval=cfg.snapshot_interval,
+            snapshot_fraction=frac,
+            enable_prefix_cache=cfg.enable_prefix_cache,
+            device=self.device,
+            dtype=self.dtype,
+        )
         self.max_model_len = self._resolve_max_model_len(memory)
-        self.scheduler = Scheduler(self.cache, max_num_seqs=min(cfg.max_num_seqs, self.cache.layout.num_slots),
-                                   prefill_chunk=cfg.prefill_chunk, chunked_prefill=cfg.chunked_prefill,
-                                   forward_cost=cfg.prefill_forward_cost)
-        self.encoder_step_flops = cfg.encoder_step_flops or (2**38 if self.device.type == "cuda" else 2**28)
-        self.runner = ModelRunner(model, self.cache.blocks, self.cache.slots, compile=cfg.compile,
-                                  max_batch=self.scheduler.max_num_seqs,
-                                  max_blocks=-(-self.max_model_len // L),
-                                  encoder_step_flops=self.encoder_step_flops)
+        self.scheduler = Scheduler(
+            self.cache,
+            max_num_seqs=min(cfg.max_num_seqs, self.cache.layout.num_slots),
+            prefill_chunk=cfg.prefill_chunk,
+            chunked_prefill=cfg.chunked_prefill,
+            forward_cost=cfg.prefill_forward_cost,
+        )
+        self.encoder_step_flops = cfg.encoder_step_flops or (
+            2**38 if self.device.type == "cuda" else 2**28
+        )
+        self.runner = ModelRunner(
+            model,
+            self.cache.blocks,
+            self.cache.slots,
+            compile=cfg.compile,
+            max_batch=self.scheduler.max_num_seqs,
+            max_blocks=-(-self.max_model_len // L),
+            encoder_step_flops=self.encoder_step_flops,
+        )
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
-        self._encoding: deque[Request] = deque()  # requests whose image features are not complete yet
+        self._encoding: deque[Request] = (
+            deque()
+        )  # requests whose image features are not complete yet
         self._arrival = itertools.count()
         self._seeds = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         self.failures = 0  # step work that raised (each failed its requests, see step())
@@ -244,8 +288,10 @@ class Engine:
         """
         cfg, mc = self.config, self.model_config
         if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={cfg.max_model_len}: exceeds the model's context "
-                             f"(max_position_embeddings={mc.max_position_embeddings})")
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len}: exceeds the model's context "
+                f"(max_position_embeddings={mc.max_position_embeddings})"
+            )
         return cfg.max_model_len or mc.max_position_embeddings
 
     def _resolve_max_model_len(self, memory: int) -> int:
@@ -262,11 +308,16 @@ class Engine:
         # A sequence of n tokens caches n - 1 of them: its last sampled token is never fed back.
         if want - 1 > room:
             need = -(-(want - 1) // lay.block_size) * lay.block_bytes
-            what = "" if self.config.max_model_len is not None else " (the model's max_position_embeddings)"
+            what = (
+                ""
+                if self.config.max_model_len is not None
+                else " (the model's max_position_embeddings)"
+            )
             raise ValueError(
                 f"max_model_len={want}{what}: cache_memory={memory} bytes holds sequences of up to "
                 f"{room + 1} tokens ({lay.num_blocks} MLA blocks of {lay.block_size} tokens); {want} tokens "
-                f"need {need} bytes of MLA blocks alone: raise cache_memory or lower max_model_len")
+                f"need {need} bytes of MLA blocks alone: raise cache_memory or lower max_model_len"
+            )
         return want
 
     def _default_cache_memory(self, frac: float) -> int:
@@ -281,12 +332,16 @@ class Engine:
         kda = kda_state_bytes(mc, self.dtype)["total"]
         per_seq = max(sequence_bytes(mc, tokens, self.dtype), 2 * kda)
         # ... and one sequence must be able to use the whole context (one spare block for rounding).
-        longest = sequence_bytes(mc, context + cfg.block_size, self.dtype) + (2 * cfg.max_num_seqs - 1) * kda
+        longest = (
+            sequence_bytes(mc, context + cfg.block_size, self.dtype)
+            + (2 * cfg.max_num_seqs - 1) * kda
+        )
         return math.ceil(max(cfg.max_num_seqs * per_seq, longest) / (1 - frac)) + 1
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, prompt_ids: list[int], params: SamplingParams, constraint=None,
-                      mm_inputs=None) -> int:
+    def check_request(
+        self, prompt_ids: list[int], params: SamplingParams, constraint=None, mm_inputs=None
+    ) -> int:
         """Validate a request without queueing it; returns its effective max_tokens.
 
         Args:
@@ -315,16 +370,28 @@ class Engine:
                 f"{self.max_model_len}"
             )
         if constraint is not None and not callable(getattr(constraint, "allowed_tokens", None)):
-            raise ValueError("constraint: needs allowed_tokens(), accept(token_id) and is_finished()")
+            raise ValueError(
+                "constraint: needs allowed_tokens(), accept(token_id) and is_finished()"
+            )
         vc = getattr(self.model, "vision_config", None)
-        images = check_images(mm_inputs, prompt_ids, hidden_size=self.model_config.hidden_size,
-                              pad_id=self.model_config.media_placeholder_token_id,
-                              merge_kernel=vc.merge_kernel_size if vc is not None else None,
-                              patch_size=vc.patch_size if vc is not None else None)
+        images = check_images(
+            mm_inputs,
+            prompt_ids,
+            hidden_size=self.model_config.hidden_size,
+            pad_id=self.model_config.media_placeholder_token_id,
+            merge_kernel=vc.merge_kernel_size if vc is not None else None,
+            patch_size=vc.patch_size if vc is not None else None,
+        )
         return min(params.max_tokens, self.max_model_len - len(prompt_ids)), images
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, constraint=None,
-                    request_id: str | None = None, mm_inputs=None) -> str:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        constraint=None,
+        request_id: str | None = None,
+        mm_inputs=None,
+    ) -> str:
         """Queue a request; returns its id.
 
         Args:
@@ -343,9 +410,20 @@ class Engine:
             raise ValueError(f"request_id={rid!r}: already in use")
         queued = len(self.scheduler.waiting) + len(self._encoding)
         if queued >= self.config.max_waiting:
-            raise EngineOverloaded(f"{queued} requests waiting (max_waiting={self.config.max_waiting})")
-        req = Request(rid, list(prompt_ids), params, constraint, next(self._arrival), max_tokens,
-                      tokens=list(prompt_ids), images=images, spans=[image_span(im) for im in images])
+            raise EngineOverloaded(
+                f"{queued} requests waiting (max_waiting={self.config.max_waiting})"
+            )
+        req = Request(
+            rid,
+            list(prompt_ids),
+            params,
+            constraint,
+            next(self._arrival),
+            max_tokens,
+            tokens=list(prompt_ids),
+            images=images,
+            spans=[image_span(im) for im in images],
+        )
         if not params.greedy:
             seed = params.seed
             if seed is None and self._seeds is not None:
@@ -364,10 +442,15 @@ class Engine:
         now (a later eviction is covered by :meth:`ModelRunner.features`)."""
         if not req.images:
             return False
-        req.image_features = [im.features.to(self.device) if im.features is not None else None for im in req.images]
+        req.image_features = [
+            im.features.to(self.device) if im.features is not None else None for im in req.images
+        ]
         cached = self.cache.cached_length(req)
-        req.to_encode = [i for i, (im, f) in enumerate(zip(req.images, req.image_features))
-                         if f is None and im.positions.stop > cached]
+        req.to_encode = [
+            i
+            for i, (im, f) in enumerate(zip(req.images, req.image_features))
+            if f is None and im.positions.stop > cached
+        ]
         return bool(req.to_encode)
 
     def abort(self, request_id: str) -> None:
@@ -493,9 +576,13 @@ class Engine:
         live = list(sch.running) + list(sch.waiting)
         problems = []
         every = live + list(self._encoding)
-        if len({id(r) for r in every}) != len(every) or {r.request_id for r in every} != set(self._requests):
-            problems.append(f"{len(self._requests)} known requests, {len(sch.running)} running + "
-                            f"{len(sch.waiting)} waiting + {len(self._encoding)} encoding")
+        if len({id(r) for r in every}) != len(every) or {r.request_id for r in every} != set(
+            self._requests
+        ):
+            problems.append(
+                f"{len(self._requests)} known requests, {len(sch.running)} running + "
+                f"{len(sch.waiting)} waiting + {len(self._encoding)} encoding"
+            )
         for r in self._encoding:
             if self.cache.holds(r):
                 problems.append(f"request {r.request_id} holds cache resources while encoding")
@@ -521,7 +608,9 @@ class Engine:
                     spent += next(gen)
                 except StopIteration as done:
                     r.image_features[i] = done.value
-                    r.images[i] = dataclasses.replace(r.images[i], pixel_values=None)  # pixels no longer needed
+                    r.images[i] = dataclasses.replace(
+                        r.images[i], pixel_values=None
+                    )  # pixels no longer needed
                     r.tower_job = None
             except Exception as e:  # noqa: BLE001 - isolated to this request
                 outputs += self._fail([r], e)
@@ -531,7 +620,10 @@ class Engine:
         """After a forward brought ``r`` to ``num_computed``: drop its image inputs once the prompt
         is done; the cache publishes blocks and takes the snapshots due (:meth:`CacheManager.on_computed`)."""
         if r.images and r.num_computed >= len(r.prompt):
-            r.images, r.image_features = [], None  # prompt done: pixels and features are no longer needed
+            r.images, r.image_features = (
+                [],
+                None,
+            )  # prompt done: pixels and features are no longer needed
         self.cache.on_computed(r, logits)
 
     # ------------------------------------------------------------------ sampling and stopping
@@ -558,7 +650,12 @@ class Engine:
         reqs = [r for r, _, _, _ in live]
         try:
             logits = torch.stack([x for _, x, _, _ in live]).to(self.device)
-            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], [m for _, _, m, _ in live])
+            tokens = sample(
+                logits,
+                [r.params for r in reqs],
+                [r.generator for r in reqs],
+                [m for _, _, m, _ in live],
+            )
             lps = top_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
         except Exception as e:  # noqa: BLE001 - isolated to these requests
             return outputs + self._fail(reqs, e)
@@ -596,7 +693,7 @@ class Engine:
             return None
         # A match completed by this token lies within the last few tokens: every token decodes to
         # at least one character except pieces of a multi-byte character, hence the margin.
-        window = r.output[-(2 * max(len(s) for s in stops) + 8):]
+        window = r.output[-(2 * max(len(s) for s in stops) + 8) :]
         text = self.detokenize(window)
         for s in stops:
             if s in text:
@@ -605,7 +702,9 @@ class Engine:
 
     def _finish(self, r: Request, new: list[int], reason: str, stop_reason, lps) -> RequestOutput:
         if reason in ("stop", "length"):
-            self.cache.on_finished(r)  # a follow-up turn that extends this conversation resumes there
+            self.cache.on_finished(
+                r
+            )  # a follow-up turn that extends this conversation resumes there
         self._release(r)
         self._requests.pop(r.request_id, None)
         r.finished, r.finish_reason, r.stop_reason = True, reason, stop_reason

@@ -49,9 +49,26 @@ _FORMATS = {
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
 }
 # Object-level keywords the typed-argument form does not implement: such parameters get the json block only.
-_OBJECT_ONLY_KEYS = {"minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
-                     "dependentSchemas", "dependencies", "allOf", "anyOf", "oneOf", "not", "$ref", "if", "then",
-                     "else", "enum", "const", "$dynamicRef"}
+_OBJECT_ONLY_KEYS = {
+    "minProperties",
+    "maxProperties",
+    "patternProperties",
+    "propertyNames",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "$ref",
+    "if",
+    "then",
+    "else",
+    "enum",
+    "const",
+    "$dynamicRef",
+}
 
 
 class _Unsupported(Exception):
@@ -109,6 +126,7 @@ def text_terminal(max_chars: int | None) -> str | None:
 
 
 # --------------------------------------------------------------------------- schema helpers
+
 
 def resolve_ref(ref: Any, root: Any) -> Any:
     """The subschema a local ``$ref`` (``#``, ``#/$defs/X``, JSON pointer) points to in `root`.
@@ -234,11 +252,17 @@ def raw_string_terminal(schema: Any, root: Any, depth: int = 0) -> str | None:
         parts.append("/" + _FORMATS[schema["format"]] + "/")
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list):
-            alive = [r for r in (raw_string_terminal(s, root, depth + 1) for s in schema[key]) if r is not None]
+            alive = [
+                r
+                for r in (raw_string_terminal(s, root, depth + 1) for s in schema[key])
+                if r is not None
+            ]
             if not alive:
                 return None
             if key == "oneOf" and len(alive) > 1:
-                raise _Unsupported("oneOf with several string branches")  # exclusivity is not regular-cheap
+                raise _Unsupported(
+                    "oneOf with several string branches"
+                )  # exclusivity is not regular-cheap
             parts.append("(" + " | ".join(alive) + ")")
     for s in schema.get("allOf") or []:
         sub = raw_string_terminal(s, root, depth + 1)
@@ -274,6 +298,7 @@ def _valid(lark: str) -> bool:
 
 
 # --------------------------------------------------------------------------- grammar builder
+
 
 class GrammarBuilder:
     """Accumulates named Lark rules; ``build(start_body)`` returns the grammar text.
@@ -327,15 +352,24 @@ class GrammarBuilder:
             except _Unsupported:
                 expr = None
             if expr is not None and _valid(f"start: X\nX: {expr}"):
-                alts.append(f"{lark_literal('string' + QUOTE)} {self.m.ref('sep')} {self.terminal(expr)}")
-        for tag, json_type in (("number", ["number", "integer"]), ("boolean", ["boolean"]), ("null", ["null"]),
-                               ("object", ["object"]), ("array", ["array"])):
+                alts.append(
+                    f"{lark_literal('string' + QUOTE)} {self.m.ref('sep')} {self.terminal(expr)}"
+                )
+        for tag, json_type in (
+            ("number", ["number", "integer"]),
+            ("boolean", ["boolean"]),
+            ("null", ["null"]),
+            ("object", ["object"]),
+            ("array", ["array"]),
+        ):
             if not types.intersection(json_type):
                 continue
             sub = _with_options({"allOf": [schema], "type": json_type}, root, self.json_options)
             rule = "%json " + json.dumps(sub, ensure_ascii=False)
             if _valid(f"start: {rule}"):
-                alts.append(f"{lark_literal(tag + QUOTE)} {self.m.ref('sep')} {self.add(self.name('v'), rule)}")
+                alts.append(
+                    f"{lark_literal(tag + QUOTE)} {self.m.ref('sep')} {self.add(self.name('v'), rule)}"
+                )
         return alts
 
     def typed_arguments(self, params: dict) -> str | None:
@@ -347,8 +381,12 @@ class GrammarBuilder:
         """
         root = params
         for _ in range(8):  # a parameters schema that is only a $ref to its definition
-            if not (isinstance(params, dict) and "$ref" in params
-                    and set(params) <= {"$ref", "$defs", "definitions", "$schema", "$id", "title", "description"}):
+            if not (
+                isinstance(params, dict)
+                and "$ref" in params
+                and set(params)
+                <= {"$ref", "$defs", "definitions", "$schema", "$id", "title", "description"}
+            ):
                 break
             params = resolve_ref(params["$ref"], root)
         if not isinstance(params, dict) or any(k in params for k in _OBJECT_ONLY_KEYS):
@@ -357,7 +395,11 @@ class GrammarBuilder:
             return None
         props = params.get("properties") or {}
         required = params.get("required") or []
-        if not isinstance(props, dict) or not isinstance(required, list) or any(r not in props for r in required):
+        if (
+            not isinstance(props, dict)
+            or not isinstance(required, list)
+            or any(r not in props for r in required)
+        ):
             return None
         items = []
         for key, sub in props.items():
@@ -367,8 +409,10 @@ class GrammarBuilder:
                     return None
                 continue  # an optional property the typed form cannot express is left out
             head = lark_literal(f'argument key="{escape_attr(key)}" type="')
-            rule = self.add(self.name("arg"), f"{self.m.ref('open')} {head} ({' | '.join(alts)}) "
-                                              f"{self.close_tag('argument')}")
+            rule = self.add(
+                self.name("arg"),
+                f"{self.m.ref('open')} {head} ({' | '.join(alts)}) {self.close_tag('argument')}",
+            )
             items.append(rule if key in required else rule + "?")
         extra = params.get("additionalProperties", params.get("unevaluatedProperties", True))
         alts = [] if extra is False else self._typed_value(extra, root)
@@ -378,9 +422,12 @@ class GrammarBuilder:
             if props:
                 # (?:...) keeps an empty key ("") a valid regex
                 key = f"({key} & ~({' | '.join('/(?:' + regex_literal(escape_attr(k)) + ')/' for k in props)}))"
-            rule = self.add(self.name("extra"), f"{self.m.ref('open')} {lark_literal('argument key=' + QUOTE)} "
-                                                f"{self.terminal(key)} {lark_literal(QUOTE + ' type=' + QUOTE)} "
-                                                f"({' | '.join(alts)}) {self.close_tag('argument')}")
+            rule = self.add(
+                self.name("extra"),
+                f"{self.m.ref('open')} {lark_literal('argument key=' + QUOTE)} "
+                f"{self.terminal(key)} {lark_literal(QUOTE + ' type=' + QUOTE)} "
+                f"({' | '.join(alts)}) {self.close_tag('argument')}",
+            )
             items.append(rule + "*")
         return " ".join(items)
 
@@ -393,12 +440,16 @@ class GrammarBuilder:
         if json_block or typed is None:
             schema = dict(tool.parameters)
             schema.setdefault("type", "object")
-            alts.append(f"{self.open_tag('json type=' + QUOTE + 'object' + QUOTE)} "
-                        f"{self.add(self.name('jb'), json_rule(schema, self.json_options))} "
-                        f"{self.close_tag('json')}")
+            alts.append(
+                f"{self.open_tag('json type=' + QUOTE + 'object' + QUOTE)} "
+                f"{self.add(self.name('jb'), json_rule(schema, self.json_options))} "
+                f"{self.close_tag('json')}"
+            )
         return self.add(self.name("body"), " | ".join(alts))
 
-    def tools_channel(self, tools: list[Tool], max_calls: int, json_block: bool, json_options: dict) -> str:
+    def tools_channel(
+        self, tools: list[Tool], max_calls: int, json_block: bool, json_options: dict
+    ) -> str:
         """Rule name for ``<|open|>tools<|sep|> CALL+ <|close|>tools<|sep|>`` with calls 1..max_calls;
         argument JSON is compiled with `json_options`."""
         saved, self.json_options = self.json_options, json_options
@@ -408,9 +459,16 @@ class GrammarBuilder:
         for k in range(1, max_calls + 1):
             heads = [lark_literal(f'call tool="{escape_attr(t.name)}" index="{k}"') for t in tools]
             alts = [f"{h} {self.m.ref('sep')} {b}" for h, b in zip(heads, bodies)]
-            calls.append(self.add(f"call_{k}", f"{self.m.ref('open')} ({' | '.join(alts)}) {self.close_tag('call')}"))
+            calls.append(
+                self.add(
+                    f"call_{k}",
+                    f"{self.m.ref('open')} ({' | '.join(alts)}) {self.close_tag('call')}",
+                )
+            )
         seq = calls[-1]
-        for k in range(max_calls - 1, 0, -1):  # call_1 (call_2 (call_3 ...)?)?: indices stay consecutive
+        for k in range(
+            max_calls - 1, 0, -1
+        ):  # call_1 (call_2 (call_3 ...)?)?: indices stay consecutive
             seq = self.add(f"calls_{k}", f"{calls[k - 1]} {seq}?")
         return self.add("tools_ch", f"{self.open_tag('tools')} {seq} {self.close_tag('tools')}")
 
@@ -418,11 +476,21 @@ class GrammarBuilder:
         return "\n".join(["%llguidance {}", f"start: {start_body}", *self.rules]) + "\n"
 
 
-def output_grammar_lark(markers: Markers, *, body: str, thinking: bool, tools: list[Tool] | None,
-                        tool_choice: str, json_schema: Any = None, json_options: dict | None = None,
-                        tool_json_options: dict | None = None,
-                        think_max_chars: int | None = None, text_max_chars: int | None = None,
-                        max_tool_calls: int = 16, json_block: bool = True) -> str:
+def output_grammar_lark(
+    markers: Markers,
+    *,
+    body: str,
+    thinking: bool,
+    tools: list[Tool] | None,
+    tool_choice: str,
+    json_schema: Any = None,
+    json_options: dict | None = None,
+    tool_json_options: dict | None = None,
+    think_max_chars: int | None = None,
+    text_max_chars: int | None = None,
+    max_tool_calls: int = 16,
+    json_block: bool = True,
+) -> str:
     """The whole-output grammar (module docstring) as llguidance Lark text.
 
     Args:
@@ -446,7 +514,11 @@ def output_grammar_lark(markers: Markers, *, body: str, thinking: bool, tools: l
         raise ValueError(f"body: must be 'text' or 'json', got {body!r}")
     if tool_choice not in ("auto", "none", "required"):
         raise ValueError(f"tool_choice: must be 'auto', 'none' or 'required', got {tool_choice!r}")
-    if isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 1:
+    if (
+        isinstance(max_tool_calls, bool)
+        or not isinstance(max_tool_calls, int)
+        or max_tool_calls < 1
+    ):
         raise ValueError(f"max_tool_calls: must be an int >= 1, got {max_tool_calls!r}")
     tools = list(tools or [])
     if tool_choice == "required" and not tools:
@@ -457,9 +529,15 @@ def output_grammar_lark(markers: Markers, *, body: str, thinking: bool, tools: l
     text = g.optional_text("text", text_max_chars) if body == "text" else ""
     final = text if body == "text" else g.add("json_body", json_rule(json_schema, g.json_options))
     if tools and tool_choice != "none":
-        tch = g.tools_channel(tools, max_tool_calls, json_block,
-                              dict(json_options or {}) if tool_json_options is None else dict(tool_json_options))
-        pre = text if body == "text" else ""  # content before calls: free text, or empty under a JSON format
+        tch = g.tools_channel(
+            tools,
+            max_tool_calls,
+            json_block,
+            dict(json_options or {}) if tool_json_options is None else dict(tool_json_options),
+        )
+        pre = (
+            text if body == "text" else ""
+        )  # content before calls: free text, or empty under a JSON format
         with_calls = f"{pre} {close_resp} {tch} {end}".strip()
         if tool_choice == "required":
             tail = with_calls

@@ -49,19 +49,46 @@ from typing import Any
 NUMBER_BOUND = 2**53 - 1
 ANY_DEF = "openk3_any_json"  # the definition that stands for "any JSON value" with bounded numbers
 
-ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "title", "description", "examples", "default", "deprecated",
-                         "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "contentSchema",
-                         "$vocabulary"})
+ANNOTATIONS = frozenset(
+    {
+        "$schema",
+        "$id",
+        "$comment",
+        "title",
+        "description",
+        "examples",
+        "default",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "contentEncoding",
+        "contentMediaType",
+        "contentSchema",
+        "$vocabulary",
+    }
+)
 # Keywords whose value is one subschema / a list of subschemas / a name -> subschema map.
-_ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains", "propertyNames",
-        "not", "if", "then", "else", "additionalItems")
+_ONE = (
+    "items",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "additionalItems",
+)
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _NUMERIC_TYPES = ("number", "integer")
 # ``format`` values llguidance enforces; any other ``format`` is an annotation (2020-12 Validation §7.2.1)
 # and is removed like the other annotations.
-ENFORCED_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
-                              "uri"})
+ENFORCED_FORMATS = frozenset(
+    {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
+)
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 
@@ -103,8 +130,11 @@ def _is_vacuous(key: str, value: Any, node: dict) -> bool:
     if key == "propertyNames":
         if value is True or value == {}:
             return True
-        return isinstance(value, dict) and value.get("type") == "string" and \
-            set(value) - ANNOTATIONS == {"type"}
+        return (
+            isinstance(value, dict)
+            and value.get("type") == "string"
+            and set(value) - ANNOTATIONS == {"type"}
+        )
     if key == "uniqueItems":
         return value is False
     if key in ("minItems", "minLength", "minProperties"):
@@ -128,9 +158,16 @@ def _admits(node: dict, types: tuple[str, ...]) -> bool:
 
 def _any_json() -> dict:
     ref = {"$ref": f"#/$defs/{ANY_DEF}"}
-    return {"anyOf": [{"type": "null"}, {"type": "boolean"}, {"type": "string"},
-                      {"type": "number", "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND},
-                      {"type": "array", "items": ref}, {"type": "object", "additionalProperties": ref}]}
+    return {
+        "anyOf": [
+            {"type": "null"},
+            {"type": "boolean"},
+            {"type": "string"},
+            {"type": "number", "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND},
+            {"type": "array", "items": ref},
+            {"type": "object", "additionalProperties": ref},
+        ]
+    }
 
 
 class _Prep:
@@ -161,7 +198,7 @@ class _Prep:
         ref = node.get("$ref")
         base = self.root_id.split("#")[0] if self.root_id else ""
         if isinstance(ref, str) and base and ref.startswith(base + "#"):
-            node["$ref"] = ref[len(base):]
+            node["$ref"] = ref[len(base) :]
         if bound and not node:  # only annotations: any value
             return self.any_ref()
         for key, at, sub in list(_children(node)):
@@ -178,7 +215,11 @@ class _Prep:
                 node["maximum"] = NUMBER_BOUND
         if _admits(node, ("array",)) and "items" not in node:
             node["items"] = self.any_ref()
-        if _admits(node, ("object",)) and "additionalProperties" not in node and "unevaluatedProperties" not in node:
+        if (
+            _admits(node, ("object",))
+            and "additionalProperties" not in node
+            and "unevaluatedProperties" not in node
+        ):
             node["additionalProperties"] = self.any_ref()
         return node
 
@@ -272,8 +313,10 @@ class SchemaNotEnforceable(ValueError):
         self.where, self.keywords, self.error = where, keywords, error
         if keywords:
             named = ", ".join(json.dumps(k) for k in keywords)
-            msg = (f"{where}: JSON Schema keyword(s) {named} cannot be enforced by the output grammar "
-                   "(set \"strict\": false to accept the schema without them)")
+            msg = (
+                f"{where}: JSON Schema keyword(s) {named} cannot be enforced by the output grammar "
+                '(set "strict": false to accept the schema without them)'
+            )
         else:
             msg = f"{where}: the schema cannot be enforced by the output grammar ({error})"
         super().__init__(msg)

@@ -36,8 +36,12 @@ from openk3.config import KDA, MLA, K3Config
 from openk3.engine.planner import kda_state_bytes, kv_bytes_per_token, snapshot_bytes
 
 # numpy dtypes of the same item size: a CPU pool is allocated as numpy zeros and viewed as this dtype.
-_NUMPY_ITEM = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-               torch.bfloat16: np.uint16}
+_NUMPY_ITEM = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.bfloat16: np.uint16,
+}
 
 
 def pool_zeros(*shape: int, device, dtype: torch.dtype) -> torch.Tensor:
@@ -70,12 +74,22 @@ class CacheLayout:
     @property
     def total_bytes(self) -> int:
         """Bytes of all three pools."""
-        return (self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
-                + self.num_snapshots * self.snapshot_bytes)
+        return (
+            self.num_blocks * self.block_bytes
+            + self.num_slots * self.slot_bytes
+            + self.num_snapshots * self.snapshot_bytes
+        )
 
 
-def cache_layout(config: K3Config, cache_memory: int, *, block_size: int, max_num_seqs: int,
-                 snapshot_fraction: float, dtype: torch.dtype) -> CacheLayout:
+def cache_layout(
+    config: K3Config,
+    cache_memory: int,
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    snapshot_fraction: float,
+    dtype: torch.dtype,
+) -> CacheLayout:
     """Split ``cache_memory`` bytes into snapshots, KDA slots and MLA blocks.
 
     Rule: snapshots get ``snapshot_fraction`` of the budget (0 disables them); of the rest, KDA
@@ -90,7 +104,11 @@ def cache_layout(config: K3Config, cache_memory: int, *, block_size: int, max_nu
     snap_b = snapshot_bytes(config, block_size, dtype)
     n_snap = int(cache_memory * snapshot_fraction) // snap_b if snapshot_fraction > 0 else 0
     rest = cache_memory - n_snap * snap_b
-    n_slots = max_num_seqs if max_num_seqs * slot_b <= rest // 2 else max(1, (rest // 2) // max(slot_b, 1))
+    n_slots = (
+        max_num_seqs
+        if max_num_seqs * slot_b <= rest // 2
+        else max(1, (rest // 2) // max(slot_b, 1))
+    )
     n_slots = min(n_slots, max_num_seqs)
     n_blocks = (rest - n_slots * slot_b) // block_b if block_b else 0
     if n_blocks < 1 or rest < slot_b:
@@ -98,7 +116,9 @@ def cache_layout(config: K3Config, cache_memory: int, *, block_size: int, max_nu
             f"cache_memory={cache_memory}: too small for one KDA state ({slot_b} B) plus one MLA block of "
             f"{block_size} tokens ({block_b} B)"
         )
-    return CacheLayout(block_size, int(n_blocks), int(n_slots), int(n_snap), block_b, slot_b, snap_b)
+    return CacheLayout(
+        block_size, int(n_blocks), int(n_slots), int(n_snap), block_b, slot_b, snap_b
+    )
 
 
 # ----------------------------------------------------------------------------- MLA blocks
@@ -112,7 +132,9 @@ class MLABlockPool:
         latent: [M, NB, L, C]; k_rope: [M, NB, L, R] (``latent[j]`` is MLA layer j's pool).
     """
 
-    def __init__(self, config: K3Config, num_blocks: int, block_size: int, device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: K3Config, num_blocks: int, block_size: int, device, dtype: torch.dtype
+    ) -> None:
         n_mla = config.layer_types.count(MLA)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -157,7 +179,9 @@ class MLABlockPool:
     def reserve(self, n: int) -> None:
         """Promise ``n`` future allocations. Raises RuntimeError when they are not available."""
         if n > self.num_available:
-            raise RuntimeError(f"MLA pool: cannot reserve {n} blocks, {self.num_available} available")
+            raise RuntimeError(
+                f"MLA pool: cannot reserve {n} blocks, {self.num_available} available"
+            )
         self.reserved += n
 
     def unreserve(self, n: int) -> None:
@@ -269,8 +293,13 @@ class SlotPool(KDAStatePool):
         self._free.append(s)
 
 
-def layer_views(layer_pools: list[tuple[str, int]], blocks: MLABlockPool, slots: SlotPool,
-                slot_ids: torch.Tensor, tables: torch.Tensor) -> list:
+def layer_views(
+    layer_pools: list[tuple[str, int]],
+    blocks: MLABlockPool,
+    slots: SlotPool,
+    slot_ids: torch.Tensor,
+    tables: torch.Tensor,
+) -> list:
     """The per-layer cache views of one forward over the pools, in decoder-layer order.
 
     Args:
@@ -281,9 +310,12 @@ def layer_views(layer_pools: list[tuple[str, int]], blocks: MLABlockPool, slots:
     Returns:
         ``SlotKDAState`` for a KDA layer, ``PagedMLACache`` for an MLA layer (views, no copies).
     """
-    return [SlotKDAState(slots.conv[i], slots.recurrent[i], slot_ids) if kind == "kda"
-            else PagedMLACache(blocks.latent[i], blocks.k_rope[i], tables)
-            for kind, i in layer_pools]
+    return [
+        SlotKDAState(slots.conv[i], slots.recurrent[i], slot_ids)
+        if kind == "kda"
+        else PagedMLACache(blocks.latent[i], blocks.k_rope[i], tables)
+        for kind, i in layer_pools
+    ]
 
 
 @dataclass
@@ -307,7 +339,9 @@ class SnapshotPool(KDAStatePool):
         the last full block (unaligned boundaries only); logits: [N, V] fp32.
     """
 
-    def __init__(self, config: K3Config, n: int, block_size: int, device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: K3Config, n: int, block_size: int, device, dtype: torch.dtype
+    ) -> None:
         super().__init__(config, n, device, dtype)
         n_mla = config.layer_types.count(MLA)
         t = max(block_size - 1, 0)
@@ -323,7 +357,9 @@ class SnapshotPool(KDAStatePool):
     @property
     def nbytes(self) -> int:
         """Bytes of the pool's tensors."""
-        return super().nbytes + self.tail_latent.nbytes + self.tail_k_rope.nbytes + self.logits.nbytes
+        return (
+            super().nbytes + self.tail_latent.nbytes + self.tail_k_rope.nbytes + self.logits.nbytes
+        )
 
     @property
     def num_used(self) -> int:
@@ -347,7 +383,9 @@ class SnapshotPool(KDAStatePool):
         (several tails of one length may coexist: different tokens after the same blocks)."""
         return self._tails.get(parent, {})
 
-    def put(self, key: bytes, position: int, tail_len: int, parent: bytes | None) -> Snapshot | None:
+    def put(
+        self, key: bytes, position: int, tail_len: int, parent: bytes | None
+    ) -> Snapshot | None:
         """A new entry (evicting the LRU one when full); the caller fills its row. None if n == 0."""
         if self.n == 0:
             return None

@@ -50,7 +50,9 @@ class ImageInput:
     def from_processed(cls, processed, positions: range) -> "ImageInput":
         """From an :class:`openk3.vision.ProcessedImage` (anything with ``pixel_values``,
         ``grid_thw``, ``content_hash``) and its pad positions."""
-        return cls(positions, processed.content_hash, processed.pixel_values, tuple(processed.grid_thw))
+        return cls(
+            positions, processed.content_hash, processed.pixel_values, tuple(processed.grid_thw)
+        )
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,16 @@ class ImageSpan:
 
 def image_span(im: ImageInput) -> ImageSpan:
     """The :class:`ImageSpan` of a validated image: key = ``b"I" + sha256(content) + start + N``."""
-    h = im.content_hash.encode("utf-8") if isinstance(im.content_hash, str) else bytes(im.content_hash)
-    key = b"I" + hashlib.sha256(h).digest() + struct.pack("<qq", im.positions.start, len(im.positions))
+    h = (
+        im.content_hash.encode("utf-8")
+        if isinstance(im.content_hash, str)
+        else bytes(im.content_hash)
+    )
+    key = (
+        b"I"
+        + hashlib.sha256(h).digest()
+        + struct.pack("<qq", im.positions.start, len(im.positions))
+    )
     return ImageSpan(im.positions.start, im.positions.stop, key)
 
 
@@ -80,8 +90,15 @@ def merged_count(grid_thw: Sequence[int], kernel: Sequence[int]) -> int:
     return (h // int(kernel[0])) * (w // int(kernel[1]))
 
 
-def check_images(images, prompt_ids: Sequence[int], *, hidden_size: int, pad_id: int | None,
-                 merge_kernel: Sequence[int] | None, patch_size: int | None) -> list[ImageInput]:
+def check_images(
+    images,
+    prompt_ids: Sequence[int],
+    *,
+    hidden_size: int,
+    pad_id: int | None,
+    merge_kernel: Sequence[int] | None,
+    patch_size: int | None,
+) -> list[ImageInput]:
     """Validate a request's images against its prompt and the model.
 
     Args:
@@ -109,13 +126,19 @@ def check_images(images, prompt_ids: Sequence[int], *, hidden_size: int, pad_id:
             raise ValueError(f"{where}: expected ImageInput, got {type(im).__name__}")
         pos = im.positions
         if not isinstance(pos, range) or pos.step != 1 or len(pos) == 0:
-            raise ValueError(f"{where}.positions: expected a non-empty contiguous range, got {pos!r}")
+            raise ValueError(
+                f"{where}.positions: expected a non-empty contiguous range, got {pos!r}"
+            )
         if pos.start < prev or pos.stop > n_ids:
-            raise ValueError(f"{where}.positions: {pos!r} overlaps another image or lies outside the "
-                             f"{n_ids} prompt ids")
+            raise ValueError(
+                f"{where}.positions: {pos!r} overlaps another image or lies outside the "
+                f"{n_ids} prompt ids"
+            )
         prev = pos.stop
         if pad_id is not None and any(prompt_ids[p] != pad_id for p in pos):
-            raise ValueError(f"{where}.positions: every position must hold the media pad id {pad_id}")
+            raise ValueError(
+                f"{where}.positions: every position must hold the media pad id {pad_id}"
+            )
         if not im.content_hash:
             raise ValueError(f"{where}.content_hash: required (keys the prefix cache)")
         n = len(pos)
@@ -123,14 +146,22 @@ def check_images(images, prompt_ids: Sequence[int], *, hidden_size: int, pad_id:
             if im.pixel_values is not None:
                 raise ValueError(f"{where}: give pixel_values or features, not both")
             f = im.features
-            if not isinstance(f, torch.Tensor) or not f.is_floating_point() or tuple(f.shape) != (n, hidden_size):
+            if (
+                not isinstance(f, torch.Tensor)
+                or not f.is_floating_point()
+                or tuple(f.shape) != (n, hidden_size)
+            ):
                 shape = list(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
-                raise ValueError(f"{where}.features: expected a float [{n}, {hidden_size}] tensor, got {shape}")
+                raise ValueError(
+                    f"{where}.features: expected a float [{n}, {hidden_size}] tensor, got {shape}"
+                )
             continue
         if im.pixel_values is None:
             raise ValueError(f"{where}: needs pixel_values (with grid_thw) or features")
         if merge_kernel is None:
-            raise ValueError(f"{where}.pixel_values: the model has no vision tower; pass precomputed features")
+            raise ValueError(
+                f"{where}.pixel_values: the model has no vision tower; pass precomputed features"
+            )
         g = im.grid_thw
         if g is None or len(g) != 3 or min(int(v) for v in g) < 1:
             raise ValueError(f"{where}.grid_thw: expected (t, h, w) positive, got {g!r}")
@@ -139,8 +170,16 @@ def check_images(images, prompt_ids: Sequence[int], *, hidden_size: int, pad_id:
         want = (t * h * w, 3, patch_size, patch_size)
         if not isinstance(pv, torch.Tensor) or tuple(pv.shape) != want:
             shape = list(pv.shape) if isinstance(pv, torch.Tensor) else type(pv).__name__
-            raise ValueError(f"{where}.pixel_values: expected {list(want)} for grid {(t, h, w)}, got {shape}")
-        if h % int(merge_kernel[0]) or w % int(merge_kernel[1]) or merged_count(g, merge_kernel) != n:
-            raise ValueError(f"{where}: grid {(t, h, w)} gives {merged_count(g, merge_kernel)} image tokens under "
-                             f"merge {tuple(merge_kernel)}, but positions hold {n}")
+            raise ValueError(
+                f"{where}.pixel_values: expected {list(want)} for grid {(t, h, w)}, got {shape}"
+            )
+        if (
+            h % int(merge_kernel[0])
+            or w % int(merge_kernel[1])
+            or merged_count(g, merge_kernel) != n
+        ):
+            raise ValueError(
+                f"{where}: grid {(t, h, w)} gives {merged_count(g, merge_kernel)} image tokens under "
+                f"merge {tuple(merge_kernel)}, but positions hold {n}"
+            )
     return out

@@ -35,8 +35,18 @@ GIB = 1 << 30
 
 # Nominal HBM per device (decimal bytes, vendor datasheets).
 GPU_MEMORY = {
-    "A100": 80e9, "H100": 80e9, "H20": 96e9, "H200": 141e9, "B200": 180e9, "B300": 288e9,
-    "GB200": 186e9, "GB300": 288e9, "MI300X": 192e9, "MI325X": 256e9, "MI350X": 288e9, "MI355X": 288e9,
+    "A100": 80e9,
+    "H100": 80e9,
+    "H20": 96e9,
+    "H200": 141e9,
+    "B200": 180e9,
+    "B300": 288e9,
+    "GB200": 186e9,
+    "GB300": 288e9,
+    "MI300X": 192e9,
+    "MI325X": 256e9,
+    "MI350X": 288e9,
+    "MI355X": 288e9,
 }
 MXFP4_BITS = 4.25  # E2M1 nibble + one E8M0 scale byte per 32 values
 
@@ -72,8 +82,11 @@ def kda_state_bytes(config: K3Config, conv_dtype: torch.dtype = torch.bfloat16) 
 def snapshot_bytes(config: K3Config, block_size: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """One prefix-cache snapshot entry: KDA state + (block_size - 1) tail tokens of MLA latent +
     an fp32 logits row [vocab_size]."""
-    return (kda_state_bytes(config, dtype)["total"] + (block_size - 1) * kv_bytes_per_token(config, dtype)
-            + config.vocab_size * 4)
+    return (
+        kda_state_bytes(config, dtype)["total"]
+        + (block_size - 1) * kv_bytes_per_token(config, dtype)
+        + config.vocab_size * 4
+    )
 
 
 def sequence_bytes(config: K3Config, tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -106,7 +119,11 @@ def weight_bytes(config: K3Config) -> dict:
             params["vision"] = count_vision_parameters(vision)["total"]
         _WEIGHT_CACHE[key] = params
     params = dict(_WEIGHT_CACHE[key])
-    out = {"mxfp4": int(params["mxfp4"] * MXFP4_BITS / 8), "bf16": params["bf16"] * 2, "vision": params["vision"] * 2}
+    out = {
+        "mxfp4": int(params["mxfp4"] * MXFP4_BITS / 8),
+        "bf16": params["bf16"] * 2,
+        "vision": params["vision"] * 2,
+    }
     out["total"] = sum(out.values())
     out["params"] = params
     return out
@@ -134,8 +151,10 @@ def parse_gpus(spec: str) -> tuple[int, str, float]:
         return count, name, float(size.group(1)) * unit
     key = name.upper()
     if key not in GPU_MEMORY:
-        raise ValueError(f"gpus={spec!r}: unknown GPU {name!r}; known: {', '.join(sorted(GPU_MEMORY))} "
-                         "(or give the size, e.g. 8x141GB)")
+        raise ValueError(
+            f"gpus={spec!r}: unknown GPU {name!r}; known: {', '.join(sorted(GPU_MEMORY))} "
+            "(or give the size, e.g. 8x141GB)"
+        )
     return count, key, GPU_MEMORY[key]
 
 
@@ -158,8 +177,14 @@ class Plan:
     notes: list = field(default_factory=list)
 
 
-def plan(config: K3Config, gpus: str, context: int, *, gpu_util: float = 0.9,
-         cache_dtype: torch.dtype = torch.bfloat16) -> Plan:
+def plan(
+    config: K3Config,
+    gpus: str,
+    context: int,
+    *,
+    gpu_util: float = 0.9,
+    cache_dtype: torch.dtype = torch.bfloat16,
+) -> Plan:
     """How many sequences of ``context`` tokens fit next to the weights on ``gpus``.
 
     Weights and caches are assumed evenly sharded over the GPUs (TP/EP), so the aggregate memory
@@ -182,12 +207,18 @@ def plan(config: K3Config, gpus: str, context: int, *, gpu_util: float = 0.9,
     free = usable - weights["total"]
     notes = []
     if free <= 0:
-        notes.append(f"the weights ({weights['total'] / 1e9:,.1f} GB) do not fit in {gpu_util:.0%} of "
-                     f"{count}x{name} ({usable / 1e9:,.1f} GB): more or larger GPUs are needed")
+        notes.append(
+            f"the weights ({weights['total'] / 1e9:,.1f} GB) do not fit in {gpu_util:.0%} of "
+            f"{count}x{name} ({usable / 1e9:,.1f} GB): more or larger GPUs are needed"
+        )
     if context > config.max_position_embeddings:
-        notes.append(f"context {context:,} exceeds max_position_embeddings {config.max_position_embeddings:,}")
+        notes.append(
+            f"context {context:,} exceeds max_position_embeddings {config.max_position_embeddings:,}"
+        )
     n = max(0, int(free // per_seq)) if free > 0 else 0
-    return Plan(count, name, per_gpu, gpu_util, context, weights, kv, kda, per_seq, usable, free, n, notes)
+    return Plan(
+        count, name, per_gpu, gpu_util, context, weights, kv, kda, per_seq, usable, free, n, notes
+    )
 
 
 def format_plan(p: Plan, source: str = "") -> str:
@@ -200,8 +231,13 @@ def format_plan(p: Plan, source: str = "") -> str:
         "weights:",
         f"  MXFP4 routed experts ({MXFP4_BITS} bits) {w['params']['mxfp4']:>20,} params  {gb(w['mxfp4']):>14}",
         f"  BF16                              {w['params']['bf16']:>20,} params  {gb(w['bf16']):>14}",
-        *([f"  vision tower + projector (BF16)   {w['params']['vision']:>20,} params  {gb(w['vision']):>14}"]
-          if w["params"].get("vision") else []),
+        *(
+            [
+                f"  vision tower + projector (BF16)   {w['params']['vision']:>20,} params  {gb(w['vision']):>14}"
+            ]
+            if w["params"].get("vision")
+            else []
+        ),
         f"  total                                                          {gb(w['total']):>14}"
         f"  ({gb(w['total'] / p.gpus)} per GPU)",
         "decode state:",

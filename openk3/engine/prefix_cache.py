@@ -52,7 +52,9 @@ def _token_bytes(tokens) -> bytes:
     return array("q", tokens).tobytes()
 
 
-Salt = Callable[[int, int], bytes]  # (start, end) -> key material of non-token inputs in [start, end)
+Salt = Callable[
+    [int, int], bytes
+]  # (start, end) -> key material of non-token inputs in [start, end)
 
 
 def _salted(data: bytes, salt: bytes) -> bytes:
@@ -73,7 +75,9 @@ def tail_key(parent: bytes, tail_tokens, salt: bytes = b"") -> bytes:
     return hashlib.sha256(_salted(parent + b"T" + _token_bytes(tail_tokens), salt)).digest()
 
 
-def extend_keys(keys: list[bytes], tokens: list[int], block_size: int, salt: Salt | None = None) -> None:
+def extend_keys(
+    keys: list[bytes], tokens: list[int], block_size: int, salt: Salt | None = None
+) -> None:
     """Append chain keys to ``keys`` for every full block of ``tokens`` not keyed yet; ``salt``
     gives the extra key material of positions ``[start, end)`` (image requests)."""
     while (len(keys) + 1) * block_size <= len(tokens):
@@ -112,19 +116,35 @@ class PrefixCache:
         ValueError: ``snapshot_interval`` not a positive multiple of ``block_size``.
     """
 
-    def __init__(self, blocks: MLABlockPool, snapshots: SnapshotPool, block_size: int, snapshot_interval: int,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self,
+        blocks: MLABlockPool,
+        snapshots: SnapshotPool,
+        block_size: int,
+        snapshot_interval: int,
+        enabled: bool = True,
+    ) -> None:
         if snapshot_interval < block_size or snapshot_interval % block_size:
-            raise ValueError(f"snapshot_interval={snapshot_interval}: must be a positive multiple of "
-                             f"block_size={block_size}")
+            raise ValueError(
+                f"snapshot_interval={snapshot_interval}: must be a positive multiple of "
+                f"block_size={block_size}"
+            )
         self.blocks, self.snapshots = blocks, snapshots
         self.block_size, self.interval = block_size, snapshot_interval
         self.enabled = enabled and snapshots.n > 0
-        self.counters = {"mla_queries": 0, "mla_hits": 0, "kda_queries": 0, "kda_hits": 0, "kda_hit_tokens": 0}
+        self.counters = {
+            "mla_queries": 0,
+            "mla_hits": 0,
+            "kda_queries": 0,
+            "kda_hits": 0,
+            "kda_hit_tokens": 0,
+        }
 
     # ------------------------------------------------------------------------- lookup
     def _usable(self, snap: Snapshot | None, prompt_len: int) -> bool:
-        return snap is not None and (snap.position < prompt_len or (snap.position == prompt_len and snap.has_logits))
+        return snap is not None and (
+            snap.position < prompt_len or (snap.position == prompt_len and snap.has_logits)
+        )
 
     def match(self, tokens: list[int], keys: list[bytes], salt: Salt | None = None) -> PrefixHit:
         """Find the reusable prefix of a prompt (no side effects).
@@ -172,8 +192,9 @@ class PrefixCache:
             c["kda_hit_tokens"] += hit.length
             self.snapshots.get(hit.snapshot_key, touch=True)
 
-    def restore(self, hit: PrefixHit, slots: SlotPool, slot: int, tail_block: int | None,
-                prompt_len: int) -> torch.Tensor | None:
+    def restore(
+        self, hit: PrefixHit, slots: SlotPool, slot: int, tail_block: int | None, prompt_len: int
+    ) -> torch.Tensor | None:
         """Copy a hit's snapshot into a request's slot (and its latent tail into ``tail_block``,
         rows ``[0, position % L)``). Returns the stored logits [V] when the hit covers the whole
         prompt (``position == prompt_len``), else None."""
@@ -195,8 +216,17 @@ class PrefixCache:
                 self.blocks.register(blocks[i], keys[i])
         return n_full
 
-    def save(self, tokens: list[int], keys: list[bytes], position: int, slots: SlotPool, slot: int,
-             blocks: list[int], logits: torch.Tensor | None = None, salt: Salt | None = None) -> None:
+    def save(
+        self,
+        tokens: list[int],
+        keys: list[bytes],
+        position: int,
+        slots: SlotPool,
+        slot: int,
+        blocks: list[int],
+        logits: torch.Tensor | None = None,
+        salt: Salt | None = None,
+    ) -> None:
         """Snapshot a request's state after ``position`` tokens (its slot must hold exactly that).
 
         Args:
@@ -209,16 +239,23 @@ class PrefixCache:
         L = self.block_size
         k, r = divmod(position, L)
         parent = keys[k - 1] if k else ROOT
-        key = keys[k - 1] if r == 0 else tail_key(parent, tokens[k * L:position],
-                                                   salt(k * L, position) if salt else b"")
+        key = (
+            keys[k - 1]
+            if r == 0
+            else tail_key(parent, tokens[k * L : position], salt(k * L, position) if salt else b"")
+        )
         snap = self.snapshots.get(key, touch=True)
         if snap is None:
             snap = self.snapshots.put(key, position, r, parent if r else None)
             slots_row = slot
             self.snapshots.copy_row(snap.row, slots, slots_row)
             if r:
-                self.snapshots.tail_latent[:, snap.row, :r].copy_(self.blocks.latent[:, blocks[k], :r])
-                self.snapshots.tail_k_rope[:, snap.row, :r].copy_(self.blocks.k_rope[:, blocks[k], :r])
+                self.snapshots.tail_latent[:, snap.row, :r].copy_(
+                    self.blocks.latent[:, blocks[k], :r]
+                )
+                self.snapshots.tail_k_rope[:, snap.row, :r].copy_(
+                    self.blocks.k_rope[:, blocks[k], :r]
+                )
         if logits is not None and not snap.has_logits:
             self.snapshots.logits[snap.row].copy_(logits)
             snap.has_logits = True
@@ -229,5 +266,9 @@ class PrefixCache:
         return {
             "enabled": self.enabled,
             "mla": {"queries": c["mla_queries"], "hits": c["mla_hits"]},
-            "kda": {"queries": c["kda_queries"], "hits": c["kda_hits"], "hit_tokens": c["kda_hit_tokens"]},
+            "kda": {
+                "queries": c["kda_queries"],
+                "hits": c["kda_hits"],
+                "hit_tokens": c["kda_hit_tokens"],
+            },
         }

@@ -46,8 +46,17 @@ class ModelRunner:
         decode_step: the :class:`StaticDecodeStep` (None without ``compile``).
     """
 
-    def __init__(self, model, blocks: MLABlockPool, slots: SlotPool, *, compile: bool, max_batch: int,
-                 max_blocks: int, encoder_step_flops: int) -> None:
+    def __init__(
+        self,
+        model,
+        blocks: MLABlockPool,
+        slots: SlotPool,
+        *,
+        compile: bool,
+        max_batch: int,
+        max_blocks: int,
+        encoder_step_flops: int,
+    ) -> None:
         self.model = model
         self.blocks, self.slots = blocks, slots
         self.device = model.lm_head.weight.device
@@ -60,8 +69,15 @@ class ModelRunner:
             counts[kind] += 1
         self.decode_step = None
         if decode_backend(compile, self.device) == "compiled":
-            self.decode_step = StaticDecodeStep(model, blocks, slots, self.layer_pools, max_batch=max_batch,
-                                                max_blocks=max_blocks, compile=True)
+            self.decode_step = StaticDecodeStep(
+                model,
+                blocks,
+                slots,
+                self.layer_pools,
+                max_batch=max_batch,
+                max_blocks=max_blocks,
+                compile=True,
+            )
 
     # ------------------------------------------------------------------ language model
     def forward(self, pieces: list[Piece], need: list[bool]) -> torch.Tensor | None:
@@ -71,12 +87,18 @@ class ModelRunner:
         dev = self.device
         B = len(pieces)
         T = max(p.length for p in pieces)
-        ids = torch.tensor([p.request.tokens[p.start:p.end] + [0] * (T - p.length) for p in pieces],
-                           dtype=torch.long, device=dev)
+        ids = torch.tensor(
+            [p.request.tokens[p.start : p.end] + [0] * (T - p.length) for p in pieces],
+            dtype=torch.long,
+            device=dev,
+        )
         lens = torch.tensor([p.length for p in pieces], dtype=torch.long, device=dev)
         MB = max(len(p.request.blocks) for p in pieces)
-        tables = torch.tensor([p.request.blocks + [0] * (MB - len(p.request.blocks)) for p in pieces],
-                              dtype=torch.long, device=dev)
+        tables = torch.tensor(
+            [p.request.blocks + [0] * (MB - len(p.request.blocks)) for p in pieces],
+            dtype=torch.long,
+            device=dev,
+        )
         slots = torch.tensor([p.request.slot for p in pieces], dtype=torch.long, device=dev)
         layers = layer_views(self.layer_pools, self.blocks, self.slots, slots, tables)
         past = torch.tensor([p.start for p in pieces], dtype=torch.long, device=dev)
@@ -85,8 +107,13 @@ class ModelRunner:
         embeds = self.image_embeds(pieces, ids)
         # validate=False: ids were checked by add_request or sampled, lengths and tables built
         # here, room allocated by the scheduler; the model then reads no tensor value on the host.
-        hidden = self.model.model(None if embeds is not None else ids, cache, inputs_embeds=embeds,
-                                  lengths=None if full else lens, validate=False)
+        hidden = self.model.model(
+            None if embeds is not None else ids,
+            cache,
+            inputs_embeds=embeds,
+            lengths=None if full else lens,
+            validate=False,
+        )
         rows = [i for i in range(B) if need[i]]
         if not rows:
             return None
@@ -99,15 +126,23 @@ class ModelRunner:
         logits [B, V] fp32, through :attr:`decode_step` when compiled, else :meth:`forward`."""
         if self.decode_step is not None:
             return self.decode_step([(r.tokens, r.slot, r.blocks, r.num_computed) for r in reqs])
-        return self.forward([Piece(r, r.num_computed, r.num_computed + 1) for r in reqs], [True] * len(reqs))
+        return self.forward(
+            [Piece(r, r.num_computed, r.num_computed + 1) for r in reqs], [True] * len(reqs)
+        )
 
     # ------------------------------------------------------------------ images
     def image_embeds(self, pieces: list[Piece], ids: torch.Tensor) -> torch.Tensor | None:
         """[B, T, D] inputs for rows whose piece overlaps an image (None when no row does):
         token embeddings with each overlapped pad position replaced by its feature row."""
-        hits = [(row, p) for row, p in enumerate(pieces)
-                if p.request.images and any(im.positions.start < p.end and p.start < im.positions.stop
-                                            for im in p.request.images)]
+        hits = [
+            (row, p)
+            for row, p in enumerate(pieces)
+            if p.request.images
+            and any(
+                im.positions.start < p.end and p.start < im.positions.stop
+                for im in p.request.images
+            )
+        ]
         if not hits:
             return None
         embeds = self.model.model.embed_tokens(ids)
@@ -118,7 +153,7 @@ class ModelRunner:
                 a, b = max(s, im.positions.start), min(e, im.positions.stop)
                 if a < b:
                     off = im.positions.start
-                    embeds[row, a - s:b - s] = f[a - off:b - off].to(embeds.dtype)
+                    embeds[row, a - s : b - s] = f[a - off : b - off].to(embeds.dtype)
         return embeds
 
     def features(self, r: Request) -> list:
@@ -143,5 +178,10 @@ class ModelRunner:
         """The resumable tower + projector work of one image (a generator, see
         :func:`~openk3.vision.encoder.encode_in_pieces`)."""
         m = self.model
-        return encode_in_pieces(m.vision_tower, im.pixel_values.to(self.device), im.grid_thw, m.mm_projector,
-                                piece_flops=max(1, self.encoder_step_flops // 4))
+        return encode_in_pieces(
+            m.vision_tower,
+            im.pixel_values.to(self.device),
+            im.grid_thw,
+            m.mm_projector,
+            piece_flops=max(1, self.encoder_step_flops // 4),
+        )

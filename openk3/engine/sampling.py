@@ -48,7 +48,11 @@ class SamplingParams:
         """Raises ValueError naming the first bad field and its value."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r}: must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ValueError(f"temperature={self.temperature!r}: must be a finite number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}: must lie in (0, 1]")
@@ -84,7 +88,9 @@ class TokenLogprob:
 
 
 # ----------------------------------------------------------------------------- masks
-def constraint_mask(allowed: torch.Tensor, vocab_size: int, device: torch.device | None = None) -> torch.Tensor:
+def constraint_mask(
+    allowed: torch.Tensor, vocab_size: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Normalise a constraint's ``allowed_tokens()`` to a bool mask [V].
 
     Args:
@@ -101,7 +107,9 @@ def constraint_mask(allowed: torch.Tensor, vocab_size: int, device: torch.device
         raise ValueError(f"allowed_tokens(): expected a 1-D mask, got shape {tuple(allowed.shape)}")
     if allowed.dtype != torch.bool:
         if allowed.dtype.is_floating_point or allowed.dtype.is_complex:
-            raise ValueError(f"allowed_tokens(): expected bool [V] or a packed integer bitmask, got {allowed.dtype}")
+            raise ValueError(
+                f"allowed_tokens(): expected bool [V] or a packed integer bitmask, got {allowed.dtype}"
+            )
         words = allowed.to(torch.int64) & 0xFFFFFFFF
         bits = (words[:, None] >> torch.arange(32, device=words.device)) & 1
         allowed = bits.reshape(-1).bool()
@@ -112,7 +120,9 @@ def constraint_mask(allowed: torch.Tensor, vocab_size: int, device: torch.device
     return torch.cat([allowed, allowed.new_zeros(vocab_size - n)])
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Set logits outside each row's top-k / top-p set to -inf (batched, per-row settings).
 
     Args:
@@ -142,7 +152,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return out
 
 
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: list[int | None]) -> list[TokenLogprob | None]:
+def top_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, n: list[int | None]
+) -> list[TokenLogprob | None]:
     """Raw-distribution logprobs of ``tokens`` [N] under ``logits`` [N, V] with each row's top-n
     (None where the row asked for none)."""
     out: list[TokenLogprob | None] = [None] * len(n)
@@ -197,7 +209,9 @@ def sample(
     tokens = x.argmax(dim=-1)
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if rand:
-        sub = x[rand] / torch.tensor([params[i].temperature for i in rand], device=x.device)[:, None]
+        sub = (
+            x[rand] / torch.tensor([params[i].temperature for i in rand], device=x.device)[:, None]
+        )
         sub = apply_top_k_top_p(
             sub,
             torch.tensor([params[i].top_k for i in rand], device=x.device),

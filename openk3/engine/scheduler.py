@@ -59,7 +59,9 @@ def length_groups(lengths: list[int], forward_cost: int) -> list[list[int]]:
     if len(set(lengths)) <= 1:
         return [order] if order else []
     # Run boundaries: positions in ``order`` where the length changes (plus the end).
-    cuts = [k for k in range(1, len(order)) if lengths[order[k]] != lengths[order[k - 1]]] + [len(order)]
+    cuts = [k for k in range(1, len(order)) if lengths[order[k]] != lengths[order[k - 1]]] + [
+        len(order)
+    ]
     starts = [0] + cuts[:-1]
     best = [0.0] + [math.inf] * len(cuts)  # best[j]: cost of the first j runs
     prev = [0] * (len(cuts) + 1)
@@ -71,7 +73,7 @@ def length_groups(lengths: list[int], forward_cost: int) -> list[list[int]]:
     groups, j = [], len(cuts)
     while j:
         i = prev[j]
-        groups.append(order[starts[i]:cuts[j - 1]])
+        groups.append(order[starts[i] : cuts[j - 1]])
         j = i
     return groups[::-1]
 
@@ -99,8 +101,15 @@ class Scheduler:
             (:func:`length_groups`); None = every round is one forward.
     """
 
-    def __init__(self, cache: CacheManager, *, max_num_seqs: int, prefill_chunk: int, chunked_prefill: bool,
-                 forward_cost: int | None = None) -> None:
+    def __init__(
+        self,
+        cache: CacheManager,
+        *,
+        max_num_seqs: int,
+        prefill_chunk: int,
+        chunked_prefill: bool,
+        forward_cost: int | None = None,
+    ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.budget = prefill_chunk

@@ -45,7 +45,9 @@ def pseudo_query(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.
     """
     n, w = norm_weight.reshape(-1), proj_weight.reshape(-1)
     if n.shape != w.shape:
-        raise ValueError(f"proj_weight: expected {n.numel()} values like norm_weight, got shape {tuple(proj_weight.shape)}")
+        raise ValueError(
+            f"proj_weight: expected {n.numel()} values like norm_weight, got shape {tuple(proj_weight.shape)}"
+        )
     return n.float() * w.float()
 
 
@@ -97,7 +99,9 @@ class BlockStats:
     u: torch.Tensor
 
 
-def block_stats(blocks: Sequence[torch.Tensor] | torch.Tensor, queries: torch.Tensor, eps: float = 1e-5) -> BlockStats:
+def block_stats(
+    blocks: Sequence[torch.Tensor] | torch.Tensor, queries: torch.Tensor, eps: float = 1e-5
+) -> BlockStats:
     """Phase 1: one batched pass of S pseudo-queries over the N completed blocks.
 
     Args:
@@ -113,7 +117,12 @@ def block_stats(blocks: Sequence[torch.Tensor] | torch.Tensor, queries: torch.Te
 
 
 def merge_partial(
-    m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float = 1e-5
+    m: torch.Tensor,
+    s: torch.Tensor,
+    u: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    eps: float = 1e-5,
 ) -> torch.Tensor:
     """Phase 2 at one site: fold the current partial sum into that site's block statistics.
 
@@ -173,11 +182,18 @@ class AttnResState:
 
     @classmethod
     def start(
-        cls, x0: torch.Tensor, block_size: int | None, *, eps: float = 1e-5, site_queries: torch.Tensor | None = None
+        cls,
+        x0: torch.Tensor,
+        block_size: int | None,
+        *,
+        eps: float = 1e-5,
+        site_queries: torch.Tensor | None = None,
     ) -> "AttnResState":
         """State before layer 0: no blocks, partial = the embedding x0 [*, D]."""
         if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
-            raise ValueError(f"block_size={block_size!r}: must be a positive integer (decoder layers) or None")
+            raise ValueError(
+                f"block_size={block_size!r}: must be a positive integer (decoder layers) or None"
+            )
         if site_queries is not None and (site_queries.dim() != 2 or site_queries.shape[0] % 2 != 1):
             raise ValueError(f"site_queries: expected [2L+1, D], got {tuple(site_queries.shape)}")
         return cls(partial=x0, block_size=block_size, eps=eps, site_queries=site_queries)
@@ -216,7 +232,9 @@ class AttnResState:
             sources = self.blocks if partial is None else self.blocks + [partial]
             return depth_mix(sources, norm_w, proj_w, self.eps)
         if row not in self._stat_rows:
-            raise ValueError(f"layer_idx={row // 2}: beyond the {self._num_layers()} layers site_queries describe")
+            raise ValueError(
+                f"layer_idx={row // 2}: beyond the {self._num_layers()} layers site_queries describe"
+            )
         i = self._stat_rows[row]
         st = self._stats
         if partial is None:
@@ -232,7 +250,11 @@ class AttnResState:
             return p_in
         opens = self._opens_block(layer_idx)
         if self.site_queries is None:
-            h = depth_mix(self.blocks + [p_in], norm_weight, proj_weight, self.eps) if self.blocks else p_in
+            h = (
+                depth_mix(self.blocks + [p_in], norm_weight, proj_weight, self.eps)
+                if self.blocks
+                else p_in
+            )
             if opens:
                 self.blocks.append(p_in)
             return h
@@ -264,12 +286,16 @@ class AttnResState:
     def output(self, norm_weight=None, proj_weight=None) -> torch.Tensor:
         """After the last layer: y [*, D] = Mix_out(blocks ++ [p]) (input of the final norm)."""
         if self._step % 4:
-            raise ValueError(f"output: layer {self._step // 4} is unfinished ({self._CALLS[self._step % 4]} is next)")
+            raise ValueError(
+                f"output: layer {self._step // 4} is unfinished ({self._CALLS[self._step % 4]} is next)"
+            )
         if self.block_size is None or not self.blocks:
             return self.partial
         ran = self._step // 4
         if self.site_queries is not None and ran != self._num_layers():
-            raise ValueError(f"output: site_queries describe {self._num_layers()} layers, ran {ran}")
+            raise ValueError(
+                f"output: site_queries describe {self._num_layers()} layers, ran {ran}"
+            )
         return self._mix(2 * ran, self.partial, norm_weight, proj_weight)
 
 
@@ -320,7 +346,9 @@ def run_attn_res(
         )
     queries = None
     if two_phase and block_size is not None:
-        rows = [q for l in range(L) for q in (attn_sites[l].query, ffn_sites[l].query)] + [out_site.query]
+        rows = [q for l in range(L) for q in (attn_sites[l].query, ffn_sites[l].query)] + [
+            out_site.query
+        ]
         queries = torch.stack(rows)
     st = AttnResState.start(x0, block_size, eps=eps, site_queries=queries)
     for l in range(L):

@@ -53,10 +53,14 @@ class KimiDeltaAttention(nn.Module):
     def __init__(self, config: K3Config, layer_idx: int) -> None:
         super().__init__()
         if not 0 <= layer_idx < config.num_hidden_layers:
-            raise ValueError(f"layer_idx={layer_idx}: outside [0, num_hidden_layers={config.num_hidden_layers})")
+            raise ValueError(
+                f"layer_idx={layer_idx}: outside [0, num_hidden_layers={config.num_hidden_layers})"
+            )
         if config.layer_types[layer_idx] != KDA:
-            raise ValueError(f"layer_idx={layer_idx}: config.layer_types[{layer_idx}]="
-                             f"{config.layer_types[layer_idx]!r}, not {KDA!r}")
+            raise ValueError(
+                f"layer_idx={layer_idx}: config.layer_types[{layer_idx}]="
+                f"{config.layer_types[layer_idx]!r}, not {KDA!r}"
+            )
         self.layer_idx = layer_idx
         self.hidden_size = D = config.hidden_size
         self.num_heads = H = config.linear_num_heads
@@ -92,7 +96,12 @@ class KimiDeltaAttention(nn.Module):
         ``A_log`` 0 for K3 / log U[1, 16] for Kimi Linear, ``dt_bias`` inverse softplus of
         dt ~ exp(U[ln 1e-3, ln 1e-1]), ``o_norm`` ones, linears and short-conv kernels
         N(0, ``initializer_range``); architecture.md §3.3). Safe after meta-device construction."""
-        init_module(self, self.initializer_range, is_k3=self.gate_lower_bound is not None, generator=generator)
+        init_module(
+            self,
+            self.initializer_range,
+            is_k3=self.gate_lower_bound is not None,
+            generator=generator,
+        )
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -132,22 +141,38 @@ class KimiDeltaAttention(nn.Module):
         if cu_seqlens is None:
             return self._forward_rows(x, cache, lengths, mode, validate)
         if lengths is not None:
-            raise ValueError("lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)")
+            raise ValueError(
+                "lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)"
+            )
         # Packed documents run as padded rows; a varlen kernel can skip this.
         rows, doc_lengths = unpack_documents(x, cu_seqlens)
         return pack_documents(self._forward_rows(rows, cache, doc_lengths, mode), doc_lengths)
 
-    def _decode_step(self, x: torch.Tensor, cache, conv0: torch.Tensor, rec0: torch.Tensor) -> torch.Tensor:
+    def _decode_step(
+        self, x: torch.Tensor, cache, conv0: torch.Tensor, rec0: torch.Tensor
+    ) -> torch.Tensor:
         """One token per row ([B, 1, D], no padding) through the fused
         :func:`~openk3.ops.kda_decode.kda_decode_step`; same result as the general path."""
         B = x.shape[0]
         H, K = self.num_heads, self.head_dim
         x1 = x[:, 0]
         qkv = torch.stack([self.q_proj(x1), self.k_proj(x1), self.v_proj(x1)], dim=1)  # [B, 3, P]
-        w = torch.stack([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])  # [3, P, W]
+        w = torch.stack(
+            [c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        )  # [3, P, W]
         z = self.f_b_proj(self.f_a_proj(x1)).view(B, H, K)
-        o, tail, state = kda_decode_step(qkv, conv0, w, z, self.b_proj(x1), self.A_log, self.dt_bias, rec0,
-                                         K ** -0.5, self.gate_lower_bound)
+        o, tail, state = kda_decode_step(
+            qkv,
+            conv0,
+            w,
+            z,
+            self.b_proj(x1),
+            self.A_log,
+            self.dt_bias,
+            rec0,
+            K**-0.5,
+            self.gate_lower_bound,
+        )
         cache.store(tail, state)
         gate = self.g_proj(x1) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x1))
         out = self.o_norm(o, gate.view(B, H, K))  # fp32 [B, H, K]
@@ -156,18 +181,25 @@ class KimiDeltaAttention(nn.Module):
     def _check_state(self, conv: torch.Tensor, recurrent: torch.Tensor, B: int) -> None:
         P, W, H, K = self.proj_dim, self.conv_size, self.num_heads, self.head_dim
         if tuple(conv.shape) != (B, 3, P, W - 1):
-            raise ValueError(f"cache.conv: expected [B={B}, 3, P={P}, W-1={W - 1}], got {tuple(conv.shape)}")
+            raise ValueError(
+                f"cache.conv: expected [B={B}, 3, P={P}, W-1={W - 1}], got {tuple(conv.shape)}"
+            )
         if tuple(recurrent.shape) != (B, H, K, K):
-            raise ValueError(f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(recurrent.shape)}")
+            raise ValueError(
+                f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(recurrent.shape)}"
+            )
 
     def _plain_projections(self) -> bool:
         """Whether q/k/v_proj are plain ``nn.Linear`` modules without hooks, so their three products
         may run as one (a subclass or a hook would be bypassed by the fused form)."""
-        return all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        return all(
+            type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
 
-    def _mixed_separate(self, x: torch.Tensor, conv0: torch.Tensor | None, lengths: torch.Tensor | None,
-                        mode: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _mixed_separate(
+        self, x: torch.Tensor, conv0: torch.Tensor | None, lengths: torch.Tensor | None, mode: str
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """q, k, v after projection, short conv and SiLU, one projection at a time (decode steps, and
         the plain form :meth:`_mixed_fused` is tested against).
 
@@ -176,22 +208,33 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         tails = conv0.unbind(1) if conv0 is not None else (None, None, None)
         mixed, new_tails = [], []
-        for proj, conv, tail in zip((self.q_proj, self.k_proj, self.v_proj),
-                                    (self.q_conv1d, self.k_conv1d, self.v_conv1d), tails):
+        for proj, conv, tail in zip(
+            (self.q_proj, self.k_proj, self.v_proj),
+            (self.q_conv1d, self.k_conv1d, self.v_conv1d),
+            tails,
+        ):
             inp = proj(x)  # [B, T, P]
             if tail is not None and T == 1 and mode == "recurrent":
                 valid = None if lengths is None else lengths > 0
-                out, new_tail = short_conv_step(inp[:, 0], conv.weight, cast(tail, inp.dtype), valid, activation="silu")
+                out, new_tail = short_conv_step(
+                    inp[:, 0], conv.weight, cast(tail, inp.dtype), valid, activation="silu"
+                )
                 out = out[:, None]
             else:
-                out, new_tail = short_conv(inp, conv.weight, None if tail is None else cast(tail, inp.dtype),
-                                           lengths, activation="silu")
+                out, new_tail = short_conv(
+                    inp,
+                    conv.weight,
+                    None if tail is None else cast(tail, inp.dtype),
+                    lengths,
+                    activation="silu",
+                )
             mixed.append(out.reshape(B, T, H, K))
             new_tails.append(new_tail)
         return mixed, torch.stack(new_tails, dim=1)
 
-    def _mixed_fused(self, x: torch.Tensor, conv0: torch.Tensor | None,
-                     lengths: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _mixed_fused(
+        self, x: torch.Tensor, conv0: torch.Tensor | None, lengths: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """:meth:`_mixed_separate` for a multi-token call as one [D, 3P] projection and one short conv
         over the 3P channels (the conv is per channel, so stacking q, k and v changes nothing but
         the count of small ops: 0.74 + 1.06 -> ~1.1 ms per 512-token chunk at the shipped size,
@@ -199,15 +242,23 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K, P = self.num_heads, self.head_dim, self.proj_dim
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # [3P, D]
-        cw = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])  # [3P, 1, W]
+        cw = torch.cat(
+            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        )  # [3P, 1, W]
         inp = torch.nn.functional.linear(x, w)  # [B, T, 3P]
         tail = None if conv0 is None else cast(conv0.reshape(B, 3 * P, conv0.shape[-1]), inp.dtype)
         out, new_tail = short_conv(inp, cw, tail, lengths, activation="silu")
         mixed = [t.reshape(B, T, H, K) for t in out.split(P, dim=-1)]
         return mixed, new_tail.view(B, 3, P, new_tail.shape[-1])
 
-    def _forward_rows(self, x: torch.Tensor, cache: KDAStateEntry | None, lengths: torch.Tensor | None,
-                      mode: str, validate: bool = True) -> torch.Tensor:
+    def _forward_rows(
+        self,
+        x: torch.Tensor,
+        cache: KDAStateEntry | None,
+        lengths: torch.Tensor | None,
+        mode: str,
+        validate: bool = True,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         conv0 = rec0 = None
@@ -217,7 +268,13 @@ class KimiDeltaAttention(nn.Module):
             self._check_state(conv0, rec0, B)
         if lengths is not None and validate:
             check_lengths(lengths, B, T)
-        if cache is not None and T == 1 and mode == "recurrent" and lengths is None and fused_decode():
+        if (
+            cache is not None
+            and T == 1
+            and mode == "recurrent"
+            and lengths is None
+            and fused_decode()
+        ):
             return self._decode_step(x, cache, conv0, rec0)
 
         if T == 1 and mode == "recurrent" or not self._plain_projections():
@@ -234,8 +291,7 @@ class KimiDeltaAttention(nn.Module):
             g = kda_gate_softplus(z, self.A_log, self.dt_bias)
         beta = torch.sigmoid(fp32(self.b_proj(x)))  # [B, T, H]
 
-        o, state = kda(q, k, v, g, beta, K ** -0.5, rec0,
-                       lengths, mode=mode)
+        o, state = kda(q, k, v, g, beta, K**-0.5, rec0, lengths, mode=mode)
         if cache is not None:
             cache.store(new_tail, state)
 

@@ -95,12 +95,16 @@ class GatedMLA(nn.Module):
 
     def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (normalised latent ĉ [B, T, C], shared key k^R [B, T, R])."""
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
         return self.kv_a_layernorm(c_kv), k_rope
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: (W_UK [H, N, C], W_UV [H, V, C])."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -169,11 +173,18 @@ class GatedMLA(nn.Module):
         latent, k_rope = self._latent(x)
         kv = self.kv_b_proj(latent).view(B, T, H, N + V)
         k_nope, v = kv.split([N, V], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, T, H, self.qk_rope_head_dim)], dim=-1)
+        k = torch.cat(
+            [k_nope, k_rope[:, :, None, :].expand(B, T, H, self.qk_rope_head_dim)], dim=-1
+        )
         q = torch.cat([q_nope, q_rope], dim=-1)
         o = causal_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            scale=self.scaling, lengths=lengths, cu_seqlens=cu_seqlens, max_logits_out=max_logits_out,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            scale=self.scaling,
+            lengths=lengths,
+            cu_seqlens=cu_seqlens,
+            max_logits_out=max_logits_out,
         )
         return self._output(x, o.transpose(1, 2).reshape(B, T, H * V))
 
@@ -191,8 +202,12 @@ class GatedMLA(nn.Module):
         if cache.batch_size != B:
             raise ValueError(f"cache: holds {cache.batch_size} rows, x has B={B}")
         if validate:
-            lengths, past_lengths = (None if v is None else v.to(dev, torch.long) for v in (lengths, past_lengths))
-        past = torch.zeros(B, dtype=torch.long, device=dev) if past_lengths is None else past_lengths
+            lengths, past_lengths = (
+                None if v is None else v.to(dev, torch.long) for v in (lengths, past_lengths)
+            )
+        past = (
+            torch.zeros(B, dtype=torch.long, device=dev) if past_lengths is None else past_lengths
+        )
         if validate:
             self._check_room(cache, lengths, past, T)
 
@@ -202,7 +217,12 @@ class GatedMLA(nn.Module):
         cols = past[:, None] + t[None, :]  # [B, T] cache position of every new token
         if lengths is None:  # every position is a real token: a fixed-size write, no mask
             rows = torch.arange(B, device=dev)[:, None].expand(B, T)
-            cache.write(rows.reshape(-1), cols.reshape(-1), latent.reshape(B * T, -1), k_rope.reshape(B * T, -1))
+            cache.write(
+                rows.reshape(-1),
+                cols.reshape(-1),
+                latent.reshape(B * T, -1),
+                k_rope.reshape(B * T, -1),
+            )
         else:  # right padding: write the valid tokens only (a boolean gather, whose size the host reads)
             valid = t[None, :] < lengths[:, None]  # [B, T]
             rows = torch.arange(B, device=dev)[:, None].expand(B, T)[valid]
@@ -216,8 +236,15 @@ class GatedMLA(nn.Module):
         # caller-owned dense cache should be sized to what it will hold.
         cached_latent, cached_k_rope = cache.read(cache.capacity)
         ctx = latent_attention(
-            q_latent, q_rope, cached_latent, cached_k_rope, past,
-            scale=self.scaling, lengths=lengths, max_logits_out=max_logits_out, validate=False,
+            q_latent,
+            q_rope,
+            cached_latent,
+            cached_k_rope,
+            past,
+            scale=self.scaling,
+            lengths=lengths,
+            max_logits_out=max_logits_out,
+            validate=False,
         )
         o = torch.einsum("bthc,hvc->bthv", ctx, w_uv)
         return self._output(x, o.reshape(B, T, self.num_heads * self.v_head_dim))
@@ -227,13 +254,21 @@ class GatedMLA(nn.Module):
         """Raise unless ``lengths`` [B] lie in [0, T], ``past`` [B] is non-negative and every
         row's end fits the cache (three host reads)."""
         B = cache.batch_size
-        lens = torch.full((B,), T, dtype=torch.long, device=past.device) if lengths is None else lengths
+        lens = (
+            torch.full((B,), T, dtype=torch.long, device=past.device)
+            if lengths is None
+            else lengths
+        )
         check_lengths(lens, B, T)
         if past.shape != (B,) or bool((past < 0).any()):
-            raise ValueError(f"past_lengths: expected [B={B}] non-negative values, got {past.tolist()}")
+            raise ValueError(
+                f"past_lengths: expected [B={B}] non-negative values, got {past.tolist()}"
+            )
         end = past + lens
         if B and int(end.max()) > cache.capacity:
-            raise ValueError(f"cache overflow: past_lengths + lengths = {end.tolist()} exceeds capacity {cache.capacity}")
+            raise ValueError(
+                f"cache overflow: past_lengths + lengths = {end.tolist()} exceeds capacity {cache.capacity}"
+            )
 
     def extra_repr(self) -> str:
         return (

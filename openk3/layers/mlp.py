@@ -29,7 +29,9 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float | None) -> torch.Tensor:
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float | None
+) -> torch.Tensor:
     """SiTU-GLU: ``[β₁ tanh(g/β₁) σ(g)] ⊙ [β₂ tanh(u/β₂)]`` (architecture.md §8).
 
     Each factor is a soft cap (``β tanh(x/β)``) so ``|out| < β₁β₂`` elementwise, while matching
@@ -90,8 +92,10 @@ def glu_activation(config: K3Config) -> GluActivation:
             if not (isinstance(b, (int, float)) and b > 0):
                 raise ValueError(f"K3Config.{name}={b!r}: SiTU betas must be positive numbers")
         return functools.partial(situ_glu, beta1=float(b1), beta2=None if b2 is None else float(b2))
-    raise ValueError(f"K3Config.hidden_act={config.hidden_act!r}: must be 'situ' (SiTU-GLU), 'silu' (SwiGLU), "
-                     "'gelu' or 'gelu_pytorch_tanh'")
+    raise ValueError(
+        f"K3Config.hidden_act={config.hidden_act!r}: must be 'situ' (SiTU-GLU), 'silu' (SwiGLU), "
+        "'gelu' or 'gelu_pytorch_tanh'"
+    )
 
 
 class MLP(nn.Module):
@@ -113,14 +117,19 @@ class MLP(nn.Module):
 
     def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        for name, v, least in (("hidden_size", hidden_size, 1), ("intermediate_size", intermediate_size, 0)):
+        for name, v, least in (
+            ("hidden_size", hidden_size, 1),
+            ("intermediate_size", intermediate_size, 0),
+        ):
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise ValueError(f"MLP {name}={v!r}: must be an integer >= {least}")
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.initializer_range = config.initializer_range
         self.act = glu_activation(config)
-        with warnings.catch_warnings():  # torch warns that a zero-size init is a no-op; it is meant here
+        with (
+            warnings.catch_warnings()
+        ):  # torch warns that a zero-size init is a no-op; it is meant here
             warnings.filterwarnings("ignore", "Initializing zero-element tensors")
             self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
             self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)

@@ -45,7 +45,9 @@ class RouterOutput:
     scores: torch.Tensor
 
 
-def select_topk(biased: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+def select_topk(
+    biased: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1
+) -> torch.Tensor:
     """DeepSeek-V3 ``noaux_tc`` expert choice on biased scores.
 
     With ``n_group > 1`` the E experts form G contiguous groups; a group's score is the sum of its
@@ -75,7 +77,9 @@ def select_topk(biased: torch.Tensor, k: int, n_group: int = 1, topk_group: int 
         grouped = biased.view(n, n_group, per_group)
         group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [N, G]
         keep = group_score.topk(topk_group, dim=-1).indices
-        eligible = torch.zeros(n, n_group, dtype=torch.bool, device=biased.device).scatter(1, keep, True)
+        eligible = torch.zeros(n, n_group, dtype=torch.bool, device=biased.device).scatter(
+            1, keep, True
+        )
         biased = grouped.masked_fill(~eligible.unsqueeze(-1), float("-inf")).view(n, e)
     return biased.topk(k, dim=-1, sorted=True).indices
 
@@ -115,10 +119,16 @@ class Router(nn.Module):
         self.routed_scaling_factor = float(config.routed_scaling_factor)
         self.activation = config.moe_router_activation_func
         self.initializer_range = config.initializer_range
-        select_topk(torch.zeros(1, self.num_experts), self.top_k, self.n_group, self.topk_group)  # validates
-        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
+        select_topk(
+            torch.zeros(1, self.num_experts), self.top_k, self.n_group, self.topk_group
+        )  # validates
+        self.weight = nn.Parameter(
+            torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32)
+        )
         self.register_buffer(
-            "e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True
+            "e_score_correction_bias",
+            torch.zeros(self.num_experts, dtype=torch.float32),
+            persistent=True,
         )
         self.init_weights()
 
@@ -142,7 +152,9 @@ class Router(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.weight.shape[1]:
             raise ValueError(f"x: expected [N, D={self.weight.shape[1]}], got {tuple(x.shape)}")
         logits = F.linear(fp32(x), fp32(self.weight))
-        scores = torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=-1)
+        scores = (
+            torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=-1)
+        )
         if force_topk_idx is None:
             with torch.no_grad():
                 biased = scores + fp32(self.e_score_correction_bias)
@@ -156,7 +168,9 @@ class Router(nn.Module):
 
     def _check_forced(self, idx: torch.Tensor, n: int) -> torch.Tensor:
         if tuple(idx.shape) != (n, self.top_k):
-            raise ValueError(f"force_topk_idx: expected shape [{n}, {self.top_k}], got {tuple(idx.shape)}")
+            raise ValueError(
+                f"force_topk_idx: expected shape [{n}, {self.top_k}], got {tuple(idx.shape)}"
+            )
         idx = idx.to(device=self.weight.device, dtype=torch.int64)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_experts):
             raise ValueError(f"force_topk_idx: ids must lie in [0, {self.num_experts})")
@@ -199,20 +213,37 @@ class Experts(nn.Module):
         """``w1``, ``w2``, ``w3`` ~ N(0, ``initializer_range``) (:mod:`openk3.weight_init`), drawn
         in that order: the expert-parallel module draws its full-size tensors the same way."""
         for name in ("w1", "w2", "w3"):
-            init_tensor(name, getattr(self, name), self.initializer_range, is_k3=True, generator=generator)
+            init_tensor(
+                name, getattr(self, name), self.initializer_range, is_k3=True, generator=generator
+            )
 
     def forward(
-        self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, backend: str | None = None
+        self,
+        z: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weight: torch.Tensor,
+        backend: str | None = None,
     ) -> torch.Tensor:
         """z: [N, L]; topk_idx, topk_weight: [N, k] -> [N, L] fp32 weighted sum of expert outputs.
 
         See :func:`openk3.ops.grouped_mm.routed_experts` (errors, backends)."""
         q = self.qat
         if q is None:
-            return routed_experts(z, topk_idx, topk_weight, self.w1, self.w3, self.w2, self.act, backend=backend)
+            return routed_experts(
+                z, topk_idx, topk_weight, self.w1, self.w3, self.w2, self.act, backend=backend
+            )
         w1, w3, w2 = (q.fake_quant_weight(w) for w in (self.w1, self.w3, self.w2))
-        return routed_experts(z, topk_idx, topk_weight, w1, w3, w2, self.act, backend=backend,
-                              input_quant=q.input_quant)
+        return routed_experts(
+            z,
+            topk_idx,
+            topk_weight,
+            w1,
+            w3,
+            w2,
+            self.act,
+            backend=backend,
+            input_quant=q.input_quant,
+        )
 
     def extra_repr(self) -> str:
         e, f, l = self.w1.shape
@@ -262,8 +293,13 @@ class LatentMoE(nn.Module):
         Rules: :mod:`openk3.weight_init`."""
         for name in ("routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj"):
             if hasattr(self, name):
-                init_tensor(f"{name}.weight", getattr(self, name).weight, self.initializer_range, is_k3=True,
-                            generator=generator)
+                init_tensor(
+                    f"{name}.weight",
+                    getattr(self, name).weight,
+                    self.initializer_range,
+                    is_k3=True,
+                    generator=generator,
+                )
         if recurse:
             self.gate.init_weights(generator)
             self.experts.init_weights(generator)

@@ -55,7 +55,11 @@ def _check_backend(name: str) -> None:
 
 # ------------------------------------------------------------------------------- masks
 def _check_full_args(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
 ) -> None:
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
@@ -64,7 +68,9 @@ def _check_full_args(
         )
     B, _, T, _ = q.shape
     if lengths is not None and cu_seqlens is not None:
-        raise ValueError("lengths and cu_seqlens: pass at most one (padded rows or packed documents)")
+        raise ValueError(
+            "lengths and cu_seqlens: pass at most one (padded rows or packed documents)"
+        )
     if lengths is not None:
         check_lengths(lengths, B, T)
     if cu_seqlens is not None:
@@ -72,10 +78,15 @@ def _check_full_args(
             raise ValueError(f"cu_seqlens: packed documents need a single row (B=1), got B={B}")
         cu = cu_seqlens
         if (
-            cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T
+            cu.dim() != 1
+            or cu.numel() < 2
+            or int(cu[0]) != 0
+            or int(cu[-1]) != T
             or bool((cu[1:] < cu[:-1]).any())
         ):
-            raise ValueError(f"cu_seqlens: expected non-decreasing [N+1] from 0 to T={T}, got {cu.tolist()}")
+            raise ValueError(
+                f"cu_seqlens: expected non-decreasing [N+1] from 0 to T={T}, got {cu.tolist()}"
+            )
 
 
 def _segment_ids(cu_seqlens: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
@@ -84,7 +95,9 @@ def _segment_ids(cu_seqlens: torch.Tensor, T: int, device: torch.device) -> torc
     return torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.long)[1:], pos, right=True)
 
 
-def _full_mask(T: int, cu_seqlens: torch.Tensor | None, device: torch.device, rows: slice = slice(None)) -> torch.Tensor:
+def _full_mask(
+    T: int, cu_seqlens: torch.Tensor | None, device: torch.device, rows: slice = slice(None)
+) -> torch.Tensor:
     """[t, T] bool, True where query i may see key j: j <= i, and the same document if packed.
 
     Right padding needs no key mask: a valid query i < lengths[b] only sees keys j <= i, which
@@ -99,7 +112,9 @@ def _full_mask(T: int, cu_seqlens: torch.Tensor | None, device: torch.device, ro
     return mask
 
 
-def _query_valid(lengths: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:
+def _query_valid(
+    lengths: torch.Tensor | None, B: int, T: int, device: torch.device
+) -> torch.Tensor | None:
     """[B, T] bool, True for real (not padded) query positions; None when nothing is padded."""
     if lengths is None:
         return None
@@ -109,9 +124,13 @@ def _query_valid(lengths: torch.Tensor | None, B: int, T: int, device: torch.dev
 def _update_max(max_logits_out: torch.Tensor, per_head: torch.Tensor) -> None:
     """In-place running max into the caller's [H] buffer; gradients never flow into it."""
     if max_logits_out.shape != per_head.shape:
-        raise ValueError(f"max_logits_out: expected shape {tuple(per_head.shape)} (H), got {tuple(max_logits_out.shape)}")
+        raise ValueError(
+            f"max_logits_out: expected shape {tuple(per_head.shape)} (H), got {tuple(max_logits_out.shape)}"
+        )
     with torch.no_grad():
-        torch.maximum(max_logits_out, per_head.detach().to(max_logits_out.dtype), out=max_logits_out)
+        torch.maximum(
+            max_logits_out, per_head.detach().to(max_logits_out.dtype), out=max_logits_out
+        )
 
 
 # --------------------------------------------------------------------- full causal form
@@ -155,7 +174,11 @@ def causal_attention_reference(
 
 
 def _max_logits_chunked(
-    q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None, qvalid: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None,
+    qvalid: torch.Tensor | None,
 ) -> torch.Tensor:
     """[H] max scaled logit over valid pairs, computed in query blocks so memory stays O(T·chunk)."""
     B, H, T, _ = q.shape
@@ -203,7 +226,13 @@ def causal_attention(
     _check_backend(backend)
     if backend == "reference":
         return causal_attention_reference(
-            q, k, v, scale=scale, lengths=lengths, cu_seqlens=cu_seqlens, max_logits_out=max_logits_out
+            q,
+            k,
+            v,
+            scale=scale,
+            lengths=lengths,
+            cu_seqlens=cu_seqlens,
+            max_logits_out=max_logits_out,
         )
     _check_full_args(q, k, v, lengths, cu_seqlens)
     B, H, T, K = q.shape
@@ -251,11 +280,24 @@ def latent_attention(
     """
     backend = backend or get_attention_backend()
     _check_backend(backend)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_latent, q_rope, latent, k_rope))
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q_latent, q_rope, latent, k_rope)
+    )
     if backend != "reference" and max_logits_out is None and q_latent.shape[1] > 1 and not grad:
-        return latent_attention_blocked(q_latent, q_rope, latent, k_rope, past_lengths, scale=scale, lengths=lengths)
-    return latent_attention_reference(q_latent, q_rope, latent, k_rope, past_lengths, scale=scale, lengths=lengths,
-                                      max_logits_out=max_logits_out, validate=validate)
+        return latent_attention_blocked(
+            q_latent, q_rope, latent, k_rope, past_lengths, scale=scale, lengths=lengths
+        )
+    return latent_attention_reference(
+        q_latent,
+        q_rope,
+        latent,
+        k_rope,
+        past_lengths,
+        scale=scale,
+        lengths=lengths,
+        max_logits_out=max_logits_out,
+        validate=validate,
+    )
 
 
 def latent_attention_reference(
@@ -303,22 +345,33 @@ def latent_attention_reference(
     dev = q_latent.device
     t = torch.arange(T, device=dev)
     limit = past_lengths.to(dev)[:, None] + t[None, :] + 1  # [B, T] visible prefix length
-    qvalid = None if lengths is None else t[None, :] < lengths.to(dev)[:, None]  # [B, T]; None: all valid
+    qvalid = (
+        None if lengths is None else t[None, :] < lengths.to(dev)[:, None]
+    )  # [B, T]; None: all valid
     if validate:
         over = limit > S if qvalid is None else limit.masked_fill(~qvalid, 0) > S
         if bool(over.any()):
-            lens = torch.full((B,), T, device=dev, dtype=torch.long) if lengths is None else lengths.to(dev)
-            raise ValueError(f"past_lengths + lengths exceed the cache length S={S}: {(past_lengths + lens).tolist()}")
+            lens = (
+                torch.full((B,), T, device=dev, dtype=torch.long)
+                if lengths is None
+                else lengths.to(dev)
+            )
+            raise ValueError(
+                f"past_lengths + lengths exceed the cache length S={S}: {(past_lengths + lens).tolist()}"
+            )
     visible = torch.arange(S, device=dev)[None, None, :] < limit[:, :, None]  # [B, T, S]
     if qvalid is not None:  # padded queries see nothing
         visible = visible & qvalid[:, :, None]
     visible = visible[:, None]  # [B, 1, T, S]
 
     latent = cast(latent, q_latent.dtype)
-    logits = fp32(
-        torch.einsum("bthc,bsc->bhts", q_latent, latent)
-        + torch.einsum("bthr,bsr->bhts", q_rope, cast(k_rope, q_rope.dtype))
-    ) * scale
+    logits = (
+        fp32(
+            torch.einsum("bthc,bsc->bhts", q_latent, latent)
+            + torch.einsum("bthr,bsr->bhts", q_rope, cast(k_rope, q_rope.dtype))
+        )
+        * scale
+    )
     logits = logits.masked_fill(~visible, float("-inf"))
     if max_logits_out is not None:
         _update_max(max_logits_out, logits.amax(dim=(0, 2, 3)))

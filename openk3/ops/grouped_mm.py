@@ -50,7 +50,9 @@ def _check_inputs(x, topk_idx, topk_weight, w1, w3, w2) -> None:
     if x.dim() != 2:
         raise ValueError(f"x: expected [N, L], got shape {tuple(x.shape)}")
     if w1.dim() != 3 or w3.shape != w1.shape:
-        raise ValueError(f"w1/w3: expected equal [E, F, L], got {tuple(w1.shape)} and {tuple(w3.shape)}")
+        raise ValueError(
+            f"w1/w3: expected equal [E, F, L], got {tuple(w1.shape)} and {tuple(w3.shape)}"
+        )
     e, f, l = w1.shape
     if w2.shape != (e, l, f):
         raise ValueError(f"w2: expected [E={e}, L={l}, F={f}], got {tuple(w2.shape)}")
@@ -59,7 +61,9 @@ def _check_inputs(x, topk_idx, topk_weight, w1, w3, w2) -> None:
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"topk_idx: expected [N={x.shape[0]}, k], got {tuple(topk_idx.shape)}")
     if topk_weight.shape != topk_idx.shape:
-        raise ValueError(f"topk_weight: shape {tuple(topk_weight.shape)} != topk_idx {tuple(topk_idx.shape)}")
+        raise ValueError(
+            f"topk_weight: shape {tuple(topk_weight.shape)} != topk_idx {tuple(topk_idx.shape)}"
+        )
     if topk_idx.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"topk_idx: dtype {topk_idx.dtype} is not an integer index type")
 
@@ -131,7 +135,9 @@ def _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act, input_quant=None
     """Same contract as :func:`_ffn_grouped_mm`, via a zero-padded [E, M, L] batch."""
     e, _, l = w1.shape
     starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(xs.shape[0], device=xs.device) - starts[expert_sorted]  # row within its expert
+    slot = (
+        torch.arange(xs.shape[0], device=xs.device) - starts[expert_sorted]
+    )  # row within its expert
     m = int(counts.max().item()) if xs.shape[0] else 0
     buf = xs.new_zeros(e, m, l).index_put((expert_sorted, slot), xs)
     h = act(torch.bmm(buf, w1.transpose(1, 2)), torch.bmm(buf, w3.transpose(1, 2)))  # [E, M, F]
@@ -140,7 +146,11 @@ def _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act, input_quant=None
 
 
 def dispatch_combine(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int, ffn: ExpertFFN
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    num_experts: int,
+    ffn: ExpertFFN,
 ) -> torch.Tensor:
     """Sort the N·k assignments by expert, run ``ffn`` on the sorted rows, restore (token, slot)
     order and take the fp32 weighted sum over slots. Shared by every dense and packed backend.
@@ -202,11 +212,14 @@ def routed_experts(
         return routed_experts_static(x, topk_idx, topk_weight, w1, w3, w2, act, input_quant)
     xq = _quant(x, input_quant)  # row-wise, so once per token rather than once per slot
     if name == "grouped_mm":
+
         def ffn(xs, expert_sorted, counts):
             return _ffn_grouped_mm(xs, counts, w1, w3, w2, act, input_quant)
     else:
+
         def ffn(xs, expert_sorted, counts):
             return _ffn_padded_bmm(xs, expert_sorted, counts, w1, w3, w2, act, input_quant)
+
     return dispatch_combine(xq, topk_idx, topk_weight, w1.shape[0], ffn)
 
 
@@ -236,7 +249,9 @@ def routed_experts_static(
     xq = _quant(x, input_quant)
     if n * k >= e:
         # repeated ids in a row add their weights, as the per-slot sum does
-        comb = torch.zeros(n, e, dtype=acc, device=x.device).scatter_add_(1, topk_idx.long(), cast(topk_weight, acc))
+        comb = torch.zeros(n, e, dtype=acc, device=x.device).scatter_add_(
+            1, topk_idx.long(), cast(topk_weight, acc)
+        )
         gate = (xq @ w1.reshape(e * f, l).T).view(n, e, f)
         up = (xq @ w3.reshape(e * f, l).T).view(n, e, f)
         h = _quant(act(gate, up), input_quant)  # [N, E, F]
@@ -271,5 +286,7 @@ def routed_experts_reference(
             continue
         xe = _quant(x[tok], input_quant)
         ye = _quant(act(xe @ w1[e].T, xe @ w3[e].T), input_quant) @ w2[e].T
-        out = out.index_add(0, tok, ye.to(out.dtype) * topk_weight[tok, slot].to(out.dtype).unsqueeze(-1))
+        out = out.index_add(
+            0, tok, ye.to(out.dtype) * topk_weight[tok, slot].to(out.dtype).unsqueeze(-1)
+        )
     return out

@@ -95,5 +95,16 @@ def kda(
     name = backend or _select_backend(q)
     backends.check_backend("kda", name)
     fn = _BACKENDS[name][mode]
-    return fn(q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens,
-              chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+    return fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        lengths,
+        cu_seqlens,
+        chunk_size=chunk_size,
+        output_chunk_states=output_chunk_states,
+    )

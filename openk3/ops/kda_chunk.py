@@ -43,7 +43,9 @@ MATMUL_GATE_BOUND = 5.0
 LOG2E = 1.4426950408889634  # e^x = 2^(x log2 e)
 
 
-def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool, tile: int = TILE) -> torch.Tensor:
+def decayed_scores(
+    a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool, tile: int = TILE
+) -> torch.Tensor:
     """``out[i, j] = sum_c a_i[c] exp(G_i[c] - G_j[c]) b_j[c]`` for j < i (j <= i unless strict), else 0.
 
     The exact pairwise form, for gates outside the bound (where no matmul factorisation is safe).
@@ -80,10 +82,16 @@ def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bo
     ref = Gt[..., :-1, -1:, :]  # [..., n-1, 1, K]: last position of tiles 0..n-2
     a_hat = at[..., 1:, :, :] * (Gt[..., 1:, :, :] - ref).exp()  # [..., n-1, L, K]
     col = torch.arange(C, device=G.device)
-    before = col[None, :] < (torch.arange(1, n, device=G.device) * tile)[:, None]  # [n-1, C]: j <= r_p
-    expo = torch.where(before[:, :, None], ref - G[..., None, :, :], torch.zeros((), device=G.device))
+    before = (
+        col[None, :] < (torch.arange(1, n, device=G.device) * tile)[:, None]
+    )  # [n-1, C]: j <= r_p
+    expo = torch.where(
+        before[:, :, None], ref - G[..., None, :, :], torch.zeros((), device=G.device)
+    )
     b_hat = b[..., None, :, :] * expo.exp()  # [..., n-1, C, K]
-    cross = torch.where(before[:, None, :], a_hat @ b_hat.transpose(-1, -2), torch.zeros((), device=G.device))
+    cross = torch.where(
+        before[:, None, :], a_hat @ b_hat.transpose(-1, -2), torch.zeros((), device=G.device)
+    )
     out = out + F.pad(cross, (0, 0, 0, 0, 1, 0))  # tile 0 has no earlier columns
     return out.reshape(*lead, C, C)
 
@@ -104,18 +112,26 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     """
     C = A.shape[-1]
     if A.dim() < 2 or A.shape[-2] != C or C < 1 or C & (C - 1):
-        raise ValueError(f"A: expected [..., C, C] with C a power of two, got shape {tuple(A.shape)}")
+        raise ValueError(
+            f"A: expected [..., C, C] with C a power of two, got shape {tuple(A.shape)}"
+        )
     lead = A.shape[:-2]
     inv = A.new_ones(*lead, C, 1, 1)  # C diagonal blocks of size 1
     s = 1
     while s < C:
         nb = C // (2 * s)
         # A21 of every pair: rows of block 2p+1, columns of block 2p -> [..., nb, s, s]
-        a21 = A.view(*lead, nb, 2, s, nb, 2, s)[..., :, 1, :, :, 0, :].diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+        a21 = (
+            A.view(*lead, nb, 2, s, nb, 2, s)[..., :, 1, :, :, 0, :]
+            .diagonal(dim1=-4, dim2=-2)
+            .movedim(-1, -3)
+        )
         pairs = inv.view(*lead, nb, 2, s, s)
         i11, i22 = pairs[..., 0, :, :], pairs[..., 1, :, :]
         x21 = -(i22 @ a21 @ i11)
-        inv = torch.cat([torch.cat([i11, torch.zeros_like(i11)], -1), torch.cat([x21, i22], -1)], -2)
+        inv = torch.cat(
+            [torch.cat([i11, torch.zeros_like(i11)], -1), torch.cat([x21, i22], -1)], -2
+        )
         s *= 2
     return inv.view(*lead, C, C)
 
@@ -156,8 +172,9 @@ def _intra_general(q, k, v, g, beta):
     eG = G.exp()
     eye = torch.eye(q.shape[-2], dtype=torch.float32, device=q.device)
     A_kk = beta * decayed_scores(k, k, G, strict=True)
-    WU = torch.linalg.solve_triangular(eye + A_kk, beta * torch.cat([k * eG, v], dim=-1), upper=False,
-                                       unitriangular=True)
+    WU = torch.linalg.solve_triangular(
+        eye + A_kk, beta * torch.cat([k * eG, v], dim=-1), upper=False, unitriangular=True
+    )
     W, U = WU.split([K, v.shape[-1]], dim=-1)
     A_qk = decayed_scores(q, k, G, strict=False)
     G_end = G[..., -1:, :]
@@ -165,9 +182,13 @@ def _intra_general(q, k, v, g, beta):
     return W, U, A_qk, q * eG, Kt, G_end.exp().transpose(-1, -2)
 
 
-def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False):
+def _chunk_rows(
+    q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False
+):
     dtype = v.dtype
-    q, k, v, g, beta, S, valid = prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
+    q, k, v, g, beta, S, valid = prepare_inputs(
+        q, k, v, g, beta, scale, initial_state, lengths, chunk_size
+    )
     B, T, H, K = q.shape
     V = v.shape[-1]
     NC = -(-T // chunk_size)
@@ -182,12 +203,17 @@ def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, 
     C = SUB if bounded and chunk_size % SUB == 0 else chunk_size
     N = NC * chunk_size // C
     # [B, H, N, C, *]; padded tail positions are identity steps (g = 0, beta = 0, k = 0).
-    q, k, v, g = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)).reshape(B, H, N, C, -1) for t in (q * scale, k, v, g))
+    q, k, v, g = (
+        F.pad(t.transpose(1, 2), (0, 0, 0, pad)).reshape(B, H, N, C, -1)
+        for t in (q * scale, k, v, g)
+    )
     beta = F.pad(beta.transpose(1, 2), (0, pad)).reshape(B, H, N, C, 1)
     if C == SUB:
         parts = _intra_bounded(q, k, v, g, beta)
     else:  # one chunk at a time: the pairwise [.., L, L, K] tensors of the exact form must stay cache-sized
-        pieces = [_intra_general(*xs) for xs in zip(*(t.split(1, dim=2) for t in (q, k, v, g, beta)))]
+        pieces = [
+            _intra_general(*xs) for xs in zip(*(t.split(1, dim=2) for t in (q, k, v, g, beta)))
+        ]
         parts = [torch.cat(p, dim=2) for p in zip(*pieces)]
     every = chunk_size // C if output_chunk_states else None
     o, states = kda_state_pass(*parts, S, every=every)
@@ -199,9 +225,17 @@ def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, 
 
 
 def kda_chunk_batched(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    initial_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, output_chunk_states: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    output_chunk_states: bool = False,
 ):
     """Chunkwise-parallel KDA, state-independent work batched over chunks.
 
@@ -209,5 +243,13 @@ def kda_chunk_batched(
     fp32 rounding; tests/ops/test_kda_ops.py checks values and gradients against it).
     Source: architecture.md §3.4.
     """
-    return run_packed(_chunk_rows, (q, k, v, g, beta), lengths, cu_seqlens, scale, initial_state,
-                      chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+    return run_packed(
+        _chunk_rows,
+        (q, k, v, g, beta),
+        lengths,
+        cu_seqlens,
+        scale,
+        initial_state,
+        chunk_size=chunk_size,
+        output_chunk_states=output_chunk_states,
+    )

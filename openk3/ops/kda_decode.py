@@ -70,4 +70,3 @@ def kda_decode_step(
     S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
     o = torch.einsum("bhk,bhkv->bhv", q * scale, S)  # read
     return o, cast(window[..., 1:], conv_tail.dtype), S
-

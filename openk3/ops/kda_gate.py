@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from openk3.ops.cast import fp32
 
 
-def _biased_logits(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _biased_logits(
+    z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate and return (z + dt_bias [..., H, K] fp32, exp(A_log) [H, 1] fp32)."""
     if z.dim() < 2:
         raise ValueError(f"z: expected [..., H, K], got shape {tuple(z.shape)}")
@@ -24,11 +26,15 @@ def _biased_logits(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) 
     if A_log.shape != (H,):
         raise ValueError(f"A_log: expected one value per head [H={H}], got {tuple(A_log.shape)}")
     if dt_bias.numel() != H * K:
-        raise ValueError(f"dt_bias: expected H*K={H * K} values ([H*K] or [H, K]), got {tuple(dt_bias.shape)}")
+        raise ValueError(
+            f"dt_bias: expected H*K={H * K} values ([H*K] or [H, K]), got {tuple(dt_bias.shape)}"
+        )
     return fp32(z) + fp32(dt_bias).reshape(H, K), fp32(A_log).exp()[:, None]
 
 
-def kda_gate_lower_bound(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+def kda_gate_lower_bound(
+    z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float
+) -> torch.Tensor:
     """K3 decay gate ``lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias))``.
 
     Args:

@@ -35,7 +35,9 @@ def prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size):
         raise ValueError(f"v: expected [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
     V = v.shape[3]
     if g.shape != q.shape:
-        raise ValueError(f"g: expected per-channel log-decay {tuple(q.shape)}, got {tuple(g.shape)}")
+        raise ValueError(
+            f"g: expected per-channel log-decay {tuple(q.shape)}, got {tuple(g.shape)}"
+        )
     if beta.shape != (B, T, H):
         raise ValueError(f"beta: expected [B={B}, T={T}, H={H}], got {tuple(beta.shape)}")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
@@ -45,7 +47,9 @@ def prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size):
     if initial_state is None:
         S0 = q.new_zeros(B, H, K, V, dtype=torch.float32)
     elif initial_state.shape != (B, H, K, V):
-        raise ValueError(f"initial_state: expected [B={B}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state: expected [B={B}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}"
+        )
     else:
         S0 = fp32(initial_state)
     q, k, v, g, beta = (fp32(t) for t in (q, k, v, g, beta))

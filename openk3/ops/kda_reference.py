@@ -40,7 +40,9 @@ _TILE = 16
 
 
 # ----------------------------------------------------------------------------- gates and norms (oracle forms)
-def _per_head(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_head(
+    z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate and return (z + dt_bias [..., H, K] fp32, exp(A_log) [H, 1] fp32)."""
     if z.dim() < 2:
         raise ValueError(f"z: expected [..., H, K], got shape {tuple(z.shape)}")
@@ -48,11 +50,15 @@ def _per_head(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tu
     if A_log.shape != (H,):
         raise ValueError(f"A_log: expected one value per head [H={H}], got {tuple(A_log.shape)}")
     if dt_bias.numel() != H * K:
-        raise ValueError(f"dt_bias: expected H*K={H * K} values ([H*K] or [H, K]), got {tuple(dt_bias.shape)}")
+        raise ValueError(
+            f"dt_bias: expected H*K={H * K} values ([H*K] or [H, K]), got {tuple(dt_bias.shape)}"
+        )
     return z.float() + dt_bias.float().reshape(H, K), A_log.float().exp()[:, None]
 
 
-def kda_gate_lower_bound(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+def kda_gate_lower_bound(
+    z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float
+) -> torch.Tensor:
     """K3 decay gate: ``g = lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias))``.
 
     Args:
@@ -97,14 +103,20 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- token recurrence
-def _recurrent_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False):
+def _recurrent_rows(
+    q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False
+):
     dtype = v.dtype
-    q, k, v, g, beta, S, valid = prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
+    q, k, v, g, beta, S, valid = prepare_inputs(
+        q, k, v, g, beta, scale, initial_state, lengths, chunk_size
+    )
     T = q.shape[1]
     outs, snaps = [], []
     for t in range(T):
         S = S * g[:, t].exp()[..., None]  # decay: [B, H, K, V]
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))  # delta-correct
+        u = beta[:, t, :, None] * (
+            v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        )  # delta-correct
         S = S + k[:, t, :, :, None] * u[:, :, None, :]
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S))  # read
         if output_chunk_states and ((t + 1) % chunk_size == 0 or t == T - 1):
@@ -117,9 +129,18 @@ def _recurrent_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=
 
 
 def kda_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    initial_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None, *, chunk_size: int = 64, output_chunk_states: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    output_chunk_states: bool = False,
 ):
     """Token-by-token KDA: per step ``S = S*exp(g)[:, None]; u = beta*(v - S^T k); S += k u^T;
     o = S^T (q*scale)``.
@@ -138,12 +159,22 @@ def kda_recurrent(
         ValueError: inconsistent shapes, bad lengths/cu_seqlens/scale.
     Source: architecture.md §3.2 (decay, delta-correct, read).
     """
-    return run_packed(_recurrent_rows, (q, k, v, g, beta), lengths, cu_seqlens, scale, initial_state,
-                      chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+    return run_packed(
+        _recurrent_rows,
+        (q, k, v, g, beta),
+        lengths,
+        cu_seqlens,
+        scale,
+        initial_state,
+        chunk_size=chunk_size,
+        output_chunk_states=output_chunk_states,
+    )
 
 
 # ----------------------------------------------------------------------------- chunkwise form
-def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool) -> torch.Tensor:
+def _decayed_scores(
+    a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool
+) -> torch.Tensor:
     """``out[i, j] = sum_c a_i[c] exp(G_i[c] - G_j[c]) b_j[c]`` for j < i (j <= i unless strict), else 0.
 
     a, b, G: [..., C, K] (G the in-chunk cumulative log-decay, non-increasing along C). Returns [..., C, C].
@@ -168,9 +199,13 @@ def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: b
     return out
 
 
-def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False):
+def _chunk_rows(
+    q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False
+):
     dtype = v.dtype
-    q, k, v, g, beta, S, valid = prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size)
+    q, k, v, g, beta, S, valid = prepare_inputs(
+        q, k, v, g, beta, scale, initial_state, lengths, chunk_size
+    )
     B, T, H, K = q.shape
     C = chunk_size
     NC = -(-T // C)
@@ -207,9 +242,17 @@ def _chunk_rows(q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, 
 
 
 def kda_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    initial_state: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64, output_chunk_states: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    output_chunk_states: bool = False,
 ):
     """Chunkwise-parallel KDA (same function as :func:`kda_recurrent`, up to fp32 rounding).
 
@@ -230,12 +273,22 @@ def kda_chunk(
         ValueError: inconsistent shapes, bad lengths/cu_seqlens/scale/chunk_size.
     Source: architecture.md §3.4; fla ``naive_chunk_kda``.
     """
-    return run_packed(_chunk_rows, (q, k, v, g, beta), lengths, cu_seqlens, scale, initial_state,
-                      chunk_size=chunk_size, output_chunk_states=output_chunk_states)
+    return run_packed(
+        _chunk_rows,
+        (q, k, v, g, beta),
+        lengths,
+        cu_seqlens,
+        scale,
+        initial_state,
+        chunk_size=chunk_size,
+        output_chunk_states=output_chunk_states,
+    )
 
 
 # ----------------------------------------------------------------------------- one decode token
-def kda_decode_step(qkv, conv_tail, conv_weight, z, beta_logit, A_log, dt_bias, state, scale, gate_lower_bound):
+def kda_decode_step(
+    qkv, conv_tail, conv_weight, z, beta_logit, A_log, dt_bias, state, scale, gate_lower_bound
+):
     """Oracle of the fused decode step :func:`openk3.ops.kda_decode.kda_decode_step` (same
     arguments and returns): each of q, k, v through the ``F.conv1d`` short-conv reference on a
     one-token sequence with SiLU, then :func:`l2_normalize`, the gate, and :func:`kda_recurrent`.
@@ -244,7 +297,9 @@ def kda_decode_step(qkv, conv_tail, conv_weight, z, beta_logit, A_log, dt_bias, 
     H, K = z.shape[1:]
     outs, tails = [], []
     for j in range(3):
-        y, tail = short_conv_reference(qkv[:, j, None], conv_weight[j], conv_tail[:, j], activation="silu")
+        y, tail = short_conv_reference(
+            qkv[:, j, None], conv_weight[j], conv_tail[:, j], activation="silu"
+        )
         outs.append(y.float().view(B, 1, H, K))
         tails.append(tail)
     q, k = l2_normalize(outs[0]), l2_normalize(outs[1])

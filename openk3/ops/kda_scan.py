@@ -34,11 +34,19 @@ def _check(W, U, A, Q, Kt, D, S0, every) -> int:
         raise ValueError(f"W: expected [B, H, N, C, K], got shape {tuple(W.shape)}")
     B, H, N, C, K = W.shape
     V = U.shape[-1]
-    expected = {"U": (U, (B, H, N, C, V)), "A": (A, (B, H, N, C, C)), "Q": (Q, (B, H, N, C, K)),
-                "Kt": (Kt, (B, H, N, K, C)), "D": (D, (B, H, N, K, 1)), "S0": (S0, (B, H, K, V))}
+    expected = {
+        "U": (U, (B, H, N, C, V)),
+        "A": (A, (B, H, N, C, C)),
+        "Q": (Q, (B, H, N, C, K)),
+        "Kt": (Kt, (B, H, N, K, C)),
+        "D": (D, (B, H, N, K, 1)),
+        "S0": (S0, (B, H, K, V)),
+    }
     for name, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape} (from W {tuple(W.shape)}), got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: expected shape {shape} (from W {tuple(W.shape)}), got {tuple(t.shape)}"
+            )
     if N == 0:
         raise ValueError("W: need at least one chunk (N >= 1)")
     every = N if every is None else every
@@ -71,9 +79,13 @@ def kda_state_pass_reference(W, U, A, Q, Kt, D, S0, every: int | None = None):
     return torch.stack(outs, 2), torch.stack(states, 2)
 
 
-def _bmm_add(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+def _bmm_add(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0
+) -> torch.Tensor:
     """``base + alpha * a @ b`` for [B, H, x, y] operands, as one baddbmm over B*H."""
-    return torch.baddbmm(base.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), alpha=alpha).view(base.shape)
+    return torch.baddbmm(base.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), alpha=alpha).view(
+        base.shape
+    )
 
 
 def _inference_pass(W, U, A, Q, Kt, D, S0, every):
@@ -99,7 +111,9 @@ def _inference_pass(W, U, A, Q, Kt, D, S0, every):
     return O, states
 
 
-RECOMPUTE = 4  # keep 1 in RECOMPUTE entering states for the backward (4 sub-chunks of 16 = one 64-chunk)
+RECOMPUTE = (
+    4  # keep 1 in RECOMPUTE entering states for the backward (4 sub-chunks of 16 = one 64-chunk)
+)
 
 
 def _rebuild_states(S_saved, Kt, D, v_all):
@@ -128,7 +142,9 @@ class _StatePass(torch.autograd.Function):
             S = _bmm_add(D[:, :, i] * S, Kt[:, :, i], v_new)
         S_in = torch.stack(starts, 2)  # [B, H, N, K, V]: the state entering each chunk
         v_all = torch.stack(vs, 2)  # [B, H, N, C, V]
-        O = torch.baddbmm((Q @ S_in).flatten(0, 2), A.flatten(0, 2), v_all.flatten(0, 2)).view_as(v_all)
+        O = torch.baddbmm((Q @ S_in).flatten(0, 2), A.flatten(0, 2), v_all.flatten(0, 2)).view_as(
+            v_all
+        )
         states = torch.cat([S_in[:, :, every::every], S.unsqueeze(2)], dim=2)
         ctx.every = every
         # Keep every RECOMPUTE-th entering state only; the backward rebuilds the others with one

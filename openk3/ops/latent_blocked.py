@@ -99,8 +99,14 @@ def _column_extrema(keys: torch.Tensor, fold: int = 16) -> tuple[torch.Tensor, t
     return hi, lo
 
 
-def _tile_fixed(qx: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_full: int, heads: int,
-                key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_fixed(
+    qx: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n_full: int,
+    heads: int,
+    key_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_tiles exp2(qx @ keysᵀ) @ values and its row sums over the visible keys (``qx`` [r, D'],
     ``keys`` [keys, D'] row-major with D' = C+R for the offset-free form, or C+R+1 with the base-2
     offsets in qx's last column against the keys' ones column): the tile loop is a product into one
@@ -124,8 +130,14 @@ def _tile_fixed(qx: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_fu
     return acc, dens.sum(0)
 
 
-def _tile_online(qx: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_full: int, heads: int,
-                 key_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_online(
+    qx: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n_full: int,
+    heads: int,
+    key_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same sums with a running offset (flash-attention style), for rows whose bound was too
     loose: the offset starts at a real visible logit (key 0) and moves to a tile's maximum when
     that exceeds it by more than BOUND_MARGIN. ``qx`` [r, C+R+1] holds the base-2 queries (its
@@ -199,8 +211,10 @@ def latent_attention_blocked(
     lens = [T] * B if lengths is None else [int(x) for x in lengths]
     past = [int(x) for x in past_lengths]
     if any(n > 0 and p + n > S for p, n in zip(past, lens)):
-        raise ValueError(f"past_lengths + lengths exceed the cache length S={S}: "
-                         f"{[p + n for p, n in zip(past, lens)]}")
+        raise ValueError(
+            f"past_lengths + lengths exceed the cache length S={S}: "
+            f"{[p + n for p, n in zip(past, lens)]}"
+        )
     out = q_latent.new_zeros(B, T, H, C)
     for b in range(B):
         p, n = past[b], lens[b]
@@ -208,10 +222,14 @@ def latent_attention_blocked(
             continue
         f32 = torch.float32
         D = C + R
-        keys = torch.cat([latent[b, : p + n], k_rope[b, : p + n]], dim=1).to(f32)  # [p+n, C+R] row-major
+        keys = torch.cat([latent[b, : p + n], k_rope[b, : p + n]], dim=1).to(
+            f32
+        )  # [p+n, C+R] row-major
         keys1 = None  # with a ones column (the fixed offset's), built only if a tile needs it
         values = latent[b, : p + n].to(f32).contiguous()
-        q = torch.cat([q_latent[b, :n], q_rope[b, :n]], dim=-1).reshape(n * H, D).to(f32) * (scale * LOG2E)
+        q = torch.cat([q_latent[b, :n], q_rope[b, :n]], dim=-1).reshape(n * H, D).to(f32) * (
+            scale * LOG2E
+        )
         # Per-row upper bound of every visible (base-2) logit: per channel the larger of q*max_j k and
         # q*min_j k (summed), and Cauchy-Schwarz; the tighter one.
         k_hi, k_lo = _column_extrema(keys)
@@ -219,13 +237,21 @@ def latent_attention_blocked(
         cauchy = q.norm(dim=1) * (keys * keys).sum(1).amax().sqrt()
         bound = torch.minimum(per_channel, cauchy)
         starts = list(range(0, n, query_tokens))
-        tops = torch.stack([bound[t0 * H : min(n, t0 + query_tokens) * H].max() for t0 in starts]).tolist()
+        tops = torch.stack(
+            [bound[t0 * H : min(n, t0 + query_tokens) * H].max() for t0 in starts]
+        ).tolist()
         for t0, top in zip(starts, tops):
             t1 = min(n, t0 + query_tokens)
             rows = slice(t0 * H, t1 * H)
             if top <= OFFSET_FREE_BOUND:
-                acc, den = _tile_fixed(q[rows], keys[: p + t1], values[: p + t1], p + t0, H, key_block)
-                ok = bool(((den >= MIN_DENOMINATOR) & torch.isfinite(den) & torch.isfinite(acc).all(1)).all())
+                acc, den = _tile_fixed(
+                    q[rows], keys[: p + t1], values[: p + t1], p + t0, H, key_block
+                )
+                ok = bool(
+                    (
+                        (den >= MIN_DENOMINATOR) & torch.isfinite(den) & torch.isfinite(acc).all(1)
+                    ).all()
+                )
             else:
                 ok = False
             if not ok:
@@ -234,10 +260,20 @@ def latent_attention_blocked(
                     # the base-2 queries with the fixed offset m = bound - BOUND_MARGIN in a last column
                     qx = torch.cat([q, (BOUND_MARGIN * LOG2E - bound)[:, None]], dim=1)
                 if top > OFFSET_FREE_BOUND:
-                    acc, den = _tile_fixed(qx[rows], keys1[: p + t1], values[: p + t1], p + t0, H, key_block)
-                    ok = bool(((den >= MIN_DENOMINATOR) & torch.isfinite(den) & torch.isfinite(acc).all(1)).all())
+                    acc, den = _tile_fixed(
+                        qx[rows], keys1[: p + t1], values[: p + t1], p + t0, H, key_block
+                    )
+                    ok = bool(
+                        (
+                            (den >= MIN_DENOMINATOR)
+                            & torch.isfinite(den)
+                            & torch.isfinite(acc).all(1)
+                        ).all()
+                    )
                 if not ok:
-                    acc, den = _tile_online(qx[rows], keys1[: p + t1], values[: p + t1], p + t0, H, key_block)
+                    acc, den = _tile_online(
+                        qx[rows], keys1[: p + t1], values[: p + t1], p + t0, H, key_block
+                    )
             o = acc / den[:, None]
             out[b, t0:t1] = o.view(t1 - t0, H, C).to(out.dtype)
     return out

@@ -31,7 +31,9 @@ def _check_weight(weight: torch.Tensor, channels: int) -> torch.Tensor:
     if weight.dim() == 3 and weight.shape[1] == 1:
         weight = weight[:, 0]
     if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
-        raise ValueError(f"weight: expected [C={channels}, 1, W] or [C, W], got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight: expected [C={channels}, 1, W] or [C, W], got {tuple(weight.shape)}"
+        )
     return fp32(weight)
 
 
@@ -152,7 +154,7 @@ def short_conv(
         tail_cl = xf.new_zeros(B, W - 1, C)
     if lengths is None:
         # Only the last W-1 stream positions are needed: never copy the whole stream.
-        last = torch.cat([tail_cl, xf[:, max(T - (W - 1), 0):]], dim=1)[:, -(W - 1):]
+        last = torch.cat([tail_cl, xf[:, max(T - (W - 1), 0) :]], dim=1)[:, -(W - 1) :]
     else:
         stream = torch.cat([tail_cl, xf], dim=1)  # [B, W-1+T, C]
         # stream index lengths[b] + i (i < W-1) is the i-th oldest of the last W-1 valid inputs.
@@ -184,7 +186,11 @@ def short_conv_reference(
 
     if W == 1:
         return y, x.new_zeros(B, C, 0)
-    ends = torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None else lengths.long()
+    ends = (
+        torch.full((B,), T, dtype=torch.long, device=x.device)
+        if lengths is None
+        else lengths.long()
+    )
     # stream index lengths[b] + i (i < W-1) is the i-th oldest of the last W-1 valid inputs.
     idx = ends[:, None] + torch.arange(W - 1, device=x.device)  # [B, W-1]
     new_tail = stream.gather(2, idx[:, None, :].expand(B, C, W - 1)).to(x.dtype)

@@ -23,7 +23,9 @@ def check_lengths(lengths: torch.Tensor, batch: int, total: int, name: str = "le
         ValueError: naming ``name``, the expected shape and range, and the values given.
     """
     if lengths.shape != (batch,) or bool(((lengths < 0) | (lengths > total)).any()):
-        raise ValueError(f"{name}: expected [B={batch}] values in [0, T={total}], got {lengths.tolist()}")
+        raise ValueError(
+            f"{name}: expected [B={batch}] values in [0, T={total}], got {lengths.tolist()}"
+        )
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
@@ -33,20 +35,26 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
         ValueError: naming ``cu_seqlens`` and its value.
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N+1] with N >= 1, got {cu_seqlens!r}")
+        raise ValueError(
+            f"cu_seqlens: expected a 1-D integer tensor [N+1] with N >= 1, got {cu_seqlens!r}"
+        )
     c = cu_seqlens.tolist()
     if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
         raise ValueError(f"cu_seqlens={c}: must start at 0, be non-decreasing and end at T={total}")
 
 
-def unpack_documents(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_documents(
+    x: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed [1, T, *] -> right-padded [N, L, *] (padding zeros) and lengths [N].
 
     Raises:
         ValueError: B != 1 or malformed ``cu_seqlens``.
     """
     if x.shape[0] != 1:
-        raise ValueError(f"cu_seqlens given: the batch dim must be 1 (packed documents), got {x.shape[0]}")
+        raise ValueError(
+            f"cu_seqlens given: the batch dim must be 1 (packed documents), got {x.shape[0]}"
+        )
     check_cu_seqlens(cu_seqlens, x.shape[1])
     cu = cu_seqlens.to(device=x.device, dtype=torch.long)
     lengths = cu[1:] - cu[:-1]
@@ -65,8 +73,14 @@ def pack_documents(y: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return y[valid].unsqueeze(0)
 
 
-def run_packed(rows: Callable, tensors: tuple[torch.Tensor, ...], lengths: torch.Tensor | None,
-               cu_seqlens: torch.Tensor | None, *args, **kwargs) -> tuple:
+def run_packed(
+    rows: Callable,
+    tensors: tuple[torch.Tensor, ...],
+    lengths: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    *args,
+    **kwargs,
+) -> tuple:
     """Call ``rows(*tensors, *args, lengths, **kwargs)`` on right-padded rows; with ``cu_seqlens``,
     unpack every tensor of ``tensors`` (each [1, T, *]) into documents first and pack the first
     result back. ``rows`` returns a tuple whose first entry is [rows, L, *] per position; the
@@ -78,7 +92,9 @@ def run_packed(rows: Callable, tensors: tuple[torch.Tensor, ...], lengths: torch
     if cu_seqlens is None:
         return rows(*tensors, *args, lengths, **kwargs)
     if lengths is not None:
-        raise ValueError("lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)")
+        raise ValueError(
+            "lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)"
+        )
     parts = [unpack_documents(t, cu_seqlens)[0] for t in tensors]
     doc_lengths = unpack_documents(tensors[-1], cu_seqlens)[1]
     out = rows(*parts, *args, doc_lengths, **kwargs)

@@ -59,7 +59,24 @@ E4M3_EMAX = 8
 
 # Value of each E2M1 code 0..15 (sign bit 3, then the magnitude index); ``_E2M1_MIDPOINTS[k]`` is the
 # halfway point between magnitudes k and k+1, used for round-to-nearest with ties to the even code.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _FP32_2_POW_M127_BITS = 0x00400000  # 2^-127 is an fp32 subnormal, not expressible as s << 23
 
@@ -97,10 +114,19 @@ def _from_blocks(xb: torch.Tensor, axis: int) -> torch.Tensor:
 def _check_float(x: torch.Tensor, fn: str) -> None:
     # float64 is refused rather than cast: the cast to fp32 would round twice (a value just above a
     # tie lands on the tie) and overflow beyond fp32's range.
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype in (
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.float64,
+    if (
+        not isinstance(x, torch.Tensor)
+        or not x.is_floating_point()
+        or x.dtype
+        in (
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+            torch.float64,
+        )
     ):
-        raise ValueError(f"{fn}: x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+        raise ValueError(
+            f"{fn}: x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}"
+        )
 
 
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
@@ -138,28 +164,36 @@ def _block_scales(amax: torch.Tensor, emax: int, elem_max: float, scale_mode: st
     return torch.where(finite, s, torch.full_like(s, E8M0_NAN))
 
 
-def _scaled_blocks(x: torch.Tensor, block: int, axis: int, emax: int, elem_max: float, scale_mode: str, fn: str):
+def _scaled_blocks(
+    x: torch.Tensor, block: int, axis: int, emax: int, elem_max: float, scale_mode: str, fn: str
+):
     """Shared front half of quantization: validated blocks, E8M0 bytes and x / X (0 in NaN blocks)."""
     _check_float(x, fn)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"{fn}: scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     axis = _check_block_axis(x, block, axis, fn, "x")
     xb = _to_blocks(x.float(), block, axis)  # [*, G, B]
-    scales = _block_scales(xb.abs().amax(-1), emax, elem_max, scale_mode)  # NaN propagates through amax
+    scales = _block_scales(
+        xb.abs().amax(-1), emax, elem_max, scale_mode
+    )  # NaN propagates through amax
     ok = (scales != E8M0_NAN).unsqueeze(-1)
     v = torch.where(ok, xb / e8m0_to_float(scales).unsqueeze(-1), torch.zeros_like(xb))
     return axis, scales, v
 
 
-def _check_codes_scales(codes: torch.Tensor, scales: torch.Tensor, block: int, axis: int, fn: str, name: str) -> int:
+def _check_codes_scales(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, axis: int, fn: str, name: str
+) -> int:
     axis = _check_block_axis(codes, block, axis, fn, name)
     if scales.dtype != torch.uint8:
         raise ValueError(f"{fn}: scales must be uint8 E8M0 bytes, got {scales.dtype}")
     want = list(codes.shape)
     want[axis] //= block
     if list(scales.shape) != want:
-        raise ValueError(f"{fn}: scales shape {tuple(scales.shape)} does not match {name} shape "
-                         f"{tuple(codes.shape)} with block={block} along axis {axis} (expected {tuple(want)})")
+        raise ValueError(
+            f"{fn}: scales shape {tuple(scales.shape)} does not match {name} shape "
+            f"{tuple(codes.shape)} with block={block} along axis {axis} (expected {tuple(want)})"
+        )
     return axis
 
 
@@ -182,19 +216,29 @@ def quantize_mxfp4(
     Raises:
         ValueError: non-float x, N not a multiple of ``block``, bad ``block`` / ``axis`` / ``scale_mode``.
     """
-    axis, scales, v = _scaled_blocks(x, block, axis, E2M1_EMAX, E2M1_MAX, scale_mode, "quantize_mxfp4")
+    axis, scales, v = _scaled_blocks(
+        x, block, axis, E2M1_EMAX, E2M1_MAX, scale_mode, "quantize_mxfp4"
+    )
     mag = v.abs()
     mids = torch.tensor(_E2M1_MIDPOINTS, dtype=mag.dtype, device=mag.device)
-    idx = torch.bucketize(mag, mids)  # mag == mids[k] -> k (lower neighbour); mag > 5 -> 7 (6.0, saturation)
+    idx = torch.bucketize(
+        mag, mids
+    )  # mag == mids[k] -> k (lower neighbour); mag > 5 -> 7 (6.0, saturation)
     last = len(_E2M1_MIDPOINTS) - 1
     tie_to_odd = (idx <= last) & (mag == mids[idx.clamp(max=last)]) & (idx % 2 == 1)
-    idx = idx + tie_to_odd.to(idx.dtype)  # an odd code is an odd mantissa: ties move up to the even one
+    idx = idx + tie_to_odd.to(
+        idx.dtype
+    )  # an odd code is an odd mantissa: ties move up to the even one
     codes = (idx | (torch.signbit(v).to(idx.dtype) << 3)).to(torch.uint8)
     return _from_blocks(codes, axis), scales.movedim(-1, axis)
 
 
 def dequantize_mxfp4(
-    codes: torch.Tensor, scales: torch.Tensor, block: int = 32, axis: int = -1, dtype: torch.dtype = torch.float32
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int = 32,
+    axis: int = -1,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """E2M1 code * 2^(s-127) per element (exact in fp32; NaN where s = 255, Inf past the fp32 range).
 
@@ -231,7 +275,9 @@ def pack_mxfp4(codes: torch.Tensor) -> torch.Tensor:
     if codes.dtype != torch.uint8:
         raise ValueError(f"pack_mxfp4: codes must be uint8, got {codes.dtype}")
     if codes.dim() == 0 or codes.shape[-1] % 2 != 0:
-        raise ValueError(f"pack_mxfp4: the last dim must have even size, got shape {tuple(codes.shape)}")
+        raise ValueError(
+            f"pack_mxfp4: the last dim must have even size, got shape {tuple(codes.shape)}"
+        )
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError(f"pack_mxfp4: codes must be 0..15, got max {int(codes.max())}")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -251,10 +297,14 @@ def unpack_mxfp4(packed: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"unpack_mxfp4: packed must be a uint8 tensor with >= 1 dim, got {packed.dtype} {tuple(packed.shape)}"
         )
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(
+        *packed.shape[:-1], 2 * packed.shape[-1]
+    )
 
 
-def mxfp4_weight_to_packed(weight: torch.Tensor, scale_mode: ScaleMode = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_weight_to_packed(
+    weight: torch.Tensor, scale_mode: ScaleMode = "floor"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [O, K] (or stacked [E, O, K]) to the checkpoint pair (k3-release-notes §1.9).
 
     Returns:
@@ -274,7 +324,10 @@ def mxfp4_weight_from_packed(
 
 
 def mxfp4_linear_reference(
-    x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Readable dequantize-then-matmul for a packed MXFP4 weight: ``x @ W.T (+ bias)`` in fp32.
 
@@ -288,10 +341,14 @@ def mxfp4_linear_reference(
         ValueError: x's last dim is not 2 * weight_packed.shape[-1], or bad packed shapes/dtypes.
     """
     if weight_packed.dim() != 2:
-        raise ValueError(f"mxfp4_linear_reference: weight_packed must be [O, K/2], got {tuple(weight_packed.shape)}")
+        raise ValueError(
+            f"mxfp4_linear_reference: weight_packed must be [O, K/2], got {tuple(weight_packed.shape)}"
+        )
     k = 2 * weight_packed.shape[1]
     if x.shape[-1] != k:
-        raise ValueError(f"mxfp4_linear_reference: x last dim {x.shape[-1]} != K = {k} from weight_packed")
+        raise ValueError(
+            f"mxfp4_linear_reference: x last dim {x.shape[-1]} != K = {k} from weight_packed"
+        )
     w = mxfp4_weight_from_packed(weight_packed, weight_scale)
     y = x.float() @ w.T
     return y if bias is None else y + bias.float()
@@ -310,13 +367,21 @@ def quantize_mxfp8(
         elements: [*, N, *] ``torch.float8_e4m3fn`` (RNE, saturated to +-448; 0 in NaN blocks).
         scales: x's shape with N replaced by G, uint8 E8M0.
     """
-    axis, scales, v = _scaled_blocks(x, block, axis, E4M3_EMAX, E4M3_MAX, scale_mode, "quantize_mxfp8")
-    elems = v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # clamp keeps -0.0; the cast is RNE
+    axis, scales, v = _scaled_blocks(
+        x, block, axis, E4M3_EMAX, E4M3_MAX, scale_mode, "quantize_mxfp8"
+    )
+    elems = v.clamp(-E4M3_MAX, E4M3_MAX).to(
+        torch.float8_e4m3fn
+    )  # clamp keeps -0.0; the cast is RNE
     return _from_blocks(elems, axis), scales.movedim(-1, axis)
 
 
 def dequantize_mxfp8(
-    elements: torch.Tensor, scales: torch.Tensor, block: int = 32, axis: int = -1, dtype: torch.dtype = torch.float32
+    elements: torch.Tensor,
+    scales: torch.Tensor,
+    block: int = 32,
+    axis: int = -1,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """E4M3 element * 2^(s-127), exact in fp32 (NaN where s = 255).
 
@@ -351,7 +416,9 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-def fake_quant_mxfp4(w: torch.Tensor, block: int = 32, axis: int = -1, scale_mode: ScaleMode = "floor") -> torch.Tensor:
+def fake_quant_mxfp4(
+    w: torch.Tensor, block: int = 32, axis: int = -1, scale_mode: ScaleMode = "floor"
+) -> torch.Tensor:
     """``dequantize(quantize(w))`` in MXFP4 with a straight-through gradient, for QAT of expert weights.
 
     The master ``w`` is not modified; the result is exactly the value a packed checkpoint decodes to.
@@ -362,6 +429,7 @@ def fake_quant_mxfp4(w: torch.Tensor, block: int = 32, axis: int = -1, scale_mod
     Raises:
         ValueError: as ``quantize_mxfp4``.
     """
+
     def fq(t: torch.Tensor) -> torch.Tensor:
         codes, scales = quantize_mxfp4(t, block, axis, scale_mode)
         return dequantize_mxfp4(codes, scales, block, axis, t.dtype)
@@ -369,7 +437,9 @@ def fake_quant_mxfp4(w: torch.Tensor, block: int = 32, axis: int = -1, scale_mod
     return _StraightThrough.apply(w, fq)
 
 
-def fake_quant_mxfp8(x: torch.Tensor, block: int = 32, axis: int = -1, scale_mode: ScaleMode = "floor") -> torch.Tensor:
+def fake_quant_mxfp8(
+    x: torch.Tensor, block: int = 32, axis: int = -1, scale_mode: ScaleMode = "floor"
+) -> torch.Tensor:
     """``dequantize(quantize(x))`` in MXFP8 (E4M3) with a straight-through gradient, for expert GEMM inputs.
 
     Args:
@@ -379,6 +449,7 @@ def fake_quant_mxfp8(x: torch.Tensor, block: int = 32, axis: int = -1, scale_mod
     Raises:
         ValueError: as ``quantize_mxfp8``.
     """
+
     def fq(t: torch.Tensor) -> torch.Tensor:
         elems, scales = quantize_mxfp8(t, block, axis, scale_mode)
         return dequantize_mxfp8(elems, scales, block, axis, t.dtype)

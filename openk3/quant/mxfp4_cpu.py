@@ -268,7 +268,9 @@ _build_error: str | None = None
 
 
 def _cache_dir() -> str:
-    d = os.environ.get("OPENK3_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "openk3")
+    d = os.environ.get("OPENK3_KERNEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "openk3"
+    )
     try:
         os.makedirs(d, exist_ok=True)
         return d
@@ -278,8 +280,13 @@ def _cache_dir() -> str:
 
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
-    attempts = (["-O3", "-fPIC", "-shared", "-std=gnu99", "-fopenmp"], ["-O3", "-fPIC", "-shared", "-std=gnu99"])
-    tag = hashlib.sha256((_C_SOURCE + cc + repr(attempts) + os.uname().machine).encode()).hexdigest()[:16]
+    attempts = (
+        ["-O3", "-fPIC", "-shared", "-std=gnu99", "-fopenmp"],
+        ["-O3", "-fPIC", "-shared", "-std=gnu99"],
+    )
+    tag = hashlib.sha256(
+        (_C_SOURCE + cc + repr(attempts) + os.uname().machine).encode()
+    ).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"openk3_mxfp4_cpu_{tag}.so")
     if not os.path.isfile(target):
         errors = []
@@ -348,20 +355,35 @@ def permute_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check(packed: torch.Tensor, scales: torch.Tensor, fn: str) -> tuple[int, int, int]:
-    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 3 or scales.dim() != 3:
-        raise ValueError(f"{fn}: packed/scales must be uint8 [E, O, K/2] / [E, O, K/32], got "
-                         f"{packed.dtype} {tuple(packed.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    if (
+        packed.dtype != torch.uint8
+        or scales.dtype != torch.uint8
+        or packed.dim() != 3
+        or scales.dim() != 3
+    ):
+        raise ValueError(
+            f"{fn}: packed/scales must be uint8 [E, O, K/2] / [E, O, K/32], got "
+            f"{packed.dtype} {tuple(packed.shape)} and {scales.dtype} {tuple(scales.shape)}"
+        )
     e, o, half = packed.shape
     k = 2 * half
     if k % 32 or tuple(scales.shape) != (e, o, k // 32):
-        raise ValueError(f"{fn}: scales shape {tuple(scales.shape)} does not fit packed {tuple(packed.shape)} (K={k})")
+        raise ValueError(
+            f"{fn}: scales shape {tuple(scales.shape)} does not fit packed {tuple(packed.shape)} (K={k})"
+        )
     if packed.device.type != "cpu" or not packed.is_contiguous() or not scales.is_contiguous():
         raise ValueError(f"{fn}: packed weights must be contiguous CPU tensors")
     return e, o, k
 
 
-def grouped_gemm(xs: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                 simd: int = 2, threads: int | None = None) -> torch.Tensor:
+def grouped_gemm(
+    xs: torch.Tensor,
+    counts: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    simd: int = 2,
+    threads: int | None = None,
+) -> torch.Tensor:
     """``ys[r] = W_e @ xs[r]`` for the rows r of expert e (rows sorted by expert, ``counts`` per expert).
 
     Args:
@@ -379,15 +401,29 @@ def grouped_gemm(xs: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, s
         raise RuntimeError(f"MXFP4 CPU kernel unavailable: {_build_error}")
     e, o, k = _check(packed, scales, "grouped_gemm")
     if xs.dtype != torch.float32 or xs.dim() != 2 or xs.shape[1] != k or xs.device.type != "cpu":
-        raise ValueError(f"grouped_gemm: xs must be float32 CPU [A, K={k}], got {xs.dtype} {tuple(xs.shape)}")
+        raise ValueError(
+            f"grouped_gemm: xs must be float32 CPU [A, K={k}], got {xs.dtype} {tuple(xs.shape)}"
+        )
     if counts.numel() != e or int(counts.sum()) != xs.shape[0] or bool((counts < 0).any()):
-        raise ValueError(f"grouped_gemm: counts must have E={e} non-negative entries summing to A={xs.shape[0]}")
+        raise ValueError(
+            f"grouped_gemm: counts must have E={e} non-negative entries summing to A={xs.shape[0]}"
+        )
     offs = torch.zeros(e + 1, dtype=torch.int64)
     torch.cumsum(counts.to(torch.int64).cpu(), 0, out=offs[1:])
     xp = permute_blocks(xs).contiguous()
     y = torch.empty(xs.shape[0], o, dtype=torch.float32)
-    rc = lib.openk3_mxfp4_grouped_gemm(xp.data_ptr(), offs.data_ptr(), e, packed.data_ptr(), scales.data_ptr(),
-                                       o, k, y.data_ptr(), threads or torch.get_num_threads(), int(simd))
+    rc = lib.openk3_mxfp4_grouped_gemm(
+        xp.data_ptr(),
+        offs.data_ptr(),
+        e,
+        packed.data_ptr(),
+        scales.data_ptr(),
+        o,
+        k,
+        y.data_ptr(),
+        threads or torch.get_num_threads(),
+        int(simd),
+    )
     if rc != 0:
         raise RuntimeError(f"openk3_mxfp4_grouped_gemm failed with code {rc}")
     return y
@@ -408,7 +444,9 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"MXFP4 CPU kernel unavailable: {_build_error}")
     _, r, k = _check(packed.unsqueeze(0), scales.unsqueeze(0), "dequantize")
     out = torch.empty(r, k, dtype=torch.float32)
-    rc = lib.openk3_mxfp4_dequant(packed.data_ptr(), scales.data_ptr(), r, k, out.data_ptr(), torch.get_num_threads())
+    rc = lib.openk3_mxfp4_dequant(
+        packed.data_ptr(), scales.data_ptr(), r, k, out.data_ptr(), torch.get_num_threads()
+    )
     if rc != 0:
         raise RuntimeError(f"openk3_mxfp4_dequant failed with code {rc}")
     return out

@@ -32,7 +32,12 @@ from torch import nn
 
 from openk3.config import K3Config
 from openk3.ops import backends
-from openk3.ops.grouped_mm import GluActivation, InputQuant, dispatch_combine, routed_experts_reference
+from openk3.ops.grouped_mm import (
+    GluActivation,
+    InputQuant,
+    dispatch_combine,
+    routed_experts_reference,
+)
 from openk3.quant import mxfp4_cpu
 from openk3.quant.mx import mxfp4_weight_from_packed, mxfp4_weight_to_packed
 from openk3.quant.qat import MX_BLOCK, SCHEMES, QuantScheme, resolve_scheme
@@ -53,16 +58,34 @@ def compressed_tensors_config(scheme: QuantScheme | str = "mxfp4") -> dict:
     if scheme is None or scheme.checkpoint_format != "mxfp4-pack-quantized":
         raise ValueError(f"quantization={scheme!r}: no compressed-tensors MXFP4 layout for it")
     weights = {
-        "actorder": None, "block_structure": None, "dynamic": False, "group_size": MX_BLOCK, "num_bits": 4,
-        "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
-        "symmetric": True, "type": "float", "zp_dtype": None,
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": MX_BLOCK,
+        "num_bits": 4,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "scale_dtype": "torch.uint8",
+        "strategy": "group",
+        "symmetric": True,
+        "type": "float",
+        "zp_dtype": None,
     }
     group = {
-        "format": scheme.checkpoint_format, "input_activations": None, "output_activations": None,
-        "targets": ["Linear"], "weights": weights,
+        "format": scheme.checkpoint_format,
+        "input_activations": None,
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": weights,
     }
-    ignore = ["self_attn", "shared_experts", r"mlp\.(gate|up|gate_up|down)_proj", "lm_head", "vision_tower",
-              "mm_projector"]
+    ignore = [
+        "self_attn",
+        "shared_experts",
+        r"mlp\.(gate|up|gate_up|down)_proj",
+        "lm_head",
+        "vision_tower",
+        "mm_projector",
+    ]
     return {
         "config_groups": {"group_0": group},
         "format": scheme.checkpoint_format,
@@ -86,7 +109,9 @@ class MXFP4Weight(nn.Module):
     def __init__(self, num_experts: int, out_features: int, in_features: int) -> None:
         super().__init__()
         if in_features <= 0 or in_features % MX_BLOCK:
-            raise ValueError(f"in_features={in_features}: must be a positive multiple of {MX_BLOCK}")
+            raise ValueError(
+                f"in_features={in_features}: must be a positive multiple of {MX_BLOCK}"
+            )
         e, o, k = num_experts, out_features, in_features
         self.register_buffer("weight_packed", torch.zeros(e, o, k // 2, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.zeros(e, o, k // MX_BLOCK, dtype=torch.uint8))
@@ -118,7 +143,9 @@ class MXFP4Weight(nn.Module):
         p, s = self.weight_packed, self.weight_scale
         if p.device.type == "cpu" and mxfp4_cpu.available():
             e, o, k = self.shape
-            dense = mxfp4_cpu.dequantize(p.reshape(e * o, -1).contiguous(), s.reshape(e * o, -1).contiguous())
+            dense = mxfp4_cpu.dequantize(
+                p.reshape(e * o, -1).contiguous(), s.reshape(e * o, -1).contiguous()
+            )
             return dense.view(e, o, k).to(dtype)
         return mxfp4_weight_from_packed(p, s, dtype)
 
@@ -158,8 +185,12 @@ class PackedExperts(nn.Module):
         """Zero-filled packed experts for ``config`` (shapes of :class:`~openk3.layers.moe.Experts`)."""
         from openk3.layers.mlp import glu_activation
 
-        return cls(config.n_routed_experts, config.moe_intermediate_size, config.moe_latent_size,
-                   glu_activation(config))
+        return cls(
+            config.n_routed_experts,
+            config.moe_intermediate_size,
+            config.moe_latent_size,
+            glu_activation(config),
+        )
 
     @classmethod
     def from_experts(cls, experts: nn.Module, scale_mode: str = "floor") -> "PackedExperts":
@@ -194,20 +225,36 @@ class PackedExperts(nn.Module):
         Raises:
             ValueError: always (initialise a dense model, then pack it).
         """
-        raise ValueError("PackedExperts holds quantized weights; initialise dense Experts and pack_experts() them")
+        raise ValueError(
+            "PackedExperts holds quantized weights; initialise dense Experts and pack_experts() them"
+        )
 
     @property
     def num_weights(self) -> int:
         """Dense weights represented (3·E·F·L)."""
         return sum(getattr(self, n).shape.numel() for n in ("w1", "w3", "w2"))
 
-    def forward(self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
-                backend: str | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        z: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weight: torch.Tensor,
+        backend: str | None = None,
+    ) -> torch.Tensor:
         """z: [N, L]; topk_idx, topk_weight: [N, k] -> [N, L] fp32. ``backend``: None or one of
         :data:`PACKED_IMPLS`. See :func:`packed_routed_experts`."""
         q = self.qat
-        return packed_routed_experts(z, topk_idx, topk_weight, self.w1, self.w3, self.w2, self.act,
-                                     input_quant=None if q is None else q.input_quant, impl=backend)
+        return packed_routed_experts(
+            z,
+            topk_idx,
+            topk_weight,
+            self.w1,
+            self.w3,
+            self.w2,
+            self.act,
+            input_quant=None if q is None else q.input_quant,
+            impl=backend,
+        )
 
     def extra_repr(self) -> str:
         e, f, l = self.w1.shape
@@ -219,8 +266,12 @@ class PackedExperts(nn.Module):
 
 
 def _native_fits(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and not (torch.is_grad_enabled() and x.requires_grad) and mxfp4_cpu.available())
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and mxfp4_cpu.available()
+    )
 
 
 def _select_impl(x: torch.Tensor, impl: str | None) -> str:
@@ -233,7 +284,10 @@ def _select_impl(x: torch.Tensor, impl: str | None) -> str:
     if impl not in PACKED_IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {PACKED_IMPLS} or None")
     if impl == "native" and not _native_fits(x):
-        why = mxfp4_cpu.unavailable_reason() or f"needs float CPU input without autograd, got {x.dtype} on {x.device}"
+        why = (
+            mxfp4_cpu.unavailable_reason()
+            or f"needs float CPU input without autograd, got {x.dtype} on {x.device}"
+        )
         raise ValueError(f"impl='native' does not apply: {why}")
     return impl
 
@@ -244,13 +298,21 @@ def _check(x, topk_idx, topk_weight, w1, w3, w2) -> None:
             raise ValueError(f"{name}: expected an MXFP4Weight, got {type(w).__name__}")
     e, f, l = w1.shape
     if w3.shape != w1.shape or w2.shape != (e, l, f):
-        raise ValueError(f"packed experts: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} "
-                         "are not [E, F, L], [E, F, L], [E, L, F]")
+        raise ValueError(
+            f"packed experts: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} "
+            "are not [E, F, L], [E, F, L], [E, L, F]"
+        )
     if x.dim() != 2 or x.shape[1] != l:
         raise ValueError(f"x: expected [N, L={l}], got {tuple(x.shape)}")
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_weight.shape != topk_idx.shape:
-        raise ValueError(f"topk_idx/topk_weight: expected equal [N={x.shape[0]}, k], got "
-                         f"{tuple(topk_idx.shape)} and {tuple(topk_weight.shape)}")
+    if (
+        topk_idx.dim() != 2
+        or topk_idx.shape[0] != x.shape[0]
+        or topk_weight.shape != topk_idx.shape
+    ):
+        raise ValueError(
+            f"topk_idx/topk_weight: expected equal [N={x.shape[0]}, k], got "
+            f"{tuple(topk_idx.shape)} and {tuple(topk_weight.shape)}"
+        )
 
 
 def _quant(t: torch.Tensor, input_quant: InputQuant) -> torch.Tensor:
@@ -285,6 +347,7 @@ def packed_routed_experts(
     name = _select_impl(x, impl)
     xq = _quant(x, input_quant)
     if name == "native":
+
         def ffn(xs, expert_sorted, counts):
             xs = xs.float().contiguous()
             gate = mxfp4_cpu.grouped_gemm(xs, counts, w1.weight_packed, w1.weight_scale)
@@ -292,6 +355,7 @@ def packed_routed_experts(
             h = _quant(act(gate, up), input_quant).contiguous()
             return mxfp4_cpu.grouped_gemm(h, counts, w2.weight_packed, w2.weight_scale)
     else:
+
         def ffn(xs, expert_sorted, counts):
             dt = torch.float64 if xs.dtype == torch.float64 else torch.float32
             xs = xs.to(dt)
@@ -300,17 +364,24 @@ def packed_routed_experts(
             for e, c in enumerate(counts.tolist()):  # one small per-expert buffer at a time
                 if c == 0:
                     continue
-                xe = xs[start:start + c]
+                xe = xs[start : start + c]
                 h = act(xe @ w1.dequantize_expert(e, dt).T, xe @ w3.dequantize_expert(e, dt).T)
-                ys[start:start + c] = _quant(h, input_quant) @ w2.dequantize_expert(e, dt).T
+                ys[start : start + c] = _quant(h, input_quant) @ w2.dequantize_expert(e, dt).T
                 start += c
             return ys
+
     return dispatch_combine(xq, topk_idx, topk_weight, w1.shape[0], ffn)
 
 
 def packed_routed_experts_reference(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: MXFP4Weight, w3: MXFP4Weight,
-    w2: MXFP4Weight, act: GluActivation, input_quant: InputQuant = None,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    w1: MXFP4Weight,
+    w3: MXFP4Weight,
+    w2: MXFP4Weight,
+    act: GluActivation,
+    input_quant: InputQuant = None,
 ) -> torch.Tensor:
     """Dequantize-then-matmul ground truth: the whole dense stacks, then the loop reference."""
     _check(x, topk_idx, topk_weight, w1, w3, w2)
@@ -324,7 +395,9 @@ def packed_routed_experts_reference(
 
 def _replace_children(model: nn.Module, kind: type, convert) -> int:
     if isinstance(model, kind):
-        raise ValueError(f"model: pass the module that contains the {kind.__name__}, not the module itself")
+        raise ValueError(
+            f"model: pass the module that contains the {kind.__name__}, not the module itself"
+        )
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -346,7 +419,9 @@ def pack_experts(model: nn.Module, quantization: str | QuantScheme = "mxfp4") ->
     scheme = resolve_scheme(quantization)
     if scheme is None:
         raise ValueError("quantization=None: pack_experts needs a scheme such as 'mxfp4'")
-    return _replace_children(model, Experts, lambda ex: PackedExperts.from_experts(ex, scheme.scale_mode))
+    return _replace_children(
+        model, Experts, lambda ex: PackedExperts.from_experts(ex, scheme.scale_mode)
+    )
 
 
 def unpack_experts(model: nn.Module, config: K3Config | None = None) -> int:
@@ -370,12 +445,27 @@ def expert_storage(model: nn.Module) -> dict:
         if isinstance(m, (Experts, PackedExperts)):
             for t in list(m.parameters(recurse=True)) + list(m.buffers(recurse=True)):
                 nbytes += t.numel() * t.element_size()
-            weights += m.num_weights if isinstance(m, PackedExperts) else sum(p.numel() for p in m.parameters())
-    return {"weights": weights, "bytes": nbytes, "bits_per_weight": 8 * nbytes / weights if weights else 0.0}
+            weights += (
+                m.num_weights
+                if isinstance(m, PackedExperts)
+                else sum(p.numel() for p in m.parameters())
+            )
+    return {
+        "weights": weights,
+        "bytes": nbytes,
+        "bits_per_weight": 8 * nbytes / weights if weights else 0.0,
+    }
 
 
 __all__ = [
-    "PACKED_IMPLS", "PACKED_SUFFIXES", "MXFP4Weight", "PackedExperts", "compressed_tensors_config",
-    "expert_storage", "pack_experts", "packed_routed_experts", "packed_routed_experts_reference",
+    "PACKED_IMPLS",
+    "PACKED_SUFFIXES",
+    "MXFP4Weight",
+    "PackedExperts",
+    "compressed_tensors_config",
+    "expert_storage",
+    "pack_experts",
+    "packed_routed_experts",
+    "packed_routed_experts_reference",
     "unpack_experts",
 ]

@@ -55,7 +55,9 @@ class QuantScheme:
         if self.inputs not in (None, "mxfp8"):
             raise ValueError(f"QuantScheme.inputs={self.inputs!r}: must be 'mxfp8' or None")
         if self.scale_mode not in SCALE_MODES:
-            raise ValueError(f"QuantScheme.scale_mode={self.scale_mode!r}: must be one of {SCALE_MODES}")
+            raise ValueError(
+                f"QuantScheme.scale_mode={self.scale_mode!r}: must be one of {SCALE_MODES}"
+            )
 
     def fake_quant_weight(self, w: torch.Tensor) -> torch.Tensor:
         """MXFP4 fake-quant of a weight [*, O, K] along K with a straight-through gradient.

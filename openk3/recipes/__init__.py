@@ -20,7 +20,12 @@ import importlib
 from collections.abc import Callable
 
 from openk3.recipes import default_model, default_model_vision, smoke, tiny_chat
-from openk3.recipes.smoke import synthetic_data, synthetic_document, synthetic_entropy_per_sentence, synthetic_store
+from openk3.recipes.smoke import (
+    synthetic_data,
+    synthetic_document,
+    synthetic_entropy_per_sentence,
+    synthetic_store,
+)
 from openk3.train.run_config import RunConfig
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {}
@@ -32,6 +37,7 @@ def register_recipe(name: str):
     Raises:
         ValueError: the name is already registered.
     """
+
     def deco(fn: Callable[[], RunConfig]) -> Callable[[], RunConfig]:
         if name in RECIPES and RECIPES[name] is not fn:
             raise ValueError(f"recipe {name!r} is already registered")
@@ -57,7 +63,9 @@ def get_recipe(name: str, **overrides) -> RunConfig:
     elif name in RECIPES:
         fn = RECIPES[name]
     else:
-        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))} (or module:function)")
+        raise ValueError(
+            f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))} (or module:function)"
+        )
     run = fn()
     if not isinstance(run, RunConfig):
         raise ValueError(f"recipe {name!r}: returned {type(run).__name__}, expected RunConfig")
@@ -69,5 +77,13 @@ register_recipe("default-model")(default_model.default_model)
 register_recipe("default-model-vision")(default_model_vision.default_model_vision)
 register_recipe("tiny-chat")(tiny_chat.tiny_chat)
 
-__all__ = ["RunConfig", "RECIPES", "register_recipe", "get_recipe", "synthetic_store", "synthetic_data",
-           "synthetic_document", "synthetic_entropy_per_sentence"]
+__all__ = [
+    "RunConfig",
+    "RECIPES",
+    "register_recipe",
+    "get_recipe",
+    "synthetic_store",
+    "synthetic_data",
+    "synthetic_document",
+    "synthetic_entropy_per_sentence",
+]

@@ -48,6 +48,7 @@ from openk3.recipes.settings import OWNER, RecipeSettings, check_at_least, check
 from openk3.train.optim import Schedule
 from openk3.train.run_config import RunConfig
 
+
 @dataclass(frozen=True)
 class DefaultModelSettings(RecipeSettings):
     """The ``default-model`` recipe's knobs (``--set extra='{"pretrain_steps": 3}'`` or
@@ -131,25 +132,42 @@ class DefaultModelSettings(RecipeSettings):
         super().__post_init__()
 
     def check(self) -> None:
-        for name in ("sft_replay", "pretrain_sft_share", "pretrain_induction_share", "pretrain_copy_share",
-                     "long_share"):
+        for name in (
+            "sft_replay",
+            "pretrain_sft_share",
+            "pretrain_induction_share",
+            "pretrain_copy_share",
+            "long_share",
+        ):
             check_fraction(self, name)
         if self.pretrain_sft_share + self.pretrain_induction_share >= 1:
-            raise ValueError(f"{OWNER}.pretrain_sft_share + {OWNER}.pretrain_induction_share = "
-                             f"{self.pretrain_sft_share + self.pretrain_induction_share!r}: must be < 1 (the rest is "
-                             f"corpus)")
+            raise ValueError(
+                f"{OWNER}.pretrain_sft_share + {OWNER}.pretrain_induction_share = "
+                f"{self.pretrain_sft_share + self.pretrain_induction_share!r}: must be < 1 (the rest is "
+                f"corpus)"
+            )
         if not 0.0 <= self.pretrain_decay_fraction <= 1.0:
-            raise ValueError(f"{OWNER}.pretrain_decay_fraction={self.pretrain_decay_fraction!r}: must be a number in "
-                             f"[0, 1]")
+            raise ValueError(
+                f"{OWNER}.pretrain_decay_fraction={self.pretrain_decay_fraction!r}: must be a number in "
+                f"[0, 1]"
+            )
         for name in ("pretrain_steps", "pretrain_copy_steps", "pretrain_copy_narrow_steps"):
             check_at_least(self, name, 0)
         check_at_least(self, "pretrain_copy_narrow_ids", 2)
-        for name in ("long_seq_len", "long_items", "sft_items", "induction_items", "pretrain_copy_items"):
+        for name in (
+            "long_seq_len",
+            "long_items",
+            "sft_items",
+            "induction_items",
+            "pretrain_copy_items",
+        ):
             check_at_least(self, name, 1)
         for name in ("pretrain_copy_span", "pretrain_copy_narrow_span"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
-                raise ValueError(f"{OWNER}.{name}={getattr(self, name)!r}: must be [lo, hi] integers with 1 <= lo <= hi")
+                raise ValueError(
+                    f"{OWNER}.{name}={getattr(self, name)!r}: must be [lo, hi] integers with 1 <= lo <= hi"
+                )
 
     @property
     def mixture(self) -> dict[str, float] | None:
@@ -168,7 +186,9 @@ def settings(run: RunConfig) -> DefaultModelSettings:
         ValueError: ``run.settings`` is not a DefaultModelSettings (another recipe's run).
     """
     if not isinstance(run.settings, DefaultModelSettings):
-        raise ValueError(f"RunConfig.settings={run.settings!r}: the default-model stages need DefaultModelSettings")
+        raise ValueError(
+            f"RunConfig.settings={run.settings!r}: the default-model stages need DefaultModelSettings"
+        )
     return run.settings
 
 
@@ -186,10 +206,17 @@ def corpus_data(run: RunConfig, split: str):
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     x, tok = settings(run), _tokenizer(run)
-    store = DocumentStore.from_corpus(x.corpus_dir, tok, "train" if split == "train" else "val",
-                                      cache_dir=x.cache_dir)
-    return PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, shuffle=split == "train",
-                        pad_id=run.model_config().pad_token_id)
+    store = DocumentStore.from_corpus(
+        x.corpus_dir, tok, "train" if split == "train" else "val", cache_dir=x.cache_dir
+    )
+    return PackedLoader(
+        store,
+        run.seq_len,
+        run.batch_size,
+        seed=run.seed,
+        shuffle=split == "train",
+        pad_id=run.model_config().pad_token_id,
+    )
 
 
 def _sft_loader(run: RunConfig, x: DefaultModelSettings, tok, seq_len: int, seed_offset: int = 0):
@@ -197,8 +224,14 @@ def _sft_loader(run: RunConfig, x: DefaultModelSettings, tok, seq_len: int, seed
     from openk3.datasets.sft_data import sft_conversations
 
     convs = sft_conversations(x.sft_seed + seed_offset, x.sft_items, mixture=x.mixture)
-    return PackedLoader(DocumentStore.from_conversations(convs, tok), seq_len, run.batch_size, seed=run.seed,
-                        split_documents=False, pad_id=run.model_config().pad_token_id)
+    return PackedLoader(
+        DocumentStore.from_conversations(convs, tok),
+        seq_len,
+        run.batch_size,
+        seed=run.seed,
+        split_documents=False,
+        pad_id=run.model_config().pad_token_id,
+    )
 
 
 def long_data(run: RunConfig, x: DefaultModelSettings, tok):
@@ -208,9 +241,17 @@ def long_data(run: RunConfig, x: DefaultModelSettings, tok):
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.datasets.harness import long_conversations
 
-    convs = long_conversations(x.sft_seed + 100, x.long_items, x.long_seq_len, tok, mixture=x.mixture)
-    return PackedLoader(DocumentStore.from_conversations(convs, tok), x.long_seq_len, 1, seed=run.seed,
-                        split_documents=False, pad_id=run.model_config().pad_token_id)
+    convs = long_conversations(
+        x.sft_seed + 100, x.long_items, x.long_seq_len, tok, mixture=x.mixture
+    )
+    return PackedLoader(
+        DocumentStore.from_conversations(convs, tok),
+        x.long_seq_len,
+        1,
+        seed=run.seed,
+        split_documents=False,
+        pad_id=run.model_config().pad_token_id,
+    )
 
 
 def sft_data(run: RunConfig, split: str):
@@ -227,9 +268,18 @@ def sft_data(run: RunConfig, split: str):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     x, tok = settings(run), _tokenizer(run)
     if split == "eval":
-        convs = [it.conversation() for s in EVAL_SUITES for it in eval_items(s, 0, x.sft_eval_items)]
-        return PackedLoader(DocumentStore.from_conversations(convs, tok), run.seq_len, run.batch_size, seed=run.seed,
-                            shuffle=False, split_documents=False, pad_id=run.model_config().pad_token_id)
+        convs = [
+            it.conversation() for s in EVAL_SUITES for it in eval_items(s, 0, x.sft_eval_items)
+        ]
+        return PackedLoader(
+            DocumentStore.from_conversations(convs, tok),
+            run.seq_len,
+            run.batch_size,
+            seed=run.seed,
+            shuffle=False,
+            split_documents=False,
+            pad_id=run.model_config().pad_token_id,
+        )
     data = _sft_loader(run, x, tok, run.seq_len)
     if x.long_share > 0:
         data = MixedLoader(data, long_data(run, x, tok), x.long_share, seed=run.seed + 1)
@@ -260,25 +310,49 @@ def pretrain_data(run: RunConfig, split: str):
         return data
     tok = _tokenizer(run)
     if p_sft > 0:
-        data = MixedLoader(data, _sft_loader(run, x, tok, run.seq_len, 50), p_sft / (1 - p_ind), seed=run.seed + 2)
+        data = MixedLoader(
+            data, _sft_loader(run, x, tok, run.seq_len, 50), p_sft / (1 - p_ind), seed=run.seed + 2
+        )
     if p_ind > 0:
-        ind = PackedLoader(induction_store(x.sft_seed + 200, x.induction_items, tok), run.seq_len, run.batch_size,
-                           seed=run.seed, pad_id=run.model_config().pad_token_id)
+        ind = PackedLoader(
+            induction_store(x.sft_seed + 200, x.induction_items, tok),
+            run.seq_len,
+            run.batch_size,
+            seed=run.seed,
+            pad_id=run.model_config().pad_token_id,
+        )
         data = MixedLoader(data, ind, p_ind, seed=run.seed + 3)
     pad = run.model_config().pad_token_id
     if x.pretrain_copy_share > 0:  # after the curriculum too: the corpus alone lets copying fade
         kept = span_store(x.sft_seed + 302, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span))
-        data = MixedLoader(data, PackedLoader(kept, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad),
-                           x.pretrain_copy_share, seed=run.seed + 4)
+        data = MixedLoader(
+            data,
+            PackedLoader(kept, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad),
+            x.pretrain_copy_share,
+            seed=run.seed + 4,
+        )
     if x.pretrain_copy_steps > 0:
-        spans = span_store(x.sft_seed + 300, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span))
-        data = CurriculumLoader(PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad), data,
-                                x.pretrain_copy_steps)
+        spans = span_store(
+            x.sft_seed + 300, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span)
+        )
+        data = CurriculumLoader(
+            PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad),
+            data,
+            x.pretrain_copy_steps,
+        )
     if x.pretrain_copy_narrow_steps > 0:
-        spans = span_store(x.sft_seed + 301, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_narrow_span),
-                           ids=x.pretrain_copy_narrow_ids)
-        data = CurriculumLoader(PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad), data,
-                                x.pretrain_copy_narrow_steps)
+        spans = span_store(
+            x.sft_seed + 301,
+            x.pretrain_copy_items,
+            tok,
+            tuple(x.pretrain_copy_narrow_span),
+            ids=x.pretrain_copy_narrow_ids,
+        )
+        data = CurriculumLoader(
+            PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad),
+            data,
+            x.pretrain_copy_narrow_steps,
+        )
     return data
 
 
@@ -287,8 +361,13 @@ def model_for_tokenizer(run: RunConfig):
     can give fewer BPE tokens than asked) and ``model_overrides`` applied."""
     x, tok = settings(run), _tokenizer(run)
     cfg = run.model_config()
-    cfg = cfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                      pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id)
+    cfg = cfg.replace(
+        vocab_size=tok.vocab_size,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        media_placeholder_token_id=tok.media_pad_id,
+    )
     return cfg.replace(**x.model_overrides) if x.model_overrides else cfg
 
 
@@ -305,7 +384,9 @@ def tokenizer_texts(n: int, seed: int = 77) -> list[str]:
 
     bootstrap = train_tokenizer(["bootstrap"], 512)  # bytes only: rendering needs some tokenizer
     special = re.compile(r"<\|[a-z_0-9]+\|>|\[[A-Z_]+\]")
-    return [special.sub("\n", render_training(c, bootstrap).text) for c in sft_conversations(seed, n)]
+    return [
+        special.sub("\n", render_training(c, bootstrap).text) for c in sft_conversations(seed, n)
+    ]
 
 
 def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
@@ -318,7 +399,7 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
     from openk3.train.trainer import train
 
     x = settings(run)
-    log = (lambda line: print(f"[default-model] {line}", file=sys.stderr))
+    log = lambda line: print(f"[default-model] {line}", file=sys.stderr)
     corpus = Path(x.corpus_dir)
     if not (corpus / "manifest.json").is_file():
         from openk3.datasets.corpus import build_corpus
@@ -332,7 +413,9 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
                 name, _, rest = str(spec).partition(":")
                 licence, _, path = rest.partition(":")
                 if not (name and licence and path):
-                    raise ValueError(f"extra.corpus_sources: expected NAME:LICENCE:PATH, got {spec!r}")
+                    raise ValueError(
+                        f"extra.corpus_sources: expected NAME:LICENCE:PATH, got {spec!r}"
+                    )
                 sources.append(directory_source(name, licence, path))
         log(f"stage 1/4: building the corpus into {corpus}")
         build_corpus(sources, corpus, overwrite=corpus.exists(), log=log)
@@ -346,24 +429,44 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
         if x.tokenizer_sft_items:
             from openk3.datasets.corpus import read_documents
 
-            source = [d["text"] for d in read_documents(corpus, "train")] + tokenizer_texts(x.tokenizer_sft_items)
-        train_tokenizer(source, x.vocab_size, tok_dir, max_bytes=None if max_mb is None else int(max_mb * 2**20),
-                        split_digits=x.tokenizer_split_digits)
+            source = [d["text"] for d in read_documents(corpus, "train")] + tokenizer_texts(
+                x.tokenizer_sft_items
+            )
+        train_tokenizer(
+            source,
+            x.vocab_size,
+            tok_dir,
+            max_bytes=None if max_mb is None else int(max_mb * 2**20),
+            split_digits=x.tokenizer_split_digits,
+        )
     cfg = model_for_tokenizer(run)
     if x.pretrain_steps == 0:
         log("stage 3/4: skipped (pretrain_steps 0); stage 4/4 starts from the initialisation")
         return run.replace(model=cfg, prepare=None)
     pre_dir = os.path.join(out_dir, "pretrain")
-    pre = run.replace(name=f"{run.name}-pretrain", model=cfg, data=pretrain_data, total_steps=x.pretrain_steps,
-                      seq_len=x.pretrain_seq_len, lr=x.pretrain_lr, qat=None, init_from=None, prepare=None,
-                      eval_every=x.pretrain_eval_every, warmup_steps=None, schedule=x.pretrain_schedule,
-                      decay_fraction=x.pretrain_decay_fraction)
+    pre = run.replace(
+        name=f"{run.name}-pretrain",
+        model=cfg,
+        data=pretrain_data,
+        total_steps=x.pretrain_steps,
+        seq_len=x.pretrain_seq_len,
+        lr=x.pretrain_lr,
+        qat=None,
+        init_from=None,
+        prepare=None,
+        eval_every=x.pretrain_eval_every,
+        warmup_steps=None,
+        schedule=x.pretrain_schedule,
+        decay_fraction=x.pretrain_decay_fraction,
+    )
     done = Path(pre_dir) / "DONE"
     if not done.is_file():
         log(f"stage 3/4: pretraining {pre.total_steps} steps into {pre_dir}")
         result = train(pre, pre_dir, resume=True, progress=True)
         if result.signal is not None or result.step < pre.total_steps:
-            raise ValueError(f"pretraining stopped at step {result.step}/{pre.total_steps}; rerun with --resume")
+            raise ValueError(
+                f"pretraining stopped at step {result.step}/{pre.total_steps}; rerun with --resume"
+            )
         done.write_text(str(result.checkpoint) + "\n")
     ckpt = done.read_text().strip()
     log(f"stage 4/4: SFT with {run.qat or 'no'} QAT from {ckpt}")
@@ -373,11 +476,33 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
 def default_model() -> RunConfig:
     """openk3-tiny end to end: corpus -> BPE -> pretraining -> SFT with MXFP4 QAT."""
     return RunConfig(
-        name="default-model", model="openk3-tiny", data=sft_data, total_steps=4000, seq_len=1024,
-        warmup_steps=None, lr=5e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=4, ckpt_every=100,
-        keep_checkpoints=2, seed=0, prepare=prepare_default_model, settings=DefaultModelSettings(),
+        name="default-model",
+        model="openk3-tiny",
+        data=sft_data,
+        total_steps=4000,
+        seq_len=1024,
+        warmup_steps=None,
+        lr=5e-3,
+        min_lr_ratio=0.1,
+        qat="mxfp4",
+        eval_every=100,
+        eval_batches=4,
+        ckpt_every=100,
+        keep_checkpoints=2,
+        seed=0,
+        prepare=prepare_default_model,
+        settings=DefaultModelSettings(),
     )
 
 
-__all__ = ["DefaultModelSettings", "settings", "corpus_data", "sft_data", "long_data",
-           "pretrain_data", "model_for_tokenizer", "prepare_default_model", "default_model"]
+__all__ = [
+    "DefaultModelSettings",
+    "settings",
+    "corpus_data",
+    "sft_data",
+    "long_data",
+    "pretrain_data",
+    "model_for_tokenizer",
+    "prepare_default_model",
+    "default_model",
+]

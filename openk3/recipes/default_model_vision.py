@@ -40,6 +40,7 @@ from typing import Any
 from openk3.recipes.settings import OWNER, RecipeSettings, check_fraction
 from openk3.train.run_config import RunConfig
 
+
 @dataclass(frozen=True)
 class VisionStageSettings(RecipeSettings):
     """The ``default-model-vision`` recipe's knobs (module docstring); defaults are the shipped run.
@@ -97,7 +98,9 @@ def settings(run: RunConfig) -> VisionStageSettings:
         ValueError: ``run.settings`` is not a VisionStageSettings (another recipe's run).
     """
     if not isinstance(run.settings, VisionStageSettings):
-        raise ValueError(f"RunConfig.settings={run.settings!r}: the vision stage needs VisionStageSettings")
+        raise ValueError(
+            f"RunConfig.settings={run.settings!r}: the vision stage needs VisionStageSettings"
+        )
     return run.settings
 
 
@@ -107,9 +110,17 @@ def tiny_vision_config(text_hidden_size: int = 128, **changes):
     ``changes`` replace fields (validated)."""
     from openk3.vision.config import VisionConfig
 
-    vc = VisionConfig(vt_num_hidden_layers=3, vt_hidden_size=64, vt_intermediate_size=128, vt_num_attention_heads=2,
-                      qkv_hidden_size=64, init_pos_emb_height=8, init_pos_emb_width=8, mm_hidden_size=64,
-                      text_hidden_size=text_hidden_size)
+    vc = VisionConfig(
+        vt_num_hidden_layers=3,
+        vt_hidden_size=64,
+        vt_intermediate_size=128,
+        vt_num_attention_heads=2,
+        qkv_hidden_size=64,
+        init_pos_emb_height=8,
+        init_pos_emb_width=8,
+        mm_hidden_size=64,
+        text_hidden_size=text_hidden_size,
+    )
     return vc.replace(**changes) if changes else vc
 
 
@@ -123,8 +134,13 @@ def vision_model_config(run: RunConfig):
     cfg = run.model_config()
     if cfg.wrapper is not None and cfg.wrapper.get("vision_config") is not None:
         return cfg  # already prepared
-    cfg = cfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                      pad_token_id=tok.pad_id, media_placeholder_token_id=tok.media_pad_id)
+    cfg = cfg.replace(
+        vocab_size=tok.vocab_size,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        media_placeholder_token_id=tok.media_pad_id,
+    )
     if x.model_overrides:
         cfg = cfg.replace(**x.model_overrides)
     vc = tiny_vision_config(cfg.hidden_size, **dict(x.vision))
@@ -134,7 +150,7 @@ def vision_model_config(run: RunConfig):
 
 
 def vision_data(run: RunConfig, split: str):
-    """"train": image conversations mixed with ``text_share`` text SFT rows; "eval": the held-out
+    """ "train": image conversations mixed with ``text_share`` text SFT rows; "eval": the held-out
     image conversations in fixed order."""
     from openk3.tokenizer import load_tokenizer
     from openk3.datasets.vision_data import eval_image_items, image_items
@@ -145,7 +161,11 @@ def vision_data(run: RunConfig, split: str):
     x = settings(run)
     tok = load_tokenizer(x.tokenizer_dir)
     pad = run.model_config().pad_token_id
-    items = image_items(x.image_seed, x.image_items) if split == "train" else eval_image_items(0, x.eval_items)
+    items = (
+        image_items(x.image_seed, x.image_items)
+        if split == "train"
+        else eval_image_items(0, x.eval_items)
+    )
     docs = [image_chat_document(it.conversation(), tok) for it in items]
     images = ImageSFTLoader(docs, run.seq_len, seed=run.seed, shuffle=split == "train", pad_id=pad)
     if split == "eval" or x.text_share == 0:
@@ -154,8 +174,9 @@ def vision_data(run: RunConfig, split: str):
     from openk3.train.mixed_data import MixedLoader
     from openk3.datasets.sft_data import sft_conversations
 
-    store = DocumentStore.from_conversations(sft_conversations(x.sft_seed, x.sft_items,
-                                                               mixture=x.mixture), tok)
+    store = DocumentStore.from_conversations(
+        sft_conversations(x.sft_seed, x.sft_items, mixture=x.mixture), tok
+    )
     text = PackedLoader(store, run.seq_len, 1, seed=run.seed + 1, split_documents=False, pad_id=pad)
     return MixedLoader(images, text, x.text_share, seed=run.seed)
 
@@ -169,22 +190,49 @@ def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
     x = settings(run)
     ckpt = x.text_ckpt
     if not ckpt:
-        raise ValueError("extra.text_ckpt: required (a text SFT checkpoint, e.g. runs/default-model/checkpoints/step-0002800)")
+        raise ValueError(
+            "extra.text_ckpt: required (a text SFT checkpoint, e.g. runs/default-model/checkpoints/step-0002800)"
+        )
     if not isinstance(ckpt, str) or not os.path.isfile(os.path.join(ckpt, "config.json")):
-        raise ValueError(f"extra.text_ckpt={ckpt!r}: not a checkpoint directory (no config.json); give a text SFT "
-                         f"checkpoint such as runs/default-model/checkpoints/step-0002800")
-    print(f"[default-model-vision] vision stage from {x.text_ckpt} with {run.qat or 'no'} QAT", file=sys.stderr)
+        raise ValueError(
+            f"extra.text_ckpt={ckpt!r}: not a checkpoint directory (no config.json); give a text SFT "
+            f"checkpoint such as runs/default-model/checkpoints/step-0002800"
+        )
+    print(
+        f"[default-model-vision] vision stage from {x.text_ckpt} with {run.qat or 'no'} QAT",
+        file=sys.stderr,
+    )
     return run.replace(model=vision_model_config(run), init_from=str(x.text_ckpt), prepare=None)
 
 
 def default_model_vision() -> RunConfig:
     """openk3-tiny + a tiny MoonViT trained on synthetic image questions."""
     return RunConfig(
-        name="default-model-vision", model="openk3-tiny", data=vision_data, total_steps=1200, seq_len=1024,
-        warmup_steps=20, lr=2e-3, min_lr_ratio=0.1, qat="mxfp4", eval_every=100, eval_batches=2, ckpt_every=100,
-        keep_checkpoints=2, seed=0, prepare=prepare_vision, settings=VisionStageSettings(),
+        name="default-model-vision",
+        model="openk3-tiny",
+        data=vision_data,
+        total_steps=1200,
+        seq_len=1024,
+        warmup_steps=20,
+        lr=2e-3,
+        min_lr_ratio=0.1,
+        qat="mxfp4",
+        eval_every=100,
+        eval_batches=2,
+        ckpt_every=100,
+        keep_checkpoints=2,
+        seed=0,
+        prepare=prepare_vision,
+        settings=VisionStageSettings(),
     )
 
 
-__all__ = ["VisionStageSettings", "settings", "tiny_vision_config", "vision_model_config", "vision_data", "prepare_vision",
-           "default_model_vision"]
+__all__ = [
+    "VisionStageSettings",
+    "settings",
+    "tiny_vision_config",
+    "vision_model_config",
+    "vision_data",
+    "prepare_vision",
+    "default_model_vision",
+]

@@ -29,9 +29,40 @@ class SmokeSettings(RecipeSettings):
 
 # ----------------------------------------------------------------------------- synthetic text
 _ADJ = ("small", "red", "old", "quiet", "bright", "heavy", "green", "happy")
-_NOUN = ("cat", "dog", "river", "teacher", "garden", "machine", "bird", "city", "window", "farmer", "ship", "tree")
-_VERB = ("sees", "finds", "likes", "follows", "paints", "carries", "visits", "builds", "hears", "keeps")
-_PLACE = ("near the hill", "in the morning", "by the sea", "at night", "under the bridge", "after the rain")
+_NOUN = (
+    "cat",
+    "dog",
+    "river",
+    "teacher",
+    "garden",
+    "machine",
+    "bird",
+    "city",
+    "window",
+    "farmer",
+    "ship",
+    "tree",
+)
+_VERB = (
+    "sees",
+    "finds",
+    "likes",
+    "follows",
+    "paints",
+    "carries",
+    "visits",
+    "builds",
+    "hears",
+    "keeps",
+)
+_PLACE = (
+    "near the hill",
+    "in the morning",
+    "by the sea",
+    "at night",
+    "under the bridge",
+    "after the rain",
+)
 
 
 def synthetic_document(seed: int, index: int) -> str:
@@ -53,8 +84,13 @@ def synthetic_document(seed: int, index: int) -> str:
 
 def synthetic_entropy_per_sentence() -> float:
     """Entropy (nats) of one synthetic sentence: adjective, noun, verb, noun, place-or-not."""
-    return (math.log(len(_ADJ)) + 2 * math.log(len(_NOUN)) + math.log(len(_VERB))
-            + math.log(2) + 0.5 * math.log(len(_PLACE)))
+    return (
+        math.log(len(_ADJ))
+        + 2 * math.log(len(_NOUN))
+        + math.log(len(_VERB))
+        + math.log(2)
+        + 0.5 * math.log(len(_PLACE))
+    )
 
 
 def synthetic_store(seed: int, num_docs: int, bos: int, eos: int):
@@ -63,7 +99,9 @@ def synthetic_store(seed: int, num_docs: int, bos: int, eos: int):
     from openk3.train.data import DocumentStore, document_from_ids
 
     return DocumentStore.from_documents(
-        document_from_ids([bos, *synthetic_document(seed, i).encode("utf-8"), eos]) for i in range(num_docs))
+        document_from_ids([bos, *synthetic_document(seed, i).encode("utf-8"), eos])
+        for i in range(num_docs)
+    )
 
 
 def synthetic_data(run: RunConfig, split: str):
@@ -77,8 +115,12 @@ def synthetic_data(run: RunConfig, split: str):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
     cfg = run.model_config()
     if split == "train":
-        store = synthetic_store(run.seed, _settings(run).num_docs, cfg.bos_token_id, cfg.eos_token_id)
-        return PackedLoader(store, run.seq_len, run.batch_size, seed=run.seed, pad_id=cfg.pad_token_id)
+        store = synthetic_store(
+            run.seed, _settings(run).num_docs, cfg.bos_token_id, cfg.eos_token_id
+        )
+        return PackedLoader(
+            store, run.seq_len, run.batch_size, seed=run.seed, pad_id=cfg.pad_token_id
+        )
     store = synthetic_store(run.seed + 7919, 200, cfg.bos_token_id, cfg.eos_token_id)
     return PackedLoader(store, run.seq_len, run.batch_size, shuffle=False, pad_id=cfg.pad_token_id)
 
@@ -92,17 +134,37 @@ def _settings(run: RunConfig) -> SmokeSettings:
     if run.settings is None:
         return SmokeSettings()
     if not isinstance(run.settings, SmokeSettings):
-        raise ValueError(f"RunConfig.settings: {type(run.settings).__name__}, expected SmokeSettings for synthetic_data")
+        raise ValueError(
+            f"RunConfig.settings: {type(run.settings).__name__}, expected SmokeSettings for synthetic_data"
+        )
     return run.settings
 
 
 def smoke() -> RunConfig:
     """``k3-test-tiny`` on the synthetic byte corpus (:func:`synthetic_data`)."""
     return RunConfig(
-        name="smoke", model="k3-test-tiny", data=synthetic_data, total_steps=300, seq_len=256,
-        warmup_steps=15, lr=2e-2, min_lr_ratio=0.1, eval_every=50, eval_batches=4, ckpt_every=100,
-        keep_checkpoints=2, seed=0, settings=SmokeSettings(),
+        name="smoke",
+        model="k3-test-tiny",
+        data=synthetic_data,
+        total_steps=300,
+        seq_len=256,
+        warmup_steps=15,
+        lr=2e-2,
+        min_lr_ratio=0.1,
+        eval_every=50,
+        eval_batches=4,
+        ckpt_every=100,
+        keep_checkpoints=2,
+        seed=0,
+        settings=SmokeSettings(),
     )
 
 
-__all__ = ["smoke", "SmokeSettings", "synthetic_store", "synthetic_data", "synthetic_document", "synthetic_entropy_per_sentence"]
+__all__ = [
+    "smoke",
+    "SmokeSettings",
+    "synthetic_store",
+    "synthetic_data",
+    "synthetic_document",
+    "synthetic_entropy_per_sentence",
+]

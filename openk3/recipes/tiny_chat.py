@@ -24,15 +24,28 @@ from openk3.train.run_config import RunConfig
 
 STEPS = 250
 #: The default-model settings at this size (the rest are the default model's).
-SETTINGS = DefaultModelSettings(tokenizer_dir="data/tokenizer-tiny-chat", vocab_size=4096, tokenizer_max_mb=8,
-                                pretrain_steps=200, pretrain_eval_every=100, sft_items=2000,
-                                pretrain_copy_narrow_steps=0, pretrain_copy_steps=0)  # 200 steps: too few to copy
+SETTINGS = DefaultModelSettings(
+    tokenizer_dir="data/tokenizer-tiny-chat",
+    vocab_size=4096,
+    tokenizer_max_mb=8,
+    pretrain_steps=200,
+    pretrain_eval_every=100,
+    sft_items=2000,
+    pretrain_copy_narrow_steps=0,
+    pretrain_copy_steps=0,
+)  # 200 steps: too few to copy
 
 
 def tiny_chat() -> RunConfig:
     """A K3 to talk to in ~10 minutes: corpus -> 4096-id BPE -> 200 pretraining + 250 SFT steps."""
-    return default_model().replace(name="tiny-chat", total_steps=STEPS, qat=None, eval_every=50, ckpt_every=50,
-                                   settings=SETTINGS)
+    return default_model().replace(
+        name="tiny-chat",
+        total_steps=STEPS,
+        qat=None,
+        eval_every=50,
+        ckpt_every=50,
+        settings=SETTINGS,
+    )
 
 
 __all__ = ["tiny_chat", "SETTINGS", "STEPS"]

@@ -19,4 +19,12 @@ from openk3.server.app import build_serving, create_app, default_model_path, mai
 from openk3.server.serving import ChatServing, ModelInfo
 from openk3.server.validation import Limits
 
-__all__ = ["ChatServing", "Limits", "ModelInfo", "build_serving", "create_app", "default_model_path", "main"]
+__all__ = [
+    "ChatServing",
+    "Limits",
+    "ModelInfo",
+    "build_serving",
+    "create_app",
+    "default_model_path",
+    "main",
+]

@@ -46,13 +46,30 @@ from typing import Any, AsyncIterator
 from pydantic import ValidationError
 
 from openk3.chat_format.parser import (
-    ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    ContentDelta,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
 )
 from openk3.chat_format.request import (
-    AssistantMessage, ImageSlot, Message, TextMessage, ToolCall, ToolResult, check_json, make_options,
+    AssistantMessage,
+    ImageSlot,
+    Message,
+    TextMessage,
+    ToolCall,
+    ToolResult,
+    check_json,
+    make_options,
 )
 from openk3.server.protocol import (
-    AnthropicCountRequest, AnthropicMessagesRequest, APIError, bad_request, check_unicode, invalid_body, show_int,
+    AnthropicCountRequest,
+    AnthropicMessagesRequest,
+    APIError,
+    bad_request,
+    check_unicode,
+    invalid_body,
+    show_int,
 )
 from openk3.server.request import ChatRequest
 from openk3.server.serving import ENGINE_FAILED, ChatServing, Finished, Generation, Prepared
@@ -69,15 +86,21 @@ def _image_part(block: dict, where: str) -> ImageSlot:
     # the slot keeps the client's block path: image errors name the block as the client sent it
     src = block.get("source")
     if not isinstance(src, dict):
-        raise bad_request(f"{where}.source: must be an object (type base64 with media_type and data), "
-                          f"got {type(src).__name__}")
+        raise bad_request(
+            f"{where}.source: must be an object (type base64 with media_type and data), "
+            f"got {type(src).__name__}"
+        )
     if src.get("type") == "base64" and not isinstance(src.get("data"), str):
-        raise bad_request(f"{where}.source.data: must be a base64 string, got {type(src.get('data')).__name__}")
+        raise bad_request(
+            f"{where}.source.data: must be a base64 string, got {type(src.get('data')).__name__}"
+        )
     if src.get("type") == "base64":
         url = f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"
         return ImageSlot({"type": "image_url", "image_url": {"url": url}}, where)
     if src.get("type") == "url":
-        return ImageSlot({"type": "image_url", "image_url": {"url": str(src.get("url", ""))}}, where + ".source")
+        return ImageSlot(
+            {"type": "image_url", "image_url": {"url": str(src.get("url", ""))}}, where + ".source"
+        )
     raise bad_request(f"{where}.source.type: unsupported image source {src.get('type')!r} (base64)")
 
 
@@ -114,17 +137,23 @@ def _tool_result_parts(block: dict, where: str) -> list:
         elif b.get("type") == "image":
             parts.append(_image_part(b, f"{where}.content[{j}]"))
         else:
-            raise bad_request(f"{where}.content[{j}].type: unsupported block type {b.get('type')!r}")
+            raise bad_request(
+                f"{where}.content[{j}].type: unsupported block type {b.get('type')!r}"
+            )
     return parts
 
 
 def _tool_call(b: dict, where: str) -> ToolCall:
     name = b.get("name")
     if not isinstance(name, str) or not name:
-        raise bad_request(f"Invalid request: {where}.name: tool_use needs a non-empty string name, got {name!r}")
+        raise bad_request(
+            f"Invalid request: {where}.name: tool_use needs a non-empty string name, got {name!r}"
+        )
     args = b.get("input") or {}
     if not isinstance(args, dict):
-        raise bad_request(f"Invalid request: {where}.input: must be an object, got {type(args).__name__}")
+        raise bad_request(
+            f"Invalid request: {where}.input: must be an object, got {type(args).__name__}"
+        )
     try:
         check_json(args, f"{where}.input")
     except ValueError as e:
@@ -148,12 +177,17 @@ def _messages(req: dict, thinking_on: bool) -> list[Message]:
     for i, m in enumerate(turns):
         where = f"messages[{i}]"
         role, content = m.get("role"), m.get("content")
-        if role == "system":  # a system turn inside messages (Claude Code sends one): K3 allows it anywhere
+        if (
+            role == "system"
+        ):  # a system turn inside messages (Claude Code sends one): K3 allows it anywhere
             add(TextMessage(0, "system", None, _text(_text_of(content, f"{where}.content"))))
             continue
         if isinstance(content, str):
-            add(TextMessage(0, "user", None, _text(content)) if role == "user"
-                else AssistantMessage(0, None, None, _text(content)))
+            add(
+                TextMessage(0, "user", None, _text(content))
+                if role == "user"
+                else AssistantMessage(0, None, None, _text(content))
+            )
             continue
         if role == "user":
             parts: list = []
@@ -167,7 +201,14 @@ def _messages(req: dict, thinking_on: bool) -> list[Message]:
                     blocks += 1
                     parts.append(_image_part(b, f"{where}.content[{j}]"))
                 elif kind == "tool_result":
-                    add(ToolResult(0, b.get("tool_use_id"), None, _tool_result_parts(b, f"{where}.content[{j}]")))
+                    add(
+                        ToolResult(
+                            0,
+                            b.get("tool_use_id"),
+                            None,
+                            _tool_result_parts(b, f"{where}.content[{j}]"),
+                        )
+                    )
                 else:
                     raise bad_request(f"{where}.content[{j}].type: unsupported block type {kind!r}")
             if blocks:
@@ -184,15 +225,23 @@ def _messages(req: dict, thinking_on: bool) -> list[Message]:
             elif kind == "redacted_thinking":
                 saw_thinking = True
             elif kind == "image":
-                raise bad_request(f"{where}.content[{j}]: {IMAGE_PLACES}, not in assistant messages")
+                raise bad_request(
+                    f"{where}.content[{j}]: {IMAGE_PLACES}, not in assistant messages"
+                )
             elif kind == "tool_use":
                 calls.append(_tool_call(b, f"{where}.content[{j}]"))
             else:
                 raise bad_request(f"{where}.content[{j}].type: unsupported block type {kind!r}")
         if thinking_on and calls and not saw_thinking:
-            raise bad_request(f"thinking is enabled but the thinking block is missing in assistant tool_use message "
-                              f"at index {i}")
-        add(AssistantMessage(0, None, "".join(reasoning) if saw_thinking else None, _text("".join(text)), calls))
+            raise bad_request(
+                f"thinking is enabled but the thinking block is missing in assistant tool_use message "
+                f"at index {i}"
+            )
+        add(
+            AssistantMessage(
+                0, None, "".join(reasoning) if saw_thinking else None, _text("".join(text)), calls
+            )
+        )
     if turns and turns[-1].get("role") == "assistant":
         messages[-1].partial = True  # Anthropic prefill: the final assistant turn is continued
     return messages
@@ -209,22 +258,31 @@ def to_chat_request(req: dict, thinking_on: bool = True) -> ChatRequest:
     """
     messages = _messages(req, thinking_on)
     for j, t in enumerate(req.get("tools") or ()):
-        if t.get("type") not in (None, "custom"):  # server tools (web_search_..., bash_..., ...) run nowhere here
-            raise bad_request(f"tools[{j}].type: unsupported tool type {t.get('type')!r}; only client tools "
-                              "(name, description, input_schema) are supported")
+        if t.get("type") not in (
+            None,
+            "custom",
+        ):  # server tools (web_search_..., bash_..., ...) run nowhere here
+            raise bad_request(
+                f"tools[{j}].type: unsupported tool type {t.get('type')!r}; only client tools "
+                "(name, description, input_schema) are supported"
+            )
     choice, parallel = "auto", None
     tc = req.get("tool_choice")
     if tc:
         kind = tc.get("type")
         if kind not in ("auto", "any", "none", "tool"):
-            raise bad_request(f"tool_choice.type: unsupported value {kind!r} (auto, any, tool, none)")
+            raise bad_request(
+                f"tool_choice.type: unsupported value {kind!r} (auto, any, tool, none)"
+            )
         if kind == "tool" and not isinstance(tc.get("name"), str):
             raise bad_request("tool_choice.name: required for tool_choice.type 'tool'")
         # the named form is accepted and ignored, as the platform treats OpenAI's named tool_choice
         choice = {"auto": "auto", "any": "required", "none": "none", "tool": "auto"}[kind]
         dp = tc.get("disable_parallel_tool_use")
         if dp is not None and not isinstance(dp, bool):
-            raise bad_request(f"tool_choice.disable_parallel_tool_use: must be a boolean, got {dp!r}")
+            raise bad_request(
+                f"tool_choice.disable_parallel_tool_use: must be a boolean, got {dp!r}"
+            )
         if dp:  # Anthropic's name for parallel_tool_calls: false
             parallel = False
     tools = [_function_tool(t) for t in req["tools"]] if req.get("tools") else None
@@ -232,25 +290,42 @@ def to_chat_request(req: dict, thinking_on: bool = True) -> ChatRequest:
         options = make_options(messages, thinking=thinking_on, tools=tools, tool_choice=choice)
     except ValueError as e:
         raise bad_request(anthropic_names(f"Invalid request: {e}")) from None
-    return ChatRequest(messages, options, model=req.get("model"), max_tokens=req.get("max_tokens"),
-                       stop=list(req.get("stop_sequences") or ()), stream=bool(req.get("stream")),
-                       parallel_tool_calls=parallel, tool_images=True, strict_tools=False)
+    return ChatRequest(
+        messages,
+        options,
+        model=req.get("model"),
+        max_tokens=req.get("max_tokens"),
+        stop=list(req.get("stop_sequences") or ()),
+        stream=bool(req.get("stream")),
+        parallel_tool_calls=parallel,
+        tool_images=True,
+        strict_tools=False,
+    )
 
 
 def _function_tool(t: dict) -> dict:
     """An Anthropic client tool as a function tool (``strict`` kept when sent)."""
-    fn: dict[str, Any] = {"name": t.get("name"), "description": t.get("description"),
-                          "parameters": t.get("input_schema") or {"type": "object"}}
+    fn: dict[str, Any] = {
+        "name": t.get("name"),
+        "description": t.get("description"),
+        "parameters": t.get("input_schema") or {"type": "object"},
+    }
     if isinstance(t.get("strict"), bool):
         fn["strict"] = t["strict"]
     return {"type": "function", "function": fn}
 
 
 # chat-completions field names in shared validation messages -> the Anthropic request's names
-_NAMES = (("max_completion_tokens", "max_tokens"), ("tool_choice: 'required'", "tool_choice: 'any'"),
-          ("'required' needs", "'any' needs"), ("stop: ", "stop_sequences: "),
-          ("stop strings", "stop sequences"), ("function.parameters", "input_schema"), ("].function.name", "].name"),
-          ("].function.description", "].description"))
+_NAMES = (
+    ("max_completion_tokens", "max_tokens"),
+    ("tool_choice: 'required'", "tool_choice: 'any'"),
+    ("'required' needs", "'any' needs"),
+    ("stop: ", "stop_sequences: "),
+    ("stop strings", "stop sequences"),
+    ("function.parameters", "input_schema"),
+    ("].function.name", "].name"),
+    ("].function.description", "].description"),
+)
 
 
 def anthropic_names(message: str) -> str:
@@ -307,12 +382,22 @@ def check_thinking(req: dict) -> bool:
         if not isinstance(budget, int) or isinstance(budget, bool):
             raise bad_request(f"thinking.budget_tokens: must be an integer, got {budget!r}")
         if budget < MIN_THINKING_BUDGET:
-            raise bad_request(f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got {show_int(budget)}")
+            raise bad_request(
+                f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got {show_int(budget)}"
+            )
         max_tokens = req.get("max_tokens")
-        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and budget >= max_tokens:
-            raise bad_request(f"thinking.budget_tokens: must be less than max_tokens ({show_int(max_tokens)}), got {show_int(budget)}")
+        if (
+            isinstance(max_tokens, int)
+            and not isinstance(max_tokens, bool)
+            and budget >= max_tokens
+        ):
+            raise bad_request(
+                f"thinking.budget_tokens: must be less than max_tokens ({show_int(max_tokens)}), got {show_int(budget)}"
+            )
     elif kind not in ("disabled", "adaptive", "between_tools"):
-        raise bad_request(f"thinking.type: unsupported value {kind!r} (enabled, disabled, adaptive, between_tools)")
+        raise bad_request(
+            f"thinking.type: unsupported value {kind!r} (enabled, disabled, adaptive, between_tools)"
+        )
     return kind != "disabled"
 
 
@@ -327,7 +412,9 @@ def parse_request(body: Any, *, counting: bool = False) -> ChatRequest:
     """
     check_unicode(body)
     try:
-        (AnthropicCountRequest if counting else AnthropicMessagesRequest).model_validate(body, from_attributes=True)
+        (AnthropicCountRequest if counting else AnthropicMessagesRequest).model_validate(
+            body, from_attributes=True
+        )
     except ValidationError as e:
         raise invalid_body(e.errors()) from None
     if not counting:
@@ -374,8 +461,12 @@ def parse_sized(serving: ChatServing, body: Any, *, counting: bool = False) -> C
         serving.check_size(req, counting=True)
         return req
     try:
-        serving.check_text_size(req, thinking=False)  # before the checks whose work grows with the request
-        serving.check_size(req)  # what serving.prepare checks first (history reasoning counted when thinking)
+        serving.check_text_size(
+            req, thinking=False
+        )  # before the checks whose work grows with the request
+        serving.check_size(
+            req
+        )  # what serving.prepare checks first (history reasoning counted when thinking)
     except APIError as e:
         e.message = e.anthropic_message or anthropic_names(e.message)
         raise
@@ -409,8 +500,12 @@ def count_tokens(serving: ChatServing, body: Any) -> dict:
 
 def _usage(usage: dict) -> dict:
     cached = usage["cached_tokens"]
-    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": usage["prompt_tokens"] - cached,
+        "output_tokens": usage["completion_tokens"],
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _stop_reason(fin: Finished) -> str:
@@ -497,7 +592,9 @@ async def complete(serving: ChatServing, prep: Prepared, gen: Generation) -> dic
             reasoning.append(ev.text)
         elif isinstance(ev, ContentDelta):
             text.append(ev.text)
-        elif isinstance(ev, ToolCallStart):  # a block cut by max_tokens is returned as the stream showed it
+        elif isinstance(
+            ev, ToolCallStart
+        ):  # a block cut by max_tokens is returned as the stream showed it
             blocks[ev.index] = {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}}
             partial[ev.index] = []
         elif isinstance(ev, ToolCallArgumentsDelta):
@@ -520,8 +617,16 @@ async def complete(serving: ChatServing, prep: Prepared, gen: Generation) -> dic
     if text:
         content.append({"type": "text", "text": "".join(text)})
     content.extend(blocks[k] for k in sorted(blocks))
-    return {"id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": content,
-            "stop_reason": _stop_reason(fin), "stop_sequence": fin.stop_sequence, "usage": _usage(fin.usage)}
+    return {
+        "id": prep.id,
+        "type": "message",
+        "role": "assistant",
+        "model": prep.model,
+        "content": content,
+        "stop_reason": _stop_reason(fin),
+        "stop_sequence": fin.stop_sequence,
+        "usage": _usage(fin.usage),
+    }
 
 
 def _event(name: str, data: dict) -> str:
@@ -533,9 +638,22 @@ async def sse(serving: ChatServing, prep: Prepared, gen: Generation) -> AsyncIte
     content_block_delta (thinking_delta + signature_delta, text_delta, input_json_delta) /
     content_block_stop, message_delta (stop_reason, usage), message_stop."""
     start_usage = dict(_usage(gen.usage_so_far()), output_tokens=0)
-    yield _event("message_start", {"type": "message_start", "message": {
-        "id": prep.id, "type": "message", "role": "assistant", "model": prep.model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
+    yield _event(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": prep.id,
+                "type": "message",
+                "role": "assistant",
+                "model": prep.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": start_usage,
+            },
+        },
+    )
     yield _event("ping", {"type": "ping"})
     index, open_kind, thought = -1, None, []
 
@@ -543,8 +661,19 @@ async def sse(serving: ChatServing, prep: Prepared, gen: Generation) -> AsyncIte
         nonlocal open_kind
         out = []
         if open_kind == "thinking":
-            out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "signature_delta", "signature": _signature("".join(thought))}}))
+            out.append(
+                _event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {
+                            "type": "signature_delta",
+                            "signature": _signature("".join(thought)),
+                        },
+                    },
+                )
+            )
         if open_kind is not None:
             out.append(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
         open_kind = None
@@ -555,7 +684,12 @@ async def sse(serving: ChatServing, prep: Prepared, gen: Generation) -> AsyncIte
         out = close()
         index += 1
         open_kind = kind
-        out.append(_event("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}))
+        out.append(
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": block},
+            )
+        )
         return out
 
     async for ev in gen.events():
@@ -564,33 +698,73 @@ async def sse(serving: ChatServing, prep: Prepared, gen: Generation) -> AsyncIte
             pieces += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
         if isinstance(ev, ReasoningDelta):
             if open_kind != "thinking":
-                pieces += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                pieces += open_block(
+                    "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                )
             thought.append(ev.text)
-            pieces.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                         "delta": {"type": "thinking_delta", "thinking": ev.text}}))
+            pieces.append(
+                _event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "thinking_delta", "thinking": ev.text},
+                    },
+                )
+            )
         elif isinstance(ev, ContentDelta):
             if open_kind != "text":
                 pieces += open_block("text", {"type": "text", "text": ""})
-            pieces.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                         "delta": {"type": "text_delta", "text": ev.text}}))
+            pieces.append(
+                _event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "text_delta", "text": ev.text},
+                    },
+                )
+            )
         elif isinstance(ev, ToolCallStart):
-            pieces += open_block("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
+            pieces += open_block(
+                "tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}}
+            )
         elif isinstance(ev, ToolCallArgumentsDelta):
-            pieces.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                         "delta": {"type": "input_json_delta", "partial_json": ev.text}}))
+            pieces.append(
+                _event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": ev.text},
+                    },
+                )
+            )
         elif isinstance(ev, ToolCallEnd):
             pieces += close()
         elif isinstance(ev, Finished):
             if ev.finish_reason in ("abort", "error"):
-                err = (APIError(500, ENGINE_FAILED) if ev.finish_reason == "error" else
-                       APIError(503, "the request was aborted (server shutting down)")).anthropic_body()
+                err = (
+                    APIError(500, ENGINE_FAILED)
+                    if ev.finish_reason == "error"
+                    else APIError(503, "the request was aborted (server shutting down)")
+                ).anthropic_body()
                 yield "".join(pieces) + _event("error", err)
                 return
             pieces += close()
-            pieces.append(_event("message_delta", {"type": "message_delta",
-                                                   "delta": {"stop_reason": _stop_reason(ev),
-                                                             "stop_sequence": ev.stop_sequence},
-                                                   "usage": _usage(ev.usage)}))
+            pieces.append(
+                _event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": _stop_reason(ev),
+                            "stop_sequence": ev.stop_sequence,
+                        },
+                        "usage": _usage(ev.usage),
+                    },
+                )
+            )
             pieces.append(_event("message_stop", {"type": "message_stop"}))
         if pieces:
             yield "".join(pieces)

@@ -53,8 +53,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openk3.server import anthropic, responses
 from openk3.server.metrics import CONTENT_TYPE, Metrics
 from openk3.server.protocol import (
-    AnthropicCountRequest, AnthropicMessagesRequest, APIError, ChatCompletion, ErrorResponse, ModelCard, ModelList,
-    TokenCountResponse, field_path, first_error,
+    AnthropicCountRequest,
+    AnthropicMessagesRequest,
+    APIError,
+    ChatCompletion,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenCountResponse,
+    field_path,
+    first_error,
 )
 from openk3.server.request import ChatCompletionRequest, TokenCountRequest
 from openk3.server.screen import BodyScreen, ScreenSpec, invalid_json_message
@@ -63,23 +71,41 @@ from openk3.server.validation import Limits
 
 log = logging.getLogger("openk3.server")
 
-_ENDPOINTS = {"/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/tokenizers/estimate-token-count",
-              "/anthropic/v1/messages", "/anthropic/v1/messages/count_tokens", "/anthropic/v1/models", "/health",
-              "/metrics", "/", "/v1", "/anthropic"}
+_ENDPOINTS = {
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/models",
+    "/v1/tokenizers/estimate-token-count",
+    "/anthropic/v1/messages",
+    "/anthropic/v1/messages/count_tokens",
+    "/anthropic/v1/models",
+    "/health",
+    "/metrics",
+    "/",
+    "/v1",
+    "/anthropic",
+}
 _ROOTS = ("/", "/v1", "/v1/", "/anthropic", "/anthropic/")  # status only: open like /health
 SMALL_BODY = 64 * 1024  # body bytes a request to a path without a JSON body may announce
 CLIENT_CLOSED = 499  # nginx's "client closed request": counted for requests whose client left
-_BODY_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/responses": responses.ResponsesRequest,
-                "/v1/tokenizers/estimate-token-count": TokenCountRequest,
-                "/anthropic/v1/messages": AnthropicMessagesRequest,
-                "/anthropic/v1/messages/count_tokens": AnthropicCountRequest}
-_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-           413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
+_BODY_MODELS = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": responses.ResponsesRequest,
+    "/v1/tokenizers/estimate-token-count": TokenCountRequest,
+    "/anthropic/v1/messages": AnthropicMessagesRequest,
+    "/anthropic/v1/messages/count_tokens": AnthropicCountRequest,
+}
+_ERRORS = {
+    400: {"model": ErrorResponse},
+    401: {"model": ErrorResponse},
+    404: {"model": ErrorResponse},
+    413: {"model": ErrorResponse},
+    429: {"model": ErrorResponse},
+}
 # A route takes its body as the JSON sent (``Body``): the surface's parser validates it against its
 # wire model (_BODY_MODELS) and builds the ChatRequest, once; the OpenAPI document still shows
 # the wire model as the body schema (:func:`_openapi`).
 JSONBody = Annotated[Any, Body()]
-
 
 
 def default_model_path() -> str | None:
@@ -99,7 +125,9 @@ def _error_response(path: str, err: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
-ACCESS = "openk3.access"  # scope key: a dict the route fills with its Generation, for the access log
+ACCESS = (
+    "openk3.access"  # scope key: a dict the route fills with its Generation, for the access log
+)
 access_log = logging.getLogger("openk3.access")
 
 
@@ -113,8 +141,10 @@ def access_line(method: str, path: str, status: int, seconds: float, usage: dict
     """
     tokens = ""
     if usage is not None:
-        tokens = (f" prompt={usage.get('prompt_tokens', 0)} cached={usage.get('cached_tokens', 0)} "
-                  f"completion={usage.get('completion_tokens', 0)}")
+        tokens = (
+            f" prompt={usage.get('prompt_tokens', 0)} cached={usage.get('cached_tokens', 0)} "
+            f"completion={usage.get('completion_tokens', 0)}"
+        )
     return f"{method} {path} {status}{tokens} {seconds:.3f}s"
 
 
@@ -122,8 +152,16 @@ class Guard:
     """ASGI middleware: request metrics, API key (401), body size (413), the access log line; see
     the module docstring."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Metrics,
-                 log_requests: bool = False, screen: BodyScreen | None = None, in_flight: dict | None = None):
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: Metrics,
+        log_requests: bool = False,
+        screen: BodyScreen | None = None,
+        in_flight: dict | None = None,
+    ):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
         self.log_requests, self.screen = log_requests, screen
         # {"requests": n}: requests not yet fully answered (what SIGTERM / Ctrl-C waits for; the
@@ -143,8 +181,14 @@ class Guard:
         path = scope["path"]
         endpoint = path.rstrip("/") or "/"
         if endpoint not in _ENDPOINTS:
-            endpoint = next((p + "/{id}" for p in ("/v1/models", "/v1/responses", "/anthropic/v1/models")
-                             if path.startswith(p + "/")), "other")
+            endpoint = next(
+                (
+                    p + "/{id}"
+                    for p in ("/v1/models", "/v1/responses", "/anthropic/v1/models")
+                    if path.startswith(p + "/")
+                ),
+                "other",
+            )
         status_box = [500]
         t0 = time.monotonic()
         scope[ACCESS] = access = {}
@@ -175,15 +219,23 @@ class Guard:
             if self.log_requests:
                 gen = access.get("generation")
                 usage = gen.usage_so_far() if gen is not None else None
-                access_log.info(access_line(scope["method"], path, status_box[0], time.monotonic() - t0, usage))
+                access_log.info(
+                    access_line(scope["method"], path, status_box[0], time.monotonic() - t0, usage)
+                )
 
     async def _guarded(self, scope: dict, receive: Any, send: Any, path: str) -> int | None:
         """Run the guards and the app; returns the status to count for a request that got no
         response (499: the client left while uploading its body), else None."""
         headers = dict(scope.get("headers") or [])
-        if self.api_key and path.startswith(("/v1", "/anthropic")) and path not in _ROOTS \
-                and not self._authorized(headers):
-            return await _error_response(path, APIError(401, "Invalid Authentication"))(scope, receive, send)
+        if (
+            self.api_key
+            and path.startswith(("/v1", "/anthropic"))
+            and path not in _ROOTS
+            and not self._authorized(headers)
+        ):
+            return await _error_response(path, APIError(401, "Invalid Authentication"))(
+                scope, receive, send
+            )
         # Only the JSON endpoints take a body: for any other path (open probes, the API docs,
         # unknown paths) at most SMALL_BODY bytes are announced, and none is ever read or buffered.
         takes_body = path in _BODY_MODELS
@@ -206,8 +258,9 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        if self.screen is not None and self.screen.applies(path, headers.get(b"content-type", b"").decode("latin-1"),
-                                                           total):
+        if self.screen is not None and self.screen.applies(
+            path, headers.get(b"content-type", b"").decode("latin-1"), total
+        ):
             # large bodies: checked in a worker process, sent as received (joining tens of MiB
             # here would hold the event loop for a page-faulting copy)
             refused = await self.screen.check(path, chunks, total)
@@ -283,8 +336,14 @@ async def _or_disconnect(request: Request, coro: Any) -> tuple[bool, Any]:
     return True, task.result()
 
 
-def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutdown: Any = None,
-               log_requests: bool = False, start_screen: bool = False) -> FastAPI:
+def create_app(
+    serving: ChatServing,
+    *,
+    api_key: str | None = None,
+    engine_shutdown: Any = None,
+    log_requests: bool = False,
+    start_screen: bool = False,
+) -> FastAPI:
     """The FastAPI app over a :class:`ChatServing`.
 
     Args:
@@ -297,9 +356,15 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     """
     from openk3 import __version__
 
-    screen = BodyScreen(ScreenSpec(serving.model.id, serving.model.context_length, serving.max_token_bytes(),
-                                    max_messages=serving.limits.max_messages,
-                                    tokenizer_dir=getattr(serving, "tokenizer_dir", None)))
+    screen = BodyScreen(
+        ScreenSpec(
+            serving.model.id,
+            serving.model.context_length,
+            serving.max_token_bytes(),
+            max_messages=serving.limits.max_messages,
+            tokenizer_dir=getattr(serving, "tokenizer_dir", None),
+        )
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -329,21 +394,37 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         if first.get("type") == "json_invalid":  # loc is ("body", character position)
             pos = (first.get("loc") or ("body",))[-1]
             detail = (first.get("ctx") or {}).get("error") or msg
-            return _error_response(request.url.path, APIError(400, invalid_json_message(detail, pos)))
+            return _error_response(
+                request.url.path, APIError(400, invalid_json_message(detail, pos))
+            )
         loc = field_path(first.get("loc", ()))
-        if not loc and first.get("type") == "missing":  # FastAPI reports an empty body as a missing one
+        if (
+            not loc and first.get("type") == "missing"
+        ):  # FastAPI reports an empty body as a missing one
             model = _BODY_MODELS.get(request.url.path)
-            need = [f.alias or n for n, f in model.model_fields.items() if f.is_required()] if model else []
-            msg = "the request body is empty" + (f"; a JSON object with {', '.join(need)} is required" if need else "")
-        return _error_response(request.url.path, APIError(400, f"Invalid request: {loc or 'body'}: {msg}"))
+            need = (
+                [f.alias or n for n, f in model.model_fields.items() if f.is_required()]
+                if model
+                else []
+            )
+            msg = "the request body is empty" + (
+                f"; a JSON object with {', '.join(need)} is required" if need else ""
+            )
+        return _error_response(
+            request.url.path, APIError(400, f"Invalid request: {loc or 'body'}: {msg}")
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         status = exc.status_code
         message = {404: "Not found", 405: "Method not allowed"}.get(status, str(exc.detail))
-        if isinstance(exc.__cause__, RecursionError):  # FastAPI's body parse: json.loads recursed too deep
+        if isinstance(
+            exc.__cause__, RecursionError
+        ):  # FastAPI's body parse: json.loads recursed too deep
             message = "Invalid request: body: JSON nested too deeply to parse"
-        return _error_response(request.url.path, APIError(status, message, headers=getattr(exc, "headers", None)))
+        return _error_response(
+            request.url.path, APIError(status, message, headers=getattr(exc, "headers", None))
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -358,15 +439,25 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
             await gen.aclose()
             return Response(status_code=CLIENT_CLOSED)  # nobody is listening
         if prep.stream:
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-request-id": prep.id}
-            return _Stream(stream(prep, gen), gen.aclose, media_type="text/event-stream", headers=headers)
+            headers = {
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                "x-request-id": prep.id,
+            }
+            return _Stream(
+                stream(prep, gen), gen.aclose, media_type="text/event-stream", headers=headers
+            )
         done, result = await _or_disconnect(request, complete(prep, gen))
         if not done:
             await gen.aclose()
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(result, headers={"x-request-id": prep.id})
 
-    @app.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}, **_ERRORS})
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={200: {"model": ChatCompletion}, **_ERRORS},
+    )
     async def chat_completions(request: Request, body: JSONBody) -> Response:
         # parsing, checks, rendering and grammar compilation are CPU work: keep them off the event loop
         prep = await _off_loop(lambda: serving.prepare(serving.parse(body)))
@@ -375,24 +466,40 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     @app.post("/v1/responses", response_model=None, responses=_ERRORS)
     async def create_response(request: Request, body: JSONBody) -> Response:
         prep, ctx = await _off_loop(responses.prepare, serving, body)
-        return await _run(request, prep, lambda p, g: responses.complete(serving, p, ctx, g),
-                          lambda p, g: responses.sse(serving, p, ctx, g))
+        return await _run(
+            request,
+            prep,
+            lambda p, g: responses.complete(serving, p, ctx, g),
+            lambda p, g: responses.sse(serving, p, ctx, g),
+        )
 
     @app.get("/v1/responses/{response_id:path}", response_model=None, responses=_ERRORS)
     async def get_response(response_id: str) -> Response:
-        raise APIError(404, f"Not found the response {response_id}: this server does not store responses "
-                            "(stateless, as with store: false)")
+        raise APIError(
+            404,
+            f"Not found the response {response_id}: this server does not store responses "
+            "(stateless, as with store: false)",
+        )
 
-    @app.post("/v1/tokenizers/estimate-token-count", response_model=TokenCountResponse, responses=_ERRORS)
+    @app.post(
+        "/v1/tokenizers/estimate-token-count", response_model=TokenCountResponse, responses=_ERRORS
+    )
     async def estimate_token_count(body: JSONBody) -> dict:
         total = await _off_loop(lambda: serving.count_tokens(serving.parse(body, counting=True)))
         return {"data": {"total_tokens": total}}
 
     def _card() -> dict:
         m = serving.model
-        return {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by,
-                "context_length": m.context_length, "supports_image_in": m.supports_image_in,
-                "supports_video_in": m.supports_video_in, "supports_reasoning": m.supports_reasoning}
+        return {
+            "id": m.id,
+            "object": "model",
+            "created": m.created,
+            "owned_by": m.owned_by,
+            "context_length": m.context_length,
+            "supports_image_in": m.supports_image_in,
+            "supports_video_in": m.supports_video_in,
+            "supports_reasoning": m.supports_reasoning,
+        }
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> dict:
@@ -430,8 +537,12 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
     @app.post("/anthropic/v1/messages", response_model=None, responses=_ERRORS)
     async def anthropic_messages(request: Request, body: JSONBody) -> Response:
         prep = await _off_loop(anthropic.prepare, serving, body)
-        return await _run(request, prep, lambda p, g: anthropic.complete(serving, p, g),
-                          lambda p, g: anthropic.sse(serving, p, g))
+        return await _run(
+            request,
+            prep,
+            lambda p, g: anthropic.complete(serving, p, g),
+            lambda p, g: anthropic.sse(serving, p, g),
+        )
 
     @app.post("/anthropic/v1/messages/count_tokens", response_model=None, responses=_ERRORS)
     async def anthropic_count_tokens(body: JSONBody) -> dict:
@@ -451,8 +562,15 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, engine_shutd
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
     app.openapi = lambda: _openapi(app)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=serving.limits.max_body_bytes, metrics=serving.metrics,
-                       log_requests=log_requests, screen=screen, in_flight=in_flight)
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=serving.limits.max_body_bytes,
+        metrics=serving.metrics,
+        log_requests=log_requests,
+        screen=screen,
+        in_flight=in_flight,
+    )
     if getattr(serving, "greedy", False):
         app.add_middleware(DecodingHeader)
     return app
@@ -469,7 +587,9 @@ def _openapi(app: FastAPI) -> dict:
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
             body = doc["paths"][path]["post"]["requestBody"]
-            body["content"] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+            body["content"] = {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            }
         app.openapi_schema = doc
     return app.openapi_schema
 
@@ -488,17 +608,32 @@ class DecodingHeader:
 
         async def send_marked(message: dict) -> None:
             if message["type"] == "http.response.start":
-                message = dict(message, headers=list(message.get("headers") or []) + [(b"x-openk3-decoding", b"greedy")])
+                message = dict(
+                    message,
+                    headers=list(message.get("headers") or [])
+                    + [(b"x-openk3-decoding", b"greedy")],
+                )
             await send(message)
 
         await self.app(scope, receive, send_marked)
 
 
-def build_serving(model_path: str, *, served_model_name: str | None = None, max_num_seqs: int = 16,
-                  cache_memory: int | None = None, enable_prefix_cache: bool = True,
-                  max_waiting: int | None = None, max_model_len: int | None = None,
-                  limits: Limits = Limits(), max_request_memory: int | None = None, device: Any = "cpu",
-                  dtype: Any = None, greedy: bool = False, compile: bool = False) -> tuple[ChatServing, Any]:
+def build_serving(
+    model_path: str,
+    *,
+    served_model_name: str | None = None,
+    max_num_seqs: int = 16,
+    cache_memory: int | None = None,
+    enable_prefix_cache: bool = True,
+    max_waiting: int | None = None,
+    max_model_len: int | None = None,
+    limits: Limits = Limits(),
+    max_request_memory: int | None = None,
+    device: Any = "cpu",
+    dtype: Any = None,
+    greedy: bool = False,
+    compile: bool = False,
+) -> tuple[ChatServing, Any]:
     """Load a checkpoint directory (config + safetensors + tokenizer files) onto `device` in `dtype`
     (None: float32; :mod:`openk3.runtime` resolves ``--device`` / ``--dtype``) and start its engine.
     A checkpoint with a vision tower (``K3ForConditionalGeneration``) serves image input
@@ -533,19 +668,34 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
     model_path = resolve_model_path(model_path)
     tokenizer = load_tokenizer(model_path)
     model = load_pretrained(model_path, device=device, dtype=dtype or torch.float32)
-    kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, "cache_memory": cache_memory,
-                              "enable_prefix_cache": enable_prefix_cache, "compile": compile}
+    kwargs: dict[str, Any] = {
+        "max_num_seqs": max_num_seqs,
+        "cache_memory": cache_memory,
+        "enable_prefix_cache": enable_prefix_cache,
+        "compile": compile,
+    }
     if max_waiting is not None:
         kwargs["max_waiting"] = max_waiting
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
-    engine = Engine(model, EngineConfig(**kwargs),
-                    detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    context = int(getattr(engine, "max_model_len", None) or max_model_len or model.config.max_position_embeddings)
+    engine = Engine(
+        model,
+        EngineConfig(**kwargs),
+        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    context = int(
+        getattr(engine, "max_model_len", None)
+        or max_model_len
+        or model.config.max_position_embeddings
+    )
     name = served_model_name or os.path.basename(os.path.normpath(model_path))
     image_config = image_config_for(model, model_path)  # None for a text-only model
-    info = ModelInfo(id=name, context_length=context, supports_image_in=image_config is not None,
-                     created=int(time.time()))
+    info = ModelInfo(
+        id=name,
+        context_length=context,
+        supports_image_in=image_config is not None,
+        created=int(time.time()),
+    )
     async_engine = AsyncEngine(engine)
     activation_bytes = None
     vc = getattr(model, "vision_config", None)
@@ -559,9 +709,17 @@ def build_serving(model_path: str, *, served_model_name: str | None = None, max_
         avail = available_memory("cpu")  # host RAM (MemAvailable), as before
         max_request_memory = avail // 8 if avail else None
     limits = dataclasses.replace(limits, max_request_memory=max_request_memory)
-    serving = ChatServing(async_engine, tokenizer, info, Metrics(engine.stats), limits, image_config=image_config,
-                          activation_bytes=activation_bytes,
-                          greedy=greedy, tokenizer_dir=str(model_path))
+    serving = ChatServing(
+        async_engine,
+        tokenizer,
+        info,
+        Metrics(engine.stats),
+        limits,
+        image_config=image_config,
+        activation_bytes=activation_bytes,
+        greedy=greedy,
+        tokenizer_dir=str(model_path),
+    )
     return serving, async_engine
 
 
@@ -602,9 +760,12 @@ def main(args: Any) -> int:
 
     path = resolve_model_path(args.model) if args.model else default_model_path()
     if path is None:
-        print("openk3 serve: no MODEL given and the shipped default model (openk3/shipped/openk3-tiny) "
-              "is missing from this installation; run `openk3 serve CHECKPOINT_DIR` with a directory "
-              "holding config.json, safetensors and the tokenizer files", file=sys.stderr)
+        print(
+            "openk3 serve: no MODEL given and the shipped default model (openk3/shipped/openk3-tiny) "
+            "is missing from this installation; run `openk3 serve CHECKPOINT_DIR` with a directory "
+            "holding config.json, safetensors and the tokenizer files",
+            file=sys.stderr,
+        )
         return 2
     if not os.path.isdir(path):
         print(f"openk3 serve: {path!r} is not a checkpoint directory", file=sys.stderr)
@@ -626,11 +787,19 @@ def main(args: Any) -> int:
         return 2
     try:
         serving, async_engine = build_serving(
-            path, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-            cache_memory=args.cache_memory, enable_prefix_cache=not args.no_prefix_cache,
-            max_waiting=getattr(args, "max_waiting", None), max_model_len=getattr(args, "max_model_len", None),
-            max_request_memory=getattr(args, "max_request_memory", None), device=device, dtype=dtype,
-            greedy=bool(getattr(args, "greedy", False)), compile=bool(getattr(args, "compile", False)))
+            path,
+            served_model_name=args.served_model_name,
+            max_num_seqs=args.max_num_seqs,
+            cache_memory=args.cache_memory,
+            enable_prefix_cache=not args.no_prefix_cache,
+            max_waiting=getattr(args, "max_waiting", None),
+            max_model_len=getattr(args, "max_model_len", None),
+            max_request_memory=getattr(args, "max_request_memory", None),
+            device=device,
+            dtype=dtype,
+            greedy=bool(getattr(args, "greedy", False)),
+            compile=bool(getattr(args, "compile", False)),
+        )
     except (FileNotFoundError, ValueError) as e:
         sock.close()
         print(f"openk3 serve: cannot start with {path!r}: {e}", file=sys.stderr)
@@ -643,10 +812,19 @@ def main(args: Any) -> int:
         access_log.setLevel(logging.INFO)
         access_log.propagate = False
     # start_screen: the body-screening worker imports while the server starts, not on the first big body
-    app = create_app(serving, api_key=api_key, engine_shutdown=async_engine.shutdown, log_requests=not quiet,
-                     start_screen=True)
+    app = create_app(
+        serving,
+        api_key=api_key,
+        engine_shutdown=async_engine.shutdown,
+        log_requests=not quiet,
+        start_screen=True,
+    )
     model_id = serving.model.id
-    note = "; --greedy: argmax decoding for evaluation, not the platform's sampling" if serving.greedy else ""
+    note = (
+        "; --greedy: argmax decoding for evaluation, not the platform's sampling"
+        if serving.greedy
+        else ""
+    )
     # Request preparation (validation, rendering, tokenizing, image decoding) runs in worker
     # threads; a thread running Python code holds the GIL for a whole switch interval each time
     # the event loop asks for it. 1 ms instead of 5 keeps /health and the other streams answered
@@ -666,15 +844,21 @@ def main(args: Any) -> int:
                     # SIGTERM is a supervisor's "stop", SIGINT a user's: once drained, exit 0 rather than
                     # re-raising them (-15 / 143 reads as a crash; SIGINT would be a KeyboardInterrupt
                     # traceback)
-                    self._captured_signals = [s for s in self._captured_signals
-                                              if s not in (signal.SIGTERM, signal.SIGINT)]
+                    self._captured_signals = [
+                        s
+                        for s in self._captured_signals
+                        if s not in (signal.SIGTERM, signal.SIGINT)
+                    ]
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started and self.servers:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"openk3 serve: model {model_id} at http://{host}:{port}/v1 "
-                      f"(anthropic: http://{host}:{port}/anthropic; {where}{note})", flush=True)
+                print(
+                    f"openk3 serve: model {model_id} at http://{host}:{port}/v1 "
+                    f"(anthropic: http://{host}:{port}/anthropic; {where}{note})",
+                    flush=True,
+                )
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             # SIGINT and SIGTERM: one line, then uvicorn's graceful shutdown (stop accepting, wait
@@ -682,14 +866,29 @@ def main(args: Any) -> int:
             if not self.should_exit:
                 n = app.state.in_flight["requests"]
                 name = signal.Signals(sig).name
-                drain = f"finishing {n} in-flight request{'s' if n != 1 else ''}" if n else "no request in flight"
+                drain = (
+                    f"finishing {n} in-flight request{'s' if n != 1 else ''}"
+                    if n
+                    else "no request in flight"
+                )
                 more = "; Ctrl-C again to abort them" if n and sig == signal.SIGINT else ""
-                print(f"openk3 serve: {name}, stopping ({drain}{more})", file=sys.stderr, flush=True)
+                print(
+                    f"openk3 serve: {name}, stopping ({drain}{more})", file=sys.stderr, flush=True
+                )
             elif sig == signal.SIGINT and not self.force_exit:
-                print("openk3 serve: SIGINT again, aborting in-flight requests", file=sys.stderr, flush=True)
+                print(
+                    "openk3 serve: SIGINT again, aborting in-flight requests",
+                    file=sys.stderr,
+                    flush=True,
+                )
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=getattr(args, "drain_timeout", None) or 600)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=getattr(args, "drain_timeout", None) or 600,
+    )
     _Server(config).run(sockets=[sock])
     return 0

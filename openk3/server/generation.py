@@ -27,7 +27,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from openk3.chat_format import OutputParser
 from openk3.chat_format.parser import (
-    ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    ContentDelta,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
 )
 from openk3.server.protocol import APIError, bad_request
 from openk3.server.stops import StopFilter
@@ -52,16 +56,18 @@ class Prepared:
     created: int
     model: str
     prompt: Prompt
-    prompt_tokens: int               # usage.prompt_tokens (§12)
+    prompt_tokens: int  # usage.prompt_tokens (§12)
     params: SamplingParams
-    constraint: Constraint | None    # None: free output
+    constraint: Constraint | None  # None: free output
     tool_index_start: int
     tools_enabled: bool
     stops: list[str]
     stream: bool = False
     include_usage: bool = False
     t0: float = field(default_factory=time.monotonic)
-    prompt_ids: list[int] | None = None  # the engine's prompt: prompt.token_ids with images expanded
+    prompt_ids: list[int] | None = (
+        None  # the engine's prompt: prompt.token_ids with images expanded
+    )
     mm_inputs: list[ImageInput] | None = None  # one per image (None: no images)
 
 
@@ -88,9 +94,13 @@ def usage_dict(prompt_tokens: int, cached: int, completion: int) -> dict:
     are smaller); the difference is billed as a miss, the conservative side.
     """
     cached = max(0, min(int(cached), prompt_tokens)) // CACHE_REPORT_BLOCK * CACHE_REPORT_BLOCK
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "cached_tokens": cached,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "cached_tokens": cached,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _is_overloaded(exc: BaseException) -> bool:
@@ -112,10 +122,17 @@ class Generation:
 
     def __init__(self, serving: "ChatServing", prep: Prepared):
         self.s, self.prep = serving, prep
-        self.parser = OutputParser(serving.tokenizer, start_channel=prep.prompt.channel or "think",
-                                   tool_index_start=prep.tool_index_start, tools_enabled=prep.tools_enabled)
+        self.parser = OutputParser(
+            serving.tokenizer,
+            start_channel=prep.prompt.channel or "think",
+            tool_index_start=prep.tool_index_start,
+            tools_enabled=prep.tools_enabled,
+        )
         self.thinking_output = (prep.prompt.channel or "think") == "think"
-        self._filters = {ReasoningDelta: StopFilter(prep.stops), ContentDelta: StopFilter(prep.stops)}
+        self._filters = {
+            ReasoningDelta: StopFilter(prep.stops),
+            ContentDelta: StopFilter(prep.stops),
+        }
         self._agen: Any = None
         self._pending: Any = None
         self._closed = False
@@ -123,11 +140,15 @@ class Generation:
         self._last_token_t: float | None = None
         self.stop_hit: str | None = None
         self.n_calls = 0
-        self.open_calls: set[int] = set()  # calls started and not yet ended (cut by max_tokens: "length")
+        self.open_calls: set[int] = (
+            set()
+        )  # calls started and not yet ended (cut by max_tokens: "length")
         self.engine_reason: str | None = None
         self.usage: Any = None
         self.logprobs: list[Any] = []
-        self.reasoning_tokens = 0  # generated ids read in the think channel (the Responses API reports them)
+        self.reasoning_tokens = (
+            0  # generated ids read in the think channel (the Responses API reports them)
+        )
 
     async def start(self) -> None:
         """Submit to the engine and wait for the first output.
@@ -139,8 +160,12 @@ class Generation:
         prep = self.prep
         ids = prep.prompt_ids if prep.prompt_ids is not None else prep.prompt.token_ids
         extra = {"mm_inputs": prep.mm_inputs} if prep.mm_inputs else {}
-        self._agen = self.s.engine.generate(ids, prep.params, prep.constraint, request_id=prep.id, **extra).__aiter__()
-        prep.mm_inputs = None  # the engine owns the pixels now (and drops them once the prompt is computed)
+        self._agen = self.s.engine.generate(
+            ids, prep.params, prep.constraint, request_id=prep.id, **extra
+        ).__aiter__()
+        prep.mm_inputs = (
+            None  # the engine owns the pixels now (and drops them once the prompt is computed)
+        )
         try:
             self._pending = await self._agen.__anext__()
         except StopAsyncIteration:
@@ -152,7 +177,9 @@ class Generation:
             await self.aclose()
             if _is_overloaded(e):
                 self.s.metrics.overloaded()
-                raise APIError(429, OVERLOADED, headers={"Retry-After": str(self.s.limits.retry_after_s)}) from None
+                raise APIError(
+                    429, OVERLOADED, headers={"Retry-After": str(self.s.limits.retry_after_s)}
+                ) from None
             if isinstance(e, RuntimeError) and "shutting down" in str(e):
                 raise APIError(503, "the server is shutting down") from None
             raise
@@ -165,7 +192,9 @@ class Generation:
         """Usage as of the latest engine output (after :meth:`start`: prompt and cache hits known)."""
         u = self.usage if self.usage is not None else getattr(self._pending, "usage", None)
         cached = int(getattr(u, "cached_tokens", 0) or 0)
-        return usage_dict(self.prep.prompt_tokens, cached, int(getattr(u, "completion_tokens", 0) or 0))
+        return usage_dict(
+            self.prep.prompt_tokens, cached, int(getattr(u, "completion_tokens", 0) or 0)
+        )
 
     async def events(self) -> AsyncIterator[Any]:
         try:
@@ -195,7 +224,9 @@ class Generation:
         if self._agen is not None and hasattr(self._agen, "aclose"):
             try:
                 await self._agen.aclose()
-            except Exception:  # the stream may already be finished or broken; the abort above is what matters
+            except (
+                Exception
+            ):  # the stream may already be finished or broken; the abort above is what matters
                 pass
 
     def _on_output(self, out: Any) -> list[Any]:
@@ -224,7 +255,9 @@ class Generation:
                 other = self._filters[ContentDelta if kind is ReasoningDelta else ReasoningDelta]
                 held, hit = other.flush()
                 if held:
-                    result.append((ContentDelta if kind is ReasoningDelta else ReasoningDelta)(held))
+                    result.append(
+                        (ContentDelta if kind is ReasoningDelta else ReasoningDelta)(held)
+                    )
                 if hit is not None:
                     self.stop_hit = hit
                     return result

@@ -42,8 +42,14 @@ def _url(part: dict) -> str:
     return ref.get("url") if isinstance(ref, dict) else ref
 
 
-def expand_images(prompt: Any, tokenizer: Any, config: Any, *, pixels: bool,
-                  check: Callable[[int, list[tuple[int, int, int]]], None] | None = None) -> ExpandedImages:
+def expand_images(
+    prompt: Any,
+    tokenizer: Any,
+    config: Any,
+    *,
+    pixels: bool,
+    check: Callable[[int, list[tuple[int, int, int]]], None] | None = None,
+) -> ExpandedImages:
     """Expand the prompt's image slots, then (``pixels``) decode and preprocess the images.
 
     Order, so that a request refused for its size never pays for a decode: every image's header
@@ -70,10 +76,18 @@ def expand_images(prompt: Any, tokenizer: Any, config: Any, *, pixels: bool,
             check(len(prompt.token_ids), [])
         return ExpandedImages(list(prompt.token_ids), prompt.prompt_tokens)
     from openk3.vision.expand import expand_image_slots
-    from openk3.vision.preprocess import ImageError, image_bytes_from_data_url, navit_resize, open_image, process_image
+    from openk3.vision.preprocess import (
+        ImageError,
+        image_bytes_from_data_url,
+        navit_resize,
+        open_image,
+        process_image,
+    )
 
     if len(prompt.images) > config.max_images:
-        raise bad_request(f"messages: at most {config.max_images} images per request, got {len(prompt.images)}")
+        raise bad_request(
+            f"messages: at most {config.max_images} images per request, got {len(prompt.images)}"
+        )
     where = prompt.image_locations
     datas, sizes, plans, locs = [], [], [], []
     for k, part in enumerate(prompt.images):
@@ -88,8 +102,9 @@ def expand_images(prompt: Any, tokenizer: Any, config: Any, *, pixels: bool,
         sizes.append((w, h))
         plans.append(navit_resize(w, h, config))
     try:
-        expanded = expand_image_slots(prompt.token_ids, prompt.image_slots, sizes, [p.num_tokens for p in plans],
-                                      tokenizer)
+        expanded = expand_image_slots(
+            prompt.token_ids, prompt.image_slots, sizes, [p.num_tokens for p in plans], tokenizer
+        )
     except ValueError as e:
         raise bad_request(f"Invalid request: {e}") from None
     if check is not None:
@@ -131,9 +146,17 @@ def image_config_for(model: Any, checkpoint: str | None = None) -> Any:
                 raw = json.load(f)
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not readable JSON ({e})") from None
-        cfg = ImageProcessorConfig.from_dict(raw.get("media_proc_cfg", raw) if isinstance(raw, dict) else raw)
-        if cfg.patch_size != vc.patch_size or (cfg.merge_kernel_size,) * 2 != tuple(vc.merge_kernel_size):
-            raise ValueError(f"{path}: patch_size {cfg.patch_size} / merge_kernel_size {cfg.merge_kernel_size} "
-                             f"disagree with vision_config ({vc.patch_size}, {list(vc.merge_kernel_size)})")
+        cfg = ImageProcessorConfig.from_dict(
+            raw.get("media_proc_cfg", raw) if isinstance(raw, dict) else raw
+        )
+        if cfg.patch_size != vc.patch_size or (cfg.merge_kernel_size,) * 2 != tuple(
+            vc.merge_kernel_size
+        ):
+            raise ValueError(
+                f"{path}: patch_size {cfg.patch_size} / merge_kernel_size {cfg.merge_kernel_size} "
+                f"disagree with vision_config ({vc.patch_size}, {list(vc.merge_kernel_size)})"
+            )
         return cfg
-    return ImageProcessorConfig(patch_size=vc.patch_size, merge_kernel_size=list(vc.merge_kernel_size))
+    return ImageProcessorConfig(
+        patch_size=vc.patch_size, merge_kernel_size=list(vc.merge_kernel_size)
+    )

@@ -26,7 +26,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -53,16 +69,23 @@ class _EngineCollector:
         except Exception:  # a scrape must never fail because the engine is busy or shutting down
             stats = {}
         flat = dict(_flatten(stats))
-        running = GaugeMetricFamily("openk3_requests_running", "requests being decoded or prefilled")
+        running = GaugeMetricFamily(
+            "openk3_requests_running", "requests being decoded or prefilled"
+        )
         waiting = GaugeMetricFamily("openk3_requests_waiting", "requests in the admission queue")
         running.add_metric([], flat.get("running", 0.0))
         waiting.add_metric([], flat.get("waiting", 0.0))
         yield running
         yield waiting
-        queries = CounterMetricFamily("openk3_prefix_cache_queries", "prefix-cache lookups (tokens) per pool",
-                                      labels=["pool"])
-        hits = CounterMetricFamily("openk3_prefix_cache_hits", "prefix-cache hits (tokens) per pool", labels=["pool"])
-        other = GaugeMetricFamily("openk3_engine_stat", "numeric entries of engine.stats()", labels=["key"])
+        queries = CounterMetricFamily(
+            "openk3_prefix_cache_queries", "prefix-cache lookups (tokens) per pool", labels=["pool"]
+        )
+        hits = CounterMetricFamily(
+            "openk3_prefix_cache_hits", "prefix-cache hits (tokens) per pool", labels=["pool"]
+        )
+        other = GaugeMetricFamily(
+            "openk3_engine_stat", "numeric entries of engine.stats()", labels=["key"]
+        )
         for key, value in flat.items():
             parts = key.split(".")
             if len(parts) >= 2 and parts[-1] in ("queries", "hits"):
@@ -78,17 +101,37 @@ class Metrics:
 
     def __init__(self, stats: Callable[[], dict] | None = None):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("openk3_requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.overloads = Counter("openk3_overloaded", "requests refused with 429 (queue full)", registry=r)
-        self.prompt_tokens = Counter("openk3_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter("openk3_cached_tokens", "prompt tokens served from the prefix cache", registry=r)
+        self.requests = Counter(
+            "openk3_requests", "HTTP requests", ["endpoint", "status"], registry=r
+        )
+        self.overloads = Counter(
+            "openk3_overloaded", "requests refused with 429 (queue full)", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "openk3_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "openk3_cached_tokens", "prompt tokens served from the prefix cache", registry=r
+        )
         self.completion_tokens = Counter("openk3_completion_tokens", "generated tokens", registry=r)
-        self.ttft = Histogram("openk3_time_to_first_token_seconds", "time to first generated token",
-                              buckets=_LATENCY_BUCKETS + (120.0,), registry=r)
-        self.itl = Histogram("openk3_inter_token_latency_seconds", "time between generated tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("openk3_request_latency_seconds", "request latency, accepted to finished",
-                             buckets=_E2E_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "openk3_time_to_first_token_seconds",
+            "time to first generated token",
+            buckets=_LATENCY_BUCKETS + (120.0,),
+            registry=r,
+        )
+        self.itl = Histogram(
+            "openk3_inter_token_latency_seconds",
+            "time between generated tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "openk3_request_latency_seconds",
+            "request latency, accepted to finished",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
         if stats is not None:
             r.register(_EngineCollector(stats))
 

@@ -63,8 +63,14 @@ class APIError(Exception):
             differently and clients match on it (context-limit errors); default `message`.
     """
 
-    def __init__(self, status: int, message: str, type: str | None = None, headers: dict | None = None,
-                 anthropic_message: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        headers: dict | None = None,
+        anthropic_message: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -79,8 +85,12 @@ class APIError(Exception):
 
     def kimi_body(self) -> dict:
         """``{"error": {"message", "type"}}`` (api.md §6.1)."""
-        return {"error": {"message": self._safe_message(),
-                          "type": self.type or KIMI_ERROR_TYPES.get(self.status, "server_error")}}
+        return {
+            "error": {
+                "message": self._safe_message(),
+                "type": self.type or KIMI_ERROR_TYPES.get(self.status, "server_error"),
+            }
+        }
 
     def anthropic_body(self) -> dict:
         """``{"type": "error", "error": {"type", "message"}}`` (api.md §7)."""
@@ -148,8 +158,10 @@ def invalid_body(errors: list[dict]) -> APIError:
     """The 400 for a body its wire model refuses: ``Invalid request: <field>: <pydantic's message>``,
     e.g. ``Invalid request: seed: Input should be less than or equal to 9223372036854775807``."""
     first = first_error(errors)
-    return bad_request(f"Invalid request: {field_path(first.get('loc', ())) or 'body'}: "
-                       f"{first.get('msg', 'invalid request')}")
+    return bad_request(
+        f"Invalid request: {field_path(first.get('loc', ())) or 'body'}: "
+        f"{first.get('msg', 'invalid request')}"
+    )
 
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -171,8 +183,10 @@ def check_unicode(body: Any) -> None:
                 try:
                     value.encode("utf-8")
                 except UnicodeEncodeError as e:
-                    raise bad_request(f"{where or 'body'}: unpaired UTF-16 surrogate U+{ord(value[e.start]):04X} at "
-                                      f"character {e.start}; text must be valid Unicode") from None
+                    raise bad_request(
+                        f"{where or 'body'}: unpaired UTF-16 surrogate U+{ord(value[e.start]):04X} at "
+                        f"character {e.start}; text must be valid Unicode"
+                    ) from None
         elif isinstance(value, dict):
             items = []  # pushed reversed: the first bad string in document order is reported
             for key, child in value.items():

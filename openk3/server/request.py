@@ -147,7 +147,9 @@ class ChatCompletionRequest(OpenModel):
     # OpenAI field, not in Kimi's schema: typed strictly so that "yes" is a 400, not coerced
     parallel_tool_calls: StrictBool | None = None
     stop: Union[str, list[str], None] = None
-    seed: Annotated[StrictInt, Field(ge=-2**63, le=2**63 - 1)] | None = None  # int64, as OpenAI documents
+    seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] | None = (
+        None  # int64, as OpenAI documents
+    )
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     prompt_cache_key: str | None = None
@@ -240,9 +242,16 @@ class ChatRequest(Conversation):
         """
         from openk3.engine.sampling import SamplingParams  # torch: imported only when generating
 
-        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if self.thinking else 0.6, top_p=0.95, top_k=0,
-                              seed=self.seed, stop_token_ids=list(stop_token_ids), stop=list(self.stop),
-                              logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.thinking else 0.6,
+            top_p=0.95,
+            top_k=0,
+            seed=self.seed,
+            stop_token_ids=list(stop_token_ids),
+            stop=list(self.stop),
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+        )
 
 
 def parse_request(body: Any, wire: type[BaseModel] = ChatCompletionRequest) -> ChatRequest:
@@ -260,7 +269,9 @@ def parse_request(body: Any, wire: type[BaseModel] = ChatCompletionRequest) -> C
     """
     check_unicode(body)
     try:
-        sent = wire.model_validate(body, from_attributes=True)  # as FastAPI validates (its error texts)
+        sent = wire.model_validate(
+            body, from_attributes=True
+        )  # as FastAPI validates (its error texts)
     except ValidationError as e:
         raise invalid_body(e.errors()) from None
     if isinstance(body.get("thinking"), bool):
@@ -276,7 +287,9 @@ def parse_request(body: Any, wire: type[BaseModel] = ChatCompletionRequest) -> C
     max_tokens = get("max_completion_tokens")
     stop = get("stop")
     rf = body.get("response_format")
-    wrapper = rf.get("json_schema") if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
+    wrapper = (
+        rf.get("json_schema") if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
+    )
     schema_where = "response_format.json_schema.schema"
     if isinstance(wrapper, dict):
         key = next((k for k in ("schema", "json_schema") if k in wrapper), None)
@@ -286,13 +299,25 @@ def parse_request(body: Any, wire: type[BaseModel] = ChatCompletionRequest) -> C
     choice = body.get("tool_choice")
     stream_options = get("stream_options")
     return ChatRequest(
-        conv.messages, conv.options, model=sent.model,
+        conv.messages,
+        conv.options,
+        model=sent.model,
         max_tokens=max_tokens if max_tokens is not None else get("max_tokens"),
-        temperature=get("temperature"), top_p=get("top_p"), n=get("n"), presence_penalty=get("presence_penalty"),
-        frequency_penalty=get("frequency_penalty"), reasoning_effort=get("reasoning_effort"),
+        temperature=get("temperature"),
+        top_p=get("top_p"),
+        n=get("n"),
+        presence_penalty=get("presence_penalty"),
+        frequency_penalty=get("frequency_penalty"),
+        reasoning_effort=get("reasoning_effort"),
         named_tool_choice=choice if isinstance(choice, dict) else None,
-        stop=[stop] if isinstance(stop, str) else list(stop or ()), seed=get("seed"), logprobs=bool(get("logprobs")),
-        top_logprobs=get("top_logprobs"), stream=bool(get("stream")),
+        stop=[stop] if isinstance(stop, str) else list(stop or ()),
+        seed=get("seed"),
+        logprobs=bool(get("logprobs")),
+        top_logprobs=get("top_logprobs"),
+        stream=bool(get("stream")),
         include_usage=bool(stream_options and stream_options.include_usage),
-        parallel_tool_calls=get("parallel_tool_calls"), schema_name=wrapper.get("name"),
-        schema_strict=wrapper.get("strict"), schema_where=schema_where)
+        parallel_tool_calls=get("parallel_tool_calls"),
+        schema_name=wrapper.get("name"),
+        schema_strict=wrapper.get("strict"),
+        schema_where=schema_where,
+    )

@@ -71,22 +71,61 @@ from typing import Any, AsyncIterator, Literal, Union
 from pydantic import Field, StrictBool, StrictInt, ValidationError
 
 from openk3.chat_format.parser import (
-    ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
+    ContentDelta,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
 )
 from openk3.chat_format.request import (
-    AssistantMessage, ImageSlot, Message, TextMessage, ToolCall, ToolResult, make_options, parse_arguments,
+    AssistantMessage,
+    ImageSlot,
+    Message,
+    TextMessage,
+    ToolCall,
+    ToolResult,
+    make_options,
+    parse_arguments,
 )
-from openk3.server.protocol import APIError, OpenModel, StrictFloat, bad_request, check_unicode, invalid_body
+from openk3.server.protocol import (
+    APIError,
+    OpenModel,
+    StrictFloat,
+    bad_request,
+    check_unicode,
+    invalid_body,
+)
 from openk3.server.request import ChatRequest
 from openk3.server.serving import ENGINE_FAILED, ChatServing, Finished, Generation, Prepared
 
-EFFORTS = {"none": None, "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max",
-           "max": "max"}
-IGNORED_TOOLS = ("web_search",)  # hosted, but Codex declares it by default: accepted, not offered to the model
-HOSTED_TOOLS = ("web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
-                "computer", "image_generation", "mcp", "local_shell", "shell", "apply_patch")
+EFFORTS = {
+    "none": None,
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
+IGNORED_TOOLS = (
+    "web_search",
+)  # hosted, but Codex declares it by default: accepted, not offered to the model
+HOSTED_TOOLS = (
+    "web_search_preview",
+    "file_search",
+    "code_interpreter",
+    "computer_use_preview",
+    "computer",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "shell",
+    "apply_patch",
+)
 CUSTOM_ARGUMENT = "input"  # the one string argument a custom tool's K3 declaration takes
-_ENCRYPTED = "openk3.reasoning.v1:"  # prefix of the encrypted_content openk3 writes (base64 of the text)
+_ENCRYPTED = (
+    "openk3.reasoning.v1:"  # prefix of the encrypted_content openk3 writes (base64 of the text)
+)
 
 
 # ------------------------------------------------------------------------------ wire model
@@ -153,7 +192,9 @@ def _content_parts(content: Any, where: str) -> list:
     if isinstance(content, str):
         return _text(content)
     if not isinstance(content, list):
-        raise bad_request(f"{where}: must be a string or a list of content parts, got {type(content).__name__}")
+        raise bad_request(
+            f"{where}: must be a string or a list of content parts, got {type(content).__name__}"
+        )
     parts: list = []
     for j, part in enumerate(content):
         pw = f"{where}[{j}]"
@@ -169,12 +210,16 @@ def _content_parts(content: Any, where: str) -> list:
         elif kind == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str):
-                raise bad_request(f"{pw}.image_url: an image URL (a base64 data URL) is required; file_id images "
-                                  "need stored files, which this server does not have")
+                raise bad_request(
+                    f"{pw}.image_url: an image URL (a base64 data URL) is required; file_id images "
+                    "need stored files, which this server does not have"
+                )
             parts.append(ImageSlot({"type": "image_url", "image_url": {"url": url}}, pw))
         else:
-            raise bad_request(f"{pw}.type: unsupported content part type {kind!r} (input_text, output_text, "
-                              "refusal, input_image)")
+            raise bad_request(
+                f"{pw}.type: unsupported content part type {kind!r} (input_text, output_text, "
+                "refusal, input_image)"
+            )
     return parts
 
 
@@ -189,11 +234,15 @@ def _reasoning_text(item: dict, where: str) -> str:
     enc = item.get("encrypted_content")
     if not text and isinstance(enc, str) and enc.startswith(_ENCRYPTED):
         try:
-            text = base64.b64decode(enc[len(_ENCRYPTED):], validate=True).decode("utf-8")
+            text = base64.b64decode(enc[len(_ENCRYPTED) :], validate=True).decode("utf-8")
         except ValueError:
-            raise bad_request(f"{where}.encrypted_content: not an encrypted_content this server wrote") from None
+            raise bad_request(
+                f"{where}.encrypted_content: not an encrypted_content this server wrote"
+            ) from None
     if not text:
-        text = "\n\n".join(p.get("text", "") for p in item.get("summary") or () if isinstance(p, dict))
+        text = "\n\n".join(
+            p.get("text", "") for p in item.get("summary") or () if isinstance(p, dict)
+        )
     return text
 
 
@@ -208,9 +257,9 @@ class _Conversation:
 
     def __init__(self) -> None:
         self.messages: list[Message] = []
-        self.origin: dict[int, str] = {}             # K3 message index -> client path
+        self.origin: dict[int, str] = {}  # K3 message index -> client path
         self.call_origin: dict[tuple[int, int], str] = {}  # (message, call) -> client path
-        self.turn: AssistantMessage | None = None   # the assistant message being assembled
+        self.turn: AssistantMessage | None = None  # the assistant message being assembled
 
     def add(self, m: Message, where: str) -> None:
         self.close()
@@ -247,7 +296,9 @@ def _items(body: dict) -> _Conversation:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}.role: unsupported role {role!r} (user, system, developer, assistant)")
+                raise bad_request(
+                    f"{where}.role: unsupported role {role!r} (user, system, developer, assistant)"
+                )
             parts = _content_parts(item.get("content"), f"{where}.content")
             if role == "assistant":
                 turn = conv.assistant(where)
@@ -255,11 +306,21 @@ def _items(body: dict) -> _Conversation:
                     turn = conv.assistant(where, fresh=True)
                 turn.parts = parts
             else:
-                conv.add(TextMessage(0, "system" if role != "user" else "user", None, parts,
-                                     developer=role == "developer"), where)
+                conv.add(
+                    TextMessage(
+                        0,
+                        "system" if role != "user" else "user",
+                        None,
+                        parts,
+                        developer=role == "developer",
+                    ),
+                    where,
+                )
         elif kind == "reasoning":
             turn = conv.assistant(where)
-            if turn.parts or turn.calls:  # reasoning after an answer or a call: a new assistant message
+            if (
+                turn.parts or turn.calls
+            ):  # reasoning after an answer or a call: a new assistant message
                 turn = conv.assistant(where, fresh=True)
             text = _reasoning_text(item, where)
             turn.reasoning = (turn.reasoning or "") + text
@@ -271,7 +332,9 @@ def _items(body: dict) -> _Conversation:
                 raise bad_request(f"{where}.call_id: a non-empty string is required")
             if kind == "function_call":
                 try:
-                    args, raw = parse_arguments(item.get("arguments"), f"{where}.arguments", strict=True)
+                    args, raw = parse_arguments(
+                        item.get("arguments"), f"{where}.arguments", strict=True
+                    )
                 except ValueError as e:
                     raise bad_request(f"Invalid request: {e}") from None
             else:
@@ -285,13 +348,20 @@ def _items(body: dict) -> _Conversation:
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise bad_request(f"{where}.call_id: a non-empty string is required")
-            conv.add(ToolResult(0, call_id, None, _output_text(item.get("output"), f"{where}.output")), where)
+            conv.add(
+                ToolResult(0, call_id, None, _output_text(item.get("output"), f"{where}.output")),
+                where,
+            )
         elif kind == "item_reference":
-            raise bad_request(f"{where}: item_reference needs stored responses; this server is stateless "
-                              "(send the item itself)")
+            raise bad_request(
+                f"{where}: item_reference needs stored responses; this server is stateless "
+                "(send the item itself)"
+            )
         else:
-            raise bad_request(f"{where}.type: unsupported input item type {kind!r} (message, reasoning, "
-                              "function_call, function_call_output, custom_tool_call, custom_tool_call_output)")
+            raise bad_request(
+                f"{where}.type: unsupported input item type {kind!r} (message, reasoning, "
+                "function_call, function_call_output, custom_tool_call, custom_tool_call_output)"
+            )
     conv.close()
     return conv
 
@@ -301,12 +371,24 @@ def _custom_tool(t: dict, description: str) -> dict:
     ``format`` is shown in the description: the argument grammar cannot enforce Lark)."""
     fmt = t.get("format") if isinstance(t.get("format"), dict) else {}
     if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
-        description += (f"\n\nThe `{CUSTOM_ARGUMENT}` argument must follow this {fmt.get('syntax', 'lark')} "
-                        f"grammar:\n{fmt['definition']}")
-    return {"type": "function", "function": {
-        "name": t.get("name"), "description": description.strip(), "strict": True,
-        "parameters": {"type": "object", "properties": {CUSTOM_ARGUMENT: {"type": "string"}},
-                       "required": [CUSTOM_ARGUMENT], "additionalProperties": False}}}
+        description += (
+            f"\n\nThe `{CUSTOM_ARGUMENT}` argument must follow this {fmt.get('syntax', 'lark')} "
+            f"grammar:\n{fmt['definition']}"
+        )
+    return {
+        "type": "function",
+        "function": {
+            "name": t.get("name"),
+            "description": description.strip(),
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {CUSTOM_ARGUMENT: {"type": "string"}},
+                "required": [CUSTOM_ARGUMENT],
+                "additionalProperties": False,
+            },
+        },
+    }
 
 
 def _function_tool(t: dict, description: str | None) -> dict:
@@ -345,9 +427,15 @@ def _tools(tools: list[dict]) -> tuple[list[dict], set[str], dict[str, str]]:
             for k, it in enumerate(inner):
                 if not isinstance(it, dict) or it.get("type") not in ("function", "custom"):
                     got = it.get("type") if isinstance(it, dict) else type(it).__name__
-                    raise bad_request(f"tools[{j}].tools[{k}].type: unsupported tool type {got!r} in a namespace "
-                                      "(function, custom)")
-                text = f"[{ns}: {head}] {it.get('description') or ''}".strip() if head else it.get("description")
+                    raise bad_request(
+                        f"tools[{j}].tools[{k}].type: unsupported tool type {got!r} in a namespace "
+                        "(function, custom)"
+                    )
+                text = (
+                    f"[{ns}: {head}] {it.get('description') or ''}".strip()
+                    if head
+                    else it.get("description")
+                )
                 namespaces[it.get("name")] = ns
                 if it["type"] == "custom":
                     custom.add(it.get("name"))
@@ -356,11 +444,17 @@ def _tools(tools: list[dict]) -> tuple[list[dict], set[str], dict[str, str]]:
                     out.append(_function_tool(it, text))
         elif kind in IGNORED_TOOLS:
             continue
-        elif kind in HOSTED_TOOLS or (isinstance(kind, str) and kind.startswith(("web_search", "computer"))):
-            raise bad_request(f"tools[{j}].type: hosted tool {kind!r} is not available on this server "
-                              "(only function, custom and namespace tools, which the client runs)")
+        elif kind in HOSTED_TOOLS or (
+            isinstance(kind, str) and kind.startswith(("web_search", "computer"))
+        ):
+            raise bad_request(
+                f"tools[{j}].type: hosted tool {kind!r} is not available on this server "
+                "(only function, custom and namespace tools, which the client runs)"
+            )
         else:
-            raise bad_request(f"tools[{j}].type: unsupported tool type {kind!r} (function, custom, namespace)")
+            raise bad_request(
+                f"tools[{j}].type: unsupported tool type {kind!r} (function, custom, namespace)"
+            )
     return out, custom, namespaces
 
 
@@ -372,16 +466,22 @@ def _tool_choice(choice: Any) -> str:
             raise bad_request(f"tool_choice: unsupported value {choice!r} (auto, none, required)")
         return choice
     if not isinstance(choice, dict):
-        raise bad_request(f"tool_choice: must be a string or an object, got {type(choice).__name__}")
+        raise bad_request(
+            f"tool_choice: must be a string or an object, got {type(choice).__name__}"
+        )
     kind = choice.get("type")
     if kind in ("function", "custom"):
-        return "auto"  # the named form: accepted and ignored, as the platform treats chat's named form
+        return (
+            "auto"  # the named form: accepted and ignored, as the platform treats chat's named form
+        )
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
         if mode not in ("auto", "required"):
             raise bad_request(f"tool_choice.mode: unsupported value {mode!r} (auto, required)")
         return mode
-    raise bad_request(f"tool_choice.type: unsupported value {kind!r} (function, custom, allowed_tools)")
+    raise bad_request(
+        f"tool_choice.type: unsupported value {kind!r} (function, custom, allowed_tools)"
+    )
 
 
 def parse_request(body: Any) -> tuple[ChatRequest, dict]:
@@ -397,16 +497,21 @@ def parse_request(body: Any) -> tuple[ChatRequest, dict]:
         sent = ResponsesRequest.model_validate(body, from_attributes=True)
     except ValidationError as e:
         raise invalid_body(e.errors()) from None
-    for key, why in (("previous_response_id", "this server does not store responses (stateless, as with store: "
-                                              "false); send the conversation so far in input"),
-                     ("conversation", "this server does not store conversations; send them in input"),
-                     ("prompt", "stored prompt templates are not available on this server")):
+    for key, why in (
+        (
+            "previous_response_id",
+            "this server does not store responses (stateless, as with store: "
+            "false); send the conversation so far in input",
+        ),
+        ("conversation", "this server does not store conversations; send them in input"),
+        ("prompt", "stored prompt templates are not available on this server"),
+    ):
         if body.get(key) is not None:
             raise bad_request(f"{key}: not supported: {why}")
     if sent.background:
         raise bad_request("background: not supported: this server does not store responses")
     conv = _items(body)
-    effort = (sent.reasoning.effort if sent.reasoning else None)
+    effort = sent.reasoning.effort if sent.reasoning else None
     if effort is not None and effort not in EFFORTS:
         raise bad_request(f"reasoning.effort: unsupported value {effort!r} ({', '.join(EFFORTS)})")
     thinking = effort != "none"
@@ -418,34 +523,57 @@ def parse_request(body: Any) -> tuple[ChatRequest, dict]:
     if rf == "json_schema" and fmt.name is None:
         raise bad_request("text.format.name: required for type 'json_schema'")
     if rf == "json_schema" and not isinstance(fmt.schema_, dict):
-        raise bad_request("text.format.schema: required for type 'json_schema' (a JSON Schema object)")
+        raise bad_request(
+            "text.format.schema: required for type 'json_schema' (a JSON Schema object)"
+        )
     try:
-        options = make_options(conv.messages, thinking=thinking, thinking_effort=EFFORTS.get(effort),
-                               tools=tools or None, tool_choice=_tool_choice(sent.tool_choice),
-                               response_format=rf, response_schema=fmt.schema_ if rf == "json_schema" else None)
+        options = make_options(
+            conv.messages,
+            thinking=thinking,
+            thinking_effort=EFFORTS.get(effort),
+            tools=tools or None,
+            tool_choice=_tool_choice(sent.tool_choice),
+            response_format=rf,
+            response_schema=fmt.schema_ if rf == "json_schema" else None,
+        )
     except ValueError as e:
         raise bad_request(_names(f"Invalid request: {e}", conv)) from None
-    req = ChatRequest(conv.messages, options, model=sent.model, max_tokens=sent.max_output_tokens,
-                      temperature=sent.temperature, top_p=sent.top_p, stream=bool(sent.stream),
-                      parallel_tool_calls=sent.parallel_tool_calls,
-                      schema_name=fmt.name if rf == "json_schema" else None,
-                      schema_strict=fmt.strict if rf == "json_schema" else None, schema_where="text.format.schema",
-                      # a tool without `strict`: Responses "attempts strict validation when the schema is compatible,
-                      # and falls back to non-strict validation otherwise" (the openai SDK's tool types)
-                      strict_tools=False)
+    req = ChatRequest(
+        conv.messages,
+        options,
+        model=sent.model,
+        max_tokens=sent.max_output_tokens,
+        temperature=sent.temperature,
+        top_p=sent.top_p,
+        stream=bool(sent.stream),
+        parallel_tool_calls=sent.parallel_tool_calls,
+        schema_name=fmt.name if rf == "json_schema" else None,
+        schema_strict=fmt.strict if rf == "json_schema" else None,
+        schema_where="text.format.schema",
+        # a tool without `strict`: Responses "attempts strict validation when the schema is compatible,
+        # and falls back to non-strict validation otherwise" (the openai SDK's tool types)
+        strict_tools=False,
+    )
     return req, {"custom": custom, "namespaces": namespaces, "conversation": conv, "sent": sent}
 
 
 # shared checks' chat-completions field names -> the Responses request's
-_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema.name", "text.format.name"),
-          ("].function.parameters", "].parameters"), ("].function.name", "].name"),
-          ("].function.description", "].description"))
+_NAMES = (
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format.json_schema.name", "text.format.name"),
+    ("].function.parameters", "].parameters"),
+    ("].function.name", "].name"),
+    ("].function.description", "].description"),
+)
 
 
 def _names(message: str, conv: _Conversation) -> str:
     """A serving-core message with the Responses field names and input paths."""
-    message = re.sub(r"messages\[(\d+)\]\.tool_calls\[(\d+)\]",
-                     lambda m: conv.call_origin.get((int(m[1]), int(m[2])), m[0]), message)
+    message = re.sub(
+        r"messages\[(\d+)\]\.tool_calls\[(\d+)\]",
+        lambda m: conv.call_origin.get((int(m[1]), int(m[2])), m[0]),
+        message,
+    )
     message = re.sub(r"messages\[(\d+)\]", lambda m: conv.origin.get(int(m[1]), m[0]), message)
     for chat, resp in _NAMES:
         message = message.replace(chat, resp)
@@ -494,11 +622,15 @@ def prepare(serving: ChatServing, body: Any) -> tuple[Prepared, dict]:
 
 
 def _usage(usage: dict, reasoning_tokens: int) -> dict:
-    return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["cached_tokens"]},
-            "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage["completion_tokens"])},
-            "total_tokens": usage["total_tokens"]}
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": usage["cached_tokens"]},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {
+            "reasoning_tokens": min(reasoning_tokens, usage["completion_tokens"])
+        },
+        "total_tokens": usage["total_tokens"],
+    }
 
 
 def _response(prep: Prepared, ctx: dict, status: str, output: list, usage: dict | None) -> dict:
@@ -508,19 +640,41 @@ def _response(prep: Prepared, ctx: dict, status: str, output: list, usage: dict 
     if req.options.response_format == "json_object":
         fmt = {"type": "json_object"}
     elif req.options.response_format == "json_schema":
-        fmt = {"type": "json_schema", "name": req.schema_name, "schema": req.options.response_schema,
-               "strict": req.schema_strict is not False}
-    out = {"id": prep.id, "object": "response", "created_at": prep.created, "status": status,
-           "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
-           "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-           "instructions": sent.instructions, "max_output_tokens": sent.max_output_tokens, "model": prep.model,
-           "output": output, "parallel_tool_calls": sent.parallel_tool_calls is not False,
-           "previous_response_id": None, "reasoning": {"effort": sent.reasoning.effort if sent.reasoning else None,
-                                                       "summary": sent.reasoning.summary if sent.reasoning else None},
-           "store": False, "temperature": sent.temperature, "text": {"format": fmt},
-           "tool_choice": sent.tool_choice if sent.tool_choice is not None else "auto", "tools": sent.tools or [],
-           "top_p": sent.top_p, "truncation": "disabled", "usage": usage, "user": sent.user,
-           "metadata": sent.metadata or {}}
+        fmt = {
+            "type": "json_schema",
+            "name": req.schema_name,
+            "schema": req.options.response_schema,
+            "strict": req.schema_strict is not False,
+        }
+    out = {
+        "id": prep.id,
+        "object": "response",
+        "created_at": prep.created,
+        "status": status,
+        "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": sent.instructions,
+        "max_output_tokens": sent.max_output_tokens,
+        "model": prep.model,
+        "output": output,
+        "parallel_tool_calls": sent.parallel_tool_calls is not False,
+        "previous_response_id": None,
+        "reasoning": {
+            "effort": sent.reasoning.effort if sent.reasoning else None,
+            "summary": sent.reasoning.summary if sent.reasoning else None,
+        },
+        "store": False,
+        "temperature": sent.temperature,
+        "text": {"format": fmt},
+        "tool_choice": sent.tool_choice if sent.tool_choice is not None else "auto",
+        "tools": sent.tools or [],
+        "top_p": sent.top_p,
+        "truncation": "disabled",
+        "usage": usage,
+        "user": sent.user,
+        "metadata": sent.metadata or {},
+    }
     return out
 
 
@@ -529,27 +683,51 @@ def _encrypted(reasoning: str) -> str:
 
 
 def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "encrypted_content": _encrypted(text), "status": status}
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "encrypted_content": _encrypted(text),
+        "status": status,
+    }
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, ctx: dict,
-               status: str = "completed") -> dict:
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, ctx: dict, status: str = "completed"
+) -> dict:
     """A ``function_call`` item, or a ``custom_tool_call`` one (its input: the one string argument)
     for a custom tool; ``namespace`` set for a tool declared inside one."""
     if name in ctx["custom"]:
         obj = _loads(arguments)
         text = obj.get(CUSTOM_ARGUMENT) if isinstance(obj, dict) else None
-        item = {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": name,
-                "input": text if isinstance(text, str) else arguments, "status": status}
+        item = {
+            "type": "custom_tool_call",
+            "id": item_id,
+            "call_id": call_id,
+            "name": name,
+            "input": text if isinstance(text, str) else arguments,
+            "status": status,
+        }
     else:
-        item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-                "status": status}
+        item = {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        }
     if name in ctx["namespaces"]:
         item["namespace"] = ctx["namespaces"][name]
     return item
@@ -567,8 +745,11 @@ def _item_id(prefix: str) -> str:
 
 
 def _failed(fin: Finished | None) -> APIError:
-    return (APIError(500, ENGINE_FAILED) if fin is not None and fin.finish_reason == "error"
-            else APIError(503, "the request was aborted (server shutting down)"))
+    return (
+        APIError(500, ENGINE_FAILED)
+        if fin is not None and fin.finish_reason == "error"
+        else APIError(503, "the request was aborted (server shutting down)")
+    )
 
 
 async def complete(serving: ChatServing, prep: Prepared, ctx: dict, gen: Generation) -> dict:
@@ -610,7 +791,9 @@ def _event(kind: str, seq: int, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps(dict({'type': kind, 'sequence_number': seq}, **data), ensure_ascii=False)}\n\n"
 
 
-async def sse(serving: ChatServing, prep: Prepared, ctx: dict, gen: Generation) -> AsyncIterator[str]:
+async def sse(
+    serving: ChatServing, prep: Prepared, ctx: dict, gen: Generation
+) -> AsyncIterator[str]:
     """The Responses streaming event sequence (module docstring), one SSE event per line pair."""
     seq = 0
     output: list[dict] = []
@@ -628,27 +811,68 @@ async def sse(serving: ChatServing, prep: Prepared, ctx: dict, gen: Generation) 
             return out
         index = len(output) - 1
         if kind == "reasoning":
-            out.append(event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                             text=text))
+            out.append(
+                event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                )
+            )
             output[index] = _reasoning_item(item["id"], text, status)
         elif kind == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            out.append(event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                             text=text, logprobs=[]))
-            out.append(event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                             part=part))
+            out.append(
+                event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                )
+            )
+            out.append(
+                event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                )
+            )
             output[index] = _message_item(item["id"], text, status)
         else:
             call_id, name = state["call"]
             done = _call_item(item["id"], call_id, name, text, ctx, status)
             if done["type"] == "custom_tool_call":
-                out.append(event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
-                                 delta=done["input"]))
-                out.append(event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
-                                 input=done["input"]))
+                out.append(
+                    event(
+                        "response.custom_tool_call_input.delta",
+                        item_id=item["id"],
+                        output_index=index,
+                        delta=done["input"],
+                    )
+                )
+                out.append(
+                    event(
+                        "response.custom_tool_call_input.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        input=done["input"],
+                    )
+                )
             else:
-                out.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                 name=name, arguments=text))
+                out.append(
+                    event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=name,
+                        arguments=text,
+                    )
+                )
             output[index] = done
         out.append(event("response.output_item.done", output_index=index, item=output[index]))
         state.update(item=None, kind=None, text=[], call=None)
@@ -661,8 +885,15 @@ async def sse(serving: ChatServing, prep: Prepared, ctx: dict, gen: Generation) 
         index = len(output) - 1
         out.append(event("response.output_item.added", output_index=index, item=item))
         if kind == "message":
-            out.append(event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+            out.append(
+                event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                )
+            )
         return out
 
     yield event("response.created", response=_response(prep, ctx, "in_progress", [], None))
@@ -672,48 +903,107 @@ async def sse(serving: ChatServing, prep: Prepared, ctx: dict, gen: Generation) 
         pieces: list[str] = []
         if gen.thinking_output and not started and not isinstance(ev, Finished):
             started = True
-            pieces += open_item("reasoning", {"type": "reasoning", "id": _item_id("rs"), "summary": [], "content": [],
-                                              "status": "in_progress"})
+            pieces += open_item(
+                "reasoning",
+                {
+                    "type": "reasoning",
+                    "id": _item_id("rs"),
+                    "summary": [],
+                    "content": [],
+                    "status": "in_progress",
+                },
+            )
         if isinstance(ev, ReasoningDelta):
             if state["kind"] != "reasoning":
-                pieces += open_item("reasoning", {"type": "reasoning", "id": _item_id("rs"), "summary": [],
-                                                  "content": [], "status": "in_progress"})
+                pieces += open_item(
+                    "reasoning",
+                    {
+                        "type": "reasoning",
+                        "id": _item_id("rs"),
+                        "summary": [],
+                        "content": [],
+                        "status": "in_progress",
+                    },
+                )
             state["text"].append(ev.text)
-            pieces.append(event("response.reasoning_text.delta", item_id=state["item"]["id"],
-                                output_index=len(output) - 1, content_index=0, delta=ev.text))
+            pieces.append(
+                event(
+                    "response.reasoning_text.delta",
+                    item_id=state["item"]["id"],
+                    output_index=len(output) - 1,
+                    content_index=0,
+                    delta=ev.text,
+                )
+            )
         elif isinstance(ev, ContentDelta):
             if state["kind"] != "message":
-                pieces += open_item("message", {"type": "message", "id": _item_id("msg"), "status": "in_progress",
-                                                "role": "assistant", "content": []})
+                pieces += open_item(
+                    "message",
+                    {
+                        "type": "message",
+                        "id": _item_id("msg"),
+                        "status": "in_progress",
+                        "role": "assistant",
+                        "content": [],
+                    },
+                )
             state["text"].append(ev.text)
-            pieces.append(event("response.output_text.delta", item_id=state["item"]["id"],
-                                output_index=len(output) - 1, content_index=0, delta=ev.text, logprobs=[]))
+            pieces.append(
+                event(
+                    "response.output_text.delta",
+                    item_id=state["item"]["id"],
+                    output_index=len(output) - 1,
+                    content_index=0,
+                    delta=ev.text,
+                    logprobs=[],
+                )
+            )
         elif isinstance(ev, ToolCallStart):
-            item = _call_item(_item_id("ctc" if ev.name in ctx["custom"] else "fc"), ev.id, ev.name, "", ctx,
-                              "in_progress")
+            item = _call_item(
+                _item_id("ctc" if ev.name in ctx["custom"] else "fc"),
+                ev.id,
+                ev.name,
+                "",
+                ctx,
+                "in_progress",
+            )
             if item["type"] == "custom_tool_call":
                 item["input"] = ""
             pieces += open_item("call", item)
             state["call"] = (ev.id, ev.name)
         elif isinstance(ev, ToolCallArgumentsDelta):
             state["text"].append(ev.text)
-            if state["item"]["type"] == "function_call":  # a custom call's input is sent whole when it ends
-                pieces.append(event("response.function_call_arguments.delta", item_id=state["item"]["id"],
-                                    output_index=len(output) - 1, delta=ev.text))
+            if (
+                state["item"]["type"] == "function_call"
+            ):  # a custom call's input is sent whole when it ends
+                pieces.append(
+                    event(
+                        "response.function_call_arguments.delta",
+                        item_id=state["item"]["id"],
+                        output_index=len(output) - 1,
+                        delta=ev.text,
+                    )
+                )
         elif isinstance(ev, ToolCallEnd):
             state["text"] = [ev.arguments]
             pieces += close()
         elif isinstance(ev, Finished):
             if ev.finish_reason in ("abort", "error"):
                 err = _failed(ev)
-                failed = dict(_response(prep, ctx, "failed", output, None),
-                              error={"code": "server_error", "message": err.message})
+                failed = dict(
+                    _response(prep, ctx, "failed", output, None),
+                    error={"code": "server_error", "message": err.message},
+                )
                 yield "".join(pieces) + event("response.failed", response=failed)
                 return
             status = "incomplete" if ev.finish_reason == "length" else "completed"
             pieces += close(status)
             final = _response(prep, ctx, status, output, _usage(ev.usage, gen.reasoning_tokens))
-            pieces.append(event("response.incomplete" if status == "incomplete" else "response.completed",
-                                response=final))
+            pieces.append(
+                event(
+                    "response.incomplete" if status == "incomplete" else "response.completed",
+                    response=final,
+                )
+            )
         if pieces:
             yield "".join(pieces)

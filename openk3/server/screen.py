@@ -48,8 +48,12 @@ from typing import Any
 
 from openk3.server.protocol import APIError
 
-SCREEN_BYTES = 256 * 1024  # bodies at least this large are checked in the worker before the server parses them
-MAX_JSON_VALUES = (SCREEN_BYTES + 1) // 2  # as many values as SCREEN_BYTES - 1 bytes can hold ("[0,0,...,0]")
+SCREEN_BYTES = (
+    256 * 1024
+)  # bodies at least this large are checked in the worker before the server parses them
+MAX_JSON_VALUES = (
+    SCREEN_BYTES + 1
+) // 2  # as many values as SCREEN_BYTES - 1 bytes can hold ("[0,0,...,0]")
 
 CHAT, COUNT = "/v1/chat/completions", "/v1/tokenizers/estimate-token-count"
 ANTHROPIC, ANTHROPIC_COUNT = "/anthropic/v1/messages", "/anthropic/v1/messages/count_tokens"
@@ -97,7 +101,9 @@ def parsed_as_json(content_type: str | None) -> bool:
     message = email.message.Message()
     message["content-type"] = content_type
     subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,9 @@ class ScreenSpec:
     max_token_bytes: int
     max_json_values: int = MAX_JSON_VALUES
     max_messages: int = 10_000  # Limits.max_messages of the server
-    tokenizer_dir: str | None = None  # the served tokenizer's files: the worker counts tokens with it
+    tokenizer_dir: str | None = (
+        None  # the served tokenizer's files: the worker counts tokens with it
+    )
 
 
 _serving: Any = None
@@ -130,11 +138,23 @@ def _init_worker(spec: ScreenSpec) -> None:
 
         try:
             tokenizer = load_tokenizer(spec.tokenizer_dir)
-        except (OSError, ValueError) as e:  # the server loaded it; without it the worker bounds characters only
-            print(f"openk3 serve: body screen: cannot load the tokenizer ({e}); bounding characters only",
-                  file=sys.stderr, flush=True)
-    _serving = ChatServing(None, tokenizer, ModelInfo(spec.model_id, spec.context_length), None,
-                           Limits(max_messages=spec.max_messages), max_token_bytes=spec.max_token_bytes)
+        except (
+            OSError,
+            ValueError,
+        ) as e:  # the server loaded it; without it the worker bounds characters only
+            print(
+                f"openk3 serve: body screen: cannot load the tokenizer ({e}); bounding characters only",
+                file=sys.stderr,
+                flush=True,
+            )
+    _serving = ChatServing(
+        None,
+        tokenizer,
+        ModelInfo(spec.model_id, spec.context_length),
+        None,
+        Limits(max_messages=spec.max_messages),
+        max_token_bytes=spec.max_token_bytes,
+    )
 
 
 def _check(serving: Any, path: str, body: Any) -> None:
@@ -163,14 +183,18 @@ def _check(serving: Any, path: str, body: Any) -> None:
         raise
 
 
-def screen(path: str, raw: bytes, serving: Any = None, spec: ScreenSpec | None = None) -> tuple | None:
+def screen(
+    path: str, raw: bytes, serving: Any = None, spec: ScreenSpec | None = None
+) -> tuple | None:
     """The worker's verdict on one body: ``(status, message)`` to answer, or None to let the
     server parse and serve it. `serving` / `spec`: the worker's (set by its initializer) unless given.
     """
     serving, spec = serving or _serving, spec or _spec
     if json_values_exceed(raw, spec.max_json_values):
-        return 400, (f"Invalid request: body: more than {spec.max_json_values} JSON values (array elements and "
-                     "object members), this server's limit")
+        return 400, (
+            f"Invalid request: body: more than {spec.max_json_values} JSON values (array elements and "
+            "object members), this server's limit"
+        )
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -199,7 +223,9 @@ def _malloc_trim() -> Any:
     return lambda: fn(0)
 
 
-RETIRE_GROWTH = 32 * 2**20  # a worker whose resident set grew this much past its start exits after answering
+RETIRE_GROWTH = (
+    32 * 2**20
+)  # a worker whose resident set grew this much past its start exits after answering
 
 
 def _rss_bytes() -> int:
@@ -234,7 +260,10 @@ def worker_main(argv: list[str] | None = None) -> None:
         try:
             verdict = screen(path, raw)
         except MemoryError:
-            verdict = (413, "request body too large: the server could not check it within its memory")
+            verdict = (
+                413,
+                "request body too large: the server could not check it within its memory",
+            )
         del raw
         stdout.write(json.dumps(verdict).encode() + b"\n")
         stdout.flush()
@@ -271,7 +300,9 @@ class BodyScreen:
     async def start(self) -> None:
         """Start the worker now (it takes a moment to import) rather than on the first large body."""
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # pipes and the lock belong to one loop (a test client may run several)
+        if (
+            self._loop is not loop
+        ):  # pipes and the lock belong to one loop (a test client may run several)
             self._kill(self._proc)
             self._loop, self._lock = loop, asyncio.Lock()
         if self._proc is not None and self._proc.returncode is None:
@@ -281,17 +312,27 @@ class BodyScreen:
 
         code = "from openk3.server.screen import worker_main; worker_main()"
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", code, json.dumps(dataclasses.asdict(self.spec)),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        with contextlib.suppress(Exception):  # a 1 MiB pipe (Linux; 64 KiB default): fewer wake-ups per body
+            sys.executable,
+            "-c",
+            code,
+            json.dumps(dataclasses.asdict(self.spec)),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        with contextlib.suppress(
+            Exception
+        ):  # a 1 MiB pipe (Linux; 64 KiB default): fewer wake-ups per body
             import fcntl
 
-            fcntl.fcntl(self._proc.stdin.get_extra_info("pipe").fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+            fcntl.fcntl(
+                self._proc.stdin.get_extra_info("pipe").fileno(),
+                getattr(fcntl, "F_SETPIPE_SZ", 1031),
+                1 << 20,
+            )
 
     def applies(self, path: str, content_type: str | None, size: int) -> bool:
         """Whether a body goes through the worker: a JSON endpoint, parsed as JSON, large."""
-        return size >= self.threshold and path in SCREENED \
-            and parsed_as_json(content_type)
+        return size >= self.threshold and path in SCREENED and parsed_as_json(content_type)
 
     async def check(self, path: str, chunks: list[bytes], size: int) -> APIError | None:
         """The worker's verdict on the body (`chunks`, `size` bytes in all, as received) as an
@@ -313,7 +354,10 @@ class BodyScreen:
                     for chunk in chunks:  # the pipe's pace: never more than one chunk buffered here
                         proc.stdin.write(chunk)
                         await proc.stdin.drain()
-                except (BrokenPipeError, ConnectionResetError):  # it was gone before it read this body
+                except (
+                    BrokenPipeError,
+                    ConnectionResetError,
+                ):  # it was gone before it read this body
                     self._kill(proc)
                     if attempt == 0:
                         continue
@@ -330,7 +374,9 @@ class BodyScreen:
                     self._kill(proc)
                     return APIError(413, _TOO_LARGE)
                 verdict = json.loads(line)
-                if self._loop is not None:  # a retiring worker exits after this answer: replace it now
+                if (
+                    self._loop is not None
+                ):  # a retiring worker exits after this answer: replace it now
                     asyncio.ensure_future(self._replace_if_exited(proc))
                 return None if verdict is None else APIError(verdict[0], verdict[1])
         return APIError(413, _TOO_LARGE)

@@ -34,6 +34,7 @@ Decisions (documented where the specs leave a choice; the request-contract ones 
 * Every request is grammar-constrained (:meth:`ChatServing._constraint`): with no tool declared (or
   ``tool_choice: "none"``) the tools channel is unreachable, so the reply is content, never calls.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,20 +47,49 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from openk3.chat_format import render
-from openk3.chat_format.parser import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
+from openk3.chat_format.parser import (
+    ContentDelta,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from openk3.chat_format.request import AssistantMessage
 from openk3.chat_format.tool_ids import next_index_after
 from openk3.server.generation import (  # noqa: F401 - re-exported: importers use openk3.server.serving
-    CACHE_REPORT_BLOCK, ENGINE_FAILED, OVERLOADED, Finished, Generation, Prepared, usage_dict,
+    CACHE_REPORT_BLOCK,
+    ENGINE_FAILED,
+    OVERLOADED,
+    Finished,
+    Generation,
+    Prepared,
+    usage_dict,
 )
 from openk3.server.images import expand_images
 from openk3.server.protocol import APIError, bad_request, show_int
-from openk3.server.request import ChatCompletionRequest, ChatRequest, TokenCountRequest, parse_request
+from openk3.server.request import (
+    ChatCompletionRequest,
+    ChatRequest,
+    TokenCountRequest,
+    parse_request,
+)
 from openk3.server.stops import StopFilter  # noqa: F401 - re-exported (tests import it from here)
 from openk3.server.validation import (
-    Limits, check_effort, check_image_parts, check_image_roles, check_keep, check_logprobs, check_max_tokens,
-    check_message_count, check_messages, check_sampling, check_schema_depths, check_stops, check_tool_history,
-    check_tools, rendered_chars,
+    Limits,
+    check_effort,
+    check_image_parts,
+    check_image_roles,
+    check_keep,
+    check_logprobs,
+    check_max_tokens,
+    check_message_count,
+    check_messages,
+    check_sampling,
+    check_schema_depths,
+    check_stops,
+    check_tool_history,
+    check_tools,
+    rendered_chars,
 )
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -101,12 +131,29 @@ class ChatServing:
             worker process loads it from there to count tokens).
     """
 
-    def __init__(self, engine: Any, tokenizer: Any, model: ModelInfo, metrics: Any, limits: Limits = Limits(),
-                 *, make_constraint: Callable | None = None, image_config: Any = None,
-                 activation_bytes: Callable | None = None, greedy: bool = False,
-                 max_token_bytes: int | None = None, tokenizer_dir: str | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        model: ModelInfo,
+        metrics: Any,
+        limits: Limits = Limits(),
+        *,
+        make_constraint: Callable | None = None,
+        image_config: Any = None,
+        activation_bytes: Callable | None = None,
+        greedy: bool = False,
+        max_token_bytes: int | None = None,
+        tokenizer_dir: str | None = None,
+    ):
         self.tokenizer_dir = tokenizer_dir
-        self.engine, self.tokenizer, self.model, self.metrics, self.limits = engine, tokenizer, model, metrics, limits
+        self.engine, self.tokenizer, self.model, self.metrics, self.limits = (
+            engine,
+            tokenizer,
+            model,
+            metrics,
+            limits,
+        )
         # ``openk3 serve --greedy`` (evaluation only): temperature 0 instead of the platform's fixed sampling.
         self.greedy = greedy
         self.image_config = image_config
@@ -122,7 +169,11 @@ class ChatServing:
     def check_model(self, model: Any) -> None:
         """Raises APIError 404 for a model id other than the served one (api.md §6.1)."""
         if model != self.model.id:
-            raise APIError(404, f"Not found the model {model} or Permission denied", anthropic_message=f"model: {model}")
+            raise APIError(
+                404,
+                f"Not found the model {model} or Permission denied",
+                anthropic_message=f"model: {model}",
+            )
 
     def max_token_bytes(self) -> int:
         """Bytes of the tokenizer's longest token (computed once; 0 when the tokenizer cannot say)."""
@@ -153,7 +204,9 @@ class ChatServing:
             return chars, -(-chars // per_token)
         return None
 
-    def check_text_size(self, req: Any, thinking: bool | None = None, counting: bool = False) -> None:
+    def check_text_size(
+        self, req: Any, thinking: bool | None = None, counting: bool = False
+    ) -> None:
         """Reject a prompt that certainly exceeds the context before any work proportional to its
         size (schema compilation, rendering, tokenizing: megabytes of that hold the GIL for seconds
         and freeze the server); the bound is :meth:`_over_context`'s, over every rendered field:
@@ -171,7 +224,9 @@ class ChatServing:
         if over is None:
             return
         chars, at_least = over
-        raise self._too_long(at_least, counting, f"{chars} characters of messages, tools and schemas, ")
+        raise self._too_long(
+            at_least, counting, f"{chars} characters of messages, tools and schemas, "
+        )
 
     def _too_long(self, at_least: int, counting: bool, what: str = "") -> APIError:
         """The 400 for a prompt of at least `at_least` tokens, over the context (api.md §6.1), with
@@ -179,10 +234,15 @@ class ChatServing:
         retry); for the token-count endpoints a ``request:`` message saying nothing was counted."""
         ctx = self.model.context_length
         if counting:
-            return bad_request(f"request: the text to render ({what}at least {at_least} tokens) exceeds the model "
-                               f"token limit of {ctx}; not counted")
-        return APIError(400, f"Your request exceeded model token limit: {ctx} (requested: at least {at_least})",
-                        anthropic_message=f"prompt is too long: {at_least} tokens > {ctx - 1} maximum")
+            return bad_request(
+                f"request: the text to render ({what}at least {at_least} tokens) exceeds the model "
+                f"token limit of {ctx}; not counted"
+            )
+        return APIError(
+            400,
+            f"Your request exceeded model token limit: {ctx} (requested: at least {at_least})",
+            anthropic_message=f"prompt is too long: {at_least} tokens > {ctx - 1} maximum",
+        )
 
     def render_within_context(self, req: Any, *, counting: bool = False) -> Any:
         """:meth:`render` with an exact token bound: the renderer's text is tokenized piece by
@@ -232,9 +292,11 @@ class ChatServing:
             return
         need = self.activation_bytes(grids)
         if need > limit:
-            raise bad_request(f"messages: the images need about {need / 2**20:.0f} MiB of activation memory in the "
-                              f"vision tower, above this server's per-request limit of {limit / 2**20:.0f} MiB "
-                              "(--max-request-memory); send fewer or smaller images")
+            raise bad_request(
+                f"messages: the images need about {need / 2**20:.0f} MiB of activation memory in the "
+                f"vision tower, above this server's per-request limit of {limit / 2**20:.0f} MiB "
+                "(--max-request-memory); send fewer or smaller images"
+            )
 
     def parse(self, body: Any, *, counting: bool = False) -> ChatRequest:
         """A chat-completions body (``counting``: a token-count body) as a :class:`ChatRequest`
@@ -300,32 +362,54 @@ class ChatServing:
         ctx, asked = self.model.context_length, req.max_tokens
 
         def check(n_ids: int, grids: list) -> None:  # runs before any image is decoded
-            if n_ids >= ctx or (asked is not None and n_ids + asked > ctx and not self._clamps(asked)):
-                err = bad_request(f"Your request exceeded model token limit: {ctx} "
-                                  f"(requested: {show_int(n_ids + (asked or 1))})")
+            if n_ids >= ctx or (
+                asked is not None and n_ids + asked > ctx and not self._clamps(asked)
+            ):
+                err = bad_request(
+                    f"Your request exceeded model token limit: {ctx} "
+                    f"(requested: {show_int(n_ids + (asked or 1))})"
+                )
                 # Anthropic's wording: Claude Code and other Anthropic clients parse these numbers
                 # to shrink max_tokens or compact the conversation, and retry
                 err.anthropic_message = (
-                    f"prompt is too long: {n_ids} tokens > {ctx - 1} maximum" if n_ids >= ctx else
-                    f"input length and `max_tokens` exceed context limit: {n_ids} + {show_int(asked)} > {ctx}, "
-                    "decrease input length or `max_tokens` and try again")
+                    f"prompt is too long: {n_ids} tokens > {ctx - 1} maximum"
+                    if n_ids >= ctx
+                    else f"input length and `max_tokens` exceed context limit: {n_ids} + {show_int(asked)} > {ctx}, "
+                    "decrease input length or `max_tokens` and try again"
+                )
                 raise err
             self.check_memory(grids)
 
         expanded = self._expand(prompt, pixels=True, check=check)
         n_ids = len(expanded.token_ids)
-        max_tokens = min(asked if asked is not None else self.limits.default_max_tokens, ctx - n_ids)
+        max_tokens = min(
+            asked if asked is not None else self.limits.default_max_tokens, ctx - n_ids
+        )
         constraint = self._constraint(req, tools, prompt)
-        params = req.to_sampling_params(max_tokens=max_tokens, stop_token_ids=self.tokenizer.stop_token_ids)
+        params = req.to_sampling_params(
+            max_tokens=max_tokens, stop_token_ids=self.tokenizer.stop_token_ids
+        )
         if self.greedy:
             params = dataclasses.replace(params, temperature=0.0)
-        history_ids = [c.id for m in req.messages if isinstance(m, AssistantMessage) for c in m.calls]
-        return Prepared(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model.id,
-                        prompt=prompt, prompt_tokens=expanded.prompt_tokens, params=params, constraint=constraint,
-                        tool_index_start=next_index_after(history_ids),
-                        tools_enabled=bool(tools) and req.options.tool_choice != "none", stops=list(req.stop),
-                        stream=req.stream, include_usage=req.include_usage, prompt_ids=expanded.token_ids,
-                        mm_inputs=expanded.mm_inputs or None)
+        history_ids = [
+            c.id for m in req.messages if isinstance(m, AssistantMessage) for c in m.calls
+        ]
+        return Prepared(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model.id,
+            prompt=prompt,
+            prompt_tokens=expanded.prompt_tokens,
+            params=params,
+            constraint=constraint,
+            tool_index_start=next_index_after(history_ids),
+            tools_enabled=bool(tools) and req.options.tool_choice != "none",
+            stops=list(req.stop),
+            stream=req.stream,
+            include_usage=req.include_usage,
+            prompt_ids=expanded.token_ids,
+            mm_inputs=expanded.mm_inputs or None,
+        )
 
     def _clamps(self, asked: int) -> bool:
         """Whether a completion budget ``asked`` that, with the prompt, overshoots the context is
@@ -367,8 +451,10 @@ class ChatServing:
             # OpenAI's rule for the schema name (Kimi documents the same field): clients reuse it as
             # an identifier, so a malformed one is rejected rather than silently accepted.
             if name is not None and (not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name)):
-                raise bad_request(f"response_format.json_schema.name: must be 1-64 characters of a-z, A-Z, 0-9, "
-                                  f"'_' or '-', got {name!r}")
+                raise bad_request(
+                    f"response_format.json_schema.name: must be 1-64 characters of a-z, A-Z, 0-9, "
+                    f"'_' or '-', got {name!r}"
+                )
             if req.schema_strict is False:  # non-strict: any JSON object (api.md §1.6)
                 kind, schema = "json_object", None
             else:
@@ -384,15 +470,24 @@ class ChatServing:
         if use_tools is not None and req.parallel_tool_calls is False:
             extra["max_tool_calls"] = 1  # OpenAI's meaning: at most one tool call in the reply
         try:
-            constraint = make(self.tokenizer, kind or "text", schema=schema, tools=use_tools,
-                              tool_choice=opts.tool_choice if use_tools else "none", thinking=opts.thinking, **extra)
+            constraint = make(
+                self.tokenizer,
+                kind or "text",
+                schema=schema,
+                tools=use_tools,
+                tool_choice=opts.tool_choice if use_tools else "none",
+                thinking=opts.thinking,
+                **extra,
+            )
         except ValueError as e:
             raise bad_request(f"Invalid request: {e}") from None
         if prompt.partial:
             for tid in self._partial_tail(prompt, opts.thinking):
                 if not constraint.accept(tid):
-                    raise bad_request("messages: the partial assistant prefix does not match the requested "
-                                      "response_format / tool schema")
+                    raise bad_request(
+                        "messages: the partial assistant prefix does not match the requested "
+                        "response_format / tool schema"
+                    )
         return constraint
 
     def _partial_tail(self, prompt: Any, thinking: bool) -> list[int]:
@@ -403,8 +498,8 @@ class ChatServing:
         pattern = [tok.open_id, *name, tok.sep_id]
         ids = prompt.token_ids
         for i in range(len(ids) - len(pattern), -1, -1):
-            if ids[i:i + len(pattern)] == pattern:
-                return ids[i + len(pattern):]
+            if ids[i : i + len(pattern)] == pattern:
+                return ids[i + len(pattern) :]
         return []
 
     def _expand(self, prompt: Any, *, pixels: bool, check: Any = None) -> Any:
@@ -430,7 +525,9 @@ class ChatServing:
                 of the image expansion otherwise.
         """
         self.check_size(req, counting=True)
-        return self._expand(self.render_within_context(req, counting=True), pixels=False).prompt_tokens
+        return self._expand(
+            self.render_within_context(req, counting=True), pixels=False
+        ).prompt_tokens
 
     # ------------------------------------------------------------------ OpenAI surface
     async def complete(self, prep: Prepared, gen: Generation) -> dict:
@@ -447,9 +544,14 @@ class ChatServing:
                 reasoning.append(ev.text)
             elif isinstance(ev, ContentDelta):
                 content.append(ev.text)
-            elif isinstance(ev, ToolCallStart):  # built from the deltas: a call cut by max_tokens is
-                calls[ev.index] = {"id": ev.id, "type": "function",  # returned as streamed (finish "length")
-                                   "function": {"name": ev.name, "arguments": ""}}
+            elif isinstance(
+                ev, ToolCallStart
+            ):  # built from the deltas: a call cut by max_tokens is
+                calls[ev.index] = {
+                    "id": ev.id,
+                    "type": "function",  # returned as streamed (finish "length")
+                    "function": {"name": ev.name, "arguments": ""},
+                }
             elif isinstance(ev, ToolCallArgumentsDelta):
                 calls[ev.index]["function"]["arguments"] += ev.text
             elif isinstance(ev, ToolCallEnd):
@@ -466,10 +568,21 @@ class ChatServing:
         if calls:
             message["tool_calls"] = [calls[k] for k in sorted(calls)]
         logprobs = self._logprobs(gen.logprobs) if prep.params.logprobs is not None else None
-        return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": prep.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": fin.finish_reason,
-                             "logprobs": logprobs}],
-                "usage": fin.usage}
+        return {
+            "id": prep.id,
+            "object": "chat.completion",
+            "created": prep.created,
+            "model": prep.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": fin.finish_reason,
+                    "logprobs": logprobs,
+                }
+            ],
+            "usage": fin.usage,
+        }
 
     def _logprobs(self, entries: list[Any]) -> dict:
         """OpenAI ``choices[].logprobs``: one entry per generated token (markup tokens included,
@@ -478,10 +591,18 @@ class ChatServing:
 
         def item(tid: int, lp: float) -> dict:
             raw = tok.decode_bytes([tid])
-            return {"token": raw.decode("utf-8", errors="replace"), "logprob": float(lp), "bytes": list(raw)}
+            return {
+                "token": raw.decode("utf-8", errors="replace"),
+                "logprob": float(lp),
+                "bytes": list(raw),
+            }
 
-        return {"content": [dict(item(e.token_id, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top])
-                            for e in entries]}
+        return {
+            "content": [
+                dict(item(e.token_id, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top])
+                for e in entries
+            ]
+        }
 
     async def sse(self, prep: Prepared, gen: Generation) -> AsyncIterator[str]:
         """``chat.completion.chunk`` SSE events (api.md §2.2): role chunk, reasoning / content /
@@ -499,8 +620,13 @@ class ChatServing:
                 new = gen.logprobs[sent:]
                 sent += len(new)
                 choice["logprobs"] = self._logprobs(new) if new else None
-            body: dict[str, Any] = {"id": prep.id, "object": "chat.completion.chunk", "created": prep.created,
-                                    "model": prep.model, "choices": [choice]}
+            body: dict[str, Any] = {
+                "id": prep.id,
+                "object": "chat.completion.chunk",
+                "created": prep.created,
+                "model": prep.model,
+                "choices": [choice],
+            }
             if usage is not None:
                 choice["usage"] = usage
                 body["usage"] = usage
@@ -515,21 +641,47 @@ class ChatServing:
             elif isinstance(ev, ContentDelta):
                 yield chunk({"content": ev.text})
             elif isinstance(ev, ToolCallStart):
-                yield chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                             "function": {"name": ev.name, "arguments": ""}}]})
+                yield chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": ev.index,
+                                "id": ev.id,
+                                "type": "function",
+                                "function": {"name": ev.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             elif isinstance(ev, ToolCallArgumentsDelta):
-                yield chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
+                yield chunk(
+                    {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
+                )
             elif isinstance(ev, Finished):
                 if ev.finish_reason in ("abort", "error"):
-                    err = (APIError(500, ENGINE_FAILED) if ev.finish_reason == "error" else
-                           APIError(503, "the request was aborted (server shutting down)")).kimi_body()
+                    err = (
+                        APIError(500, ENGINE_FAILED)
+                        if ev.finish_reason == "error"
+                        else APIError(503, "the request was aborted (server shutting down)")
+                    ).kimi_body()
                     yield "data: " + json.dumps(err) + "\n\n"
                     return
                 yield chunk({}, ev.finish_reason, ev.usage)
                 if prep.include_usage:
-                    yield "data: " + json.dumps({"id": prep.id, "object": "chat.completion.chunk",
-                                                 "created": prep.created, "model": prep.model, "choices": [],
-                                                 "usage": ev.usage}) + "\n\n"
+                    yield (
+                        "data: "
+                        + json.dumps(
+                            {
+                                "id": prep.id,
+                                "object": "chat.completion.chunk",
+                                "created": prep.created,
+                                "model": prep.model,
+                                "choices": [],
+                                "usage": ev.usage,
+                            }
+                        )
+                        + "\n\n"
+                    )
         yield "data: [DONE]\n\n"
 
 

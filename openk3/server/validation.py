@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from openk3.chat_format.request import (
-    AssistantMessage, Conversation, DynamicTools, ImageSlot, Message, TextMessage, ToolResult,
+    AssistantMessage,
+    Conversation,
+    DynamicTools,
+    ImageSlot,
+    Message,
+    TextMessage,
+    ToolResult,
 )
 from openk3.server.protocol import bad_request, show_int
 from openk3.server.request import ChatRequest
@@ -55,7 +61,9 @@ class Limits:
     max_stop_bytes: int = 32
     default_max_tokens: int = 131_072
     retry_after_s: int = 1
-    max_request_memory: int | None = None  # bytes of activations one request may need; None: unbounded
+    max_request_memory: int | None = (
+        None  # bytes of activations one request may need; None: unbounded
+    )
 
 
 def _fmt(v: float) -> str:
@@ -79,9 +87,13 @@ def check_sampling(req: ChatRequest) -> None:
         APIError: 400 ``invalid <param>: only <value> is allowed for this model``.
     """
     temps = (1.0, 0.6, 0.0) if req.thinking else (0.6,)
-    fixed = [("temperature", req.temperature, temps), ("top_p", req.top_p, (0.95,)), ("n", req.n, (1,)),
-             ("presence_penalty", req.presence_penalty, (0.0,)),
-             ("frequency_penalty", req.frequency_penalty, (0.0,))]
+    fixed = [
+        ("temperature", req.temperature, temps),
+        ("top_p", req.top_p, (0.95,)),
+        ("n", req.n, (1,)),
+        ("presence_penalty", req.presence_penalty, (0.0,)),
+        ("frequency_penalty", req.frequency_penalty, (0.0,)),
+    ]
     for name, value, allowed in fixed:
         if value is None:
             continue
@@ -98,8 +110,10 @@ def check_effort(req: ChatRequest) -> None:
         APIError: 400 naming ``reasoning_effort`` and the accepted values.
     """
     if req.reasoning_effort == "none":
-        raise bad_request("reasoning_effort: unsupported value 'none' (low, medium, high, max); "
-                          "for instant mode send thinking: {\"type\": \"disabled\"}")
+        raise bad_request(
+            "reasoning_effort: unsupported value 'none' (low, medium, high, max); "
+            'for instant mode send thinking: {"type": "disabled"}'
+        )
 
 
 def check_keep(req: Conversation) -> None:
@@ -111,7 +125,9 @@ def check_keep(req: Conversation) -> None:
     """
     keep = req.options.keep
     if keep is not None and keep != "all":
-        raise bad_request(f"thinking.keep: only null or 'all' is allowed for this model, got {keep!r}")
+        raise bad_request(
+            f"thinking.keep: only null or 'all' is allowed for this model, got {keep!r}"
+        )
 
 
 def _role(m: Message) -> str:
@@ -133,24 +149,34 @@ def check_messages(req: Conversation) -> None:
     for m in req.messages:
         i = m.index
         if getattr(m, "stray_tools", False):
-            raise bad_request(f"messages[{i}].tools: dynamic tools are only allowed in system messages")
+            raise bad_request(
+                f"messages[{i}].tools: dynamic tools are only allowed in system messages"
+            )
         if isinstance(m, DynamicTools):
             if m.parts:
-                raise bad_request(f"messages[{i}].content: a system message with tools must have empty content")
+                raise bad_request(
+                    f"messages[{i}].content: a system message with tools must have empty content"
+                )
             continue
         if isinstance(m, (TextMessage, ToolResult)) and not m.parts:
-            raise bad_request(f"messages[{i}].content: content must not be empty for {_role(m)} messages")
+            raise bad_request(
+                f"messages[{i}].content: content must not be empty for {_role(m)} messages"
+            )
         if isinstance(m, ToolResult) and (m.id_key != "tool_call_id" or not m.id):
             raise bad_request(f"messages[{i}].tool_call_id: required for tool messages")
         if isinstance(m, AssistantMessage) and thinking and not m.partial:
             if m.reasoning is not None:
                 continue
             if keep == "all":
-                raise bad_request("preserved thinking (thinking.keep=all) requires reasoning_content on every "
-                                  f"assistant message, but assistant message at index {i} is missing reasoning_content")
+                raise bad_request(
+                    "preserved thinking (thinking.keep=all) requires reasoning_content on every "
+                    f"assistant message, but assistant message at index {i} is missing reasoning_content"
+                )
             if m.calls:
-                raise bad_request("thinking is enabled but reasoning_content is missing in assistant tool call "
-                                  f"message at index {i}")
+                raise bad_request(
+                    "thinking is enabled but reasoning_content is missing in assistant tool call "
+                    f"message at index {i}"
+                )
 
 
 def check_image_roles(req: ChatRequest) -> None:
@@ -170,7 +196,9 @@ def check_image_roles(req: ChatRequest) -> None:
             continue
         for part in getattr(m, "parts", ()):
             if isinstance(part, ImageSlot):
-                raise bad_request(f"{part.where}: image parts are only allowed in user messages, not in {role} messages")
+                raise bad_request(
+                    f"{part.where}: image parts are only allowed in user messages, not in {role} messages"
+                )
 
 
 def check_tool_history(req: Conversation) -> None:
@@ -189,27 +217,35 @@ def check_tool_history(req: Conversation) -> None:
     def unanswered() -> None:
         if pending:
             cid, at = next(iter(pending.items()))
-            raise bad_request(f"messages[{at}].tool_calls: tool call id {cid!r} has no tool result message "
-                              "(each tool call must be answered by a tool message before the next user or "
-                              "assistant message)")
+            raise bad_request(
+                f"messages[{at}].tool_calls: tool call id {cid!r} has no tool result message "
+                "(each tool call must be answered by a tool message before the next user or "
+                "assistant message)"
+            )
 
     for m in msgs:
         if isinstance(m, ToolResult):
             pending.pop(m.id, None)
             continue
-        if not (isinstance(m, AssistantMessage) or (isinstance(m, TextMessage) and m.role == "user")):
+        if not (
+            isinstance(m, AssistantMessage) or (isinstance(m, TextMessage) and m.role == "user")
+        ):
             continue
         unanswered()
         if not isinstance(m, AssistantMessage) or not m.calls or m.partial:
             continue
         for k, call in enumerate(m.calls):
             if call.type is not None and call.type != "function":
-                raise bad_request(f"messages[{m.index}].tool_calls[{k}].type: only 'function' is supported, "
-                                  f"got {call.type!r}")
+                raise bad_request(
+                    f"messages[{m.index}].tool_calls[{k}].type: only 'function' is supported, "
+                    f"got {call.type!r}"
+                )
             if call.id is None:
                 continue
             if call.id in seen:
-                raise bad_request(f"messages[{m.index}].tool_calls[{k}].id: duplicate tool call id {call.id!r}")
+                raise bad_request(
+                    f"messages[{m.index}].tool_calls[{k}].id: duplicate tool call id {call.id!r}"
+                )
             seen.add(call.id)
             pending[call.id] = m.index
     unanswered()
@@ -254,7 +290,11 @@ def rendered_chars(req: Conversation, thinking: bool = False) -> int:
                 total += len(m.reasoning)
             for call in m.calls:
                 total += len(call.name)
-                total += _strings(call.arguments) if call.arguments is not None else len(call.raw_json or "")
+                total += (
+                    _strings(call.arguments)
+                    if call.arguments is not None
+                    else len(call.raw_json or "")
+                )
     total += _strings(req.options.tools)
     if req.options.response_format == "json_schema":
         total += _strings(req.options.response_schema)
@@ -280,8 +320,10 @@ def check_tool_choice(choice: Any) -> None:
         APIError: 400 naming ``tool_choice``.
     """
     if isinstance(choice, dict) and choice.get("type") != "function":
-        raise bad_request(f"tool_choice: unsupported value {json.dumps(choice)[:80]} (auto, none, required, or "
-                          "{'type': 'function', 'function': {'name': ...}})")
+        raise bad_request(
+            f"tool_choice: unsupported value {json.dumps(choice)[:80]} (auto, none, required, or "
+            "{'type': 'function', 'function': {'name': ...}})"
+        )
 
 
 def check_tools(req: ChatRequest, limits: Limits) -> list[dict]:
@@ -317,18 +359,24 @@ def check_tools(req: ChatRequest, limits: Limits) -> list[dict]:
         if "type" not in t:
             raise bad_request(f"{where}.type: required (only 'function' tools are supported)")
         if t["type"] != "function":
-            raise bad_request(f"{where}.type: only 'function' tools are supported, got {t['type']!r}")
+            raise bad_request(
+                f"{where}.type: only 'function' tools are supported, got {t['type']!r}"
+            )
         fn = t.get("function") if isinstance(t.get("function"), dict) else None
         name = fn.get("name") if fn else None
         if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise bad_request(f"{where}.function.name: {name!r} does not match {TOOL_NAME.pattern}")
         params = fn.get("parameters")
-        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
+        if params is not None and not (
+            isinstance(params, dict) and params.get("type", "object") == "object"
+        ):
             raise bad_request(f"{where}.function.parameters: the root must be an object schema")
         strict = fn.get("strict") if isinstance(fn.get("strict"), bool) else req.strict_tools
         if params:
             try:
-                params, _ = prepare_schema(params, f"{where}.function.parameters (tool {name!r})", strict)
+                params, _ = prepare_schema(
+                    params, f"{where}.function.parameters (tool {name!r})", strict
+                )
             except SchemaNotEnforceable as e:
                 raise bad_request(str(e)) from None
             t = dict(t, function=dict(fn, parameters=params))
@@ -343,7 +391,9 @@ def _tool_schemas(tools: Any, where: str) -> list[tuple[Any, str]]:
     for j, t in enumerate(tools if isinstance(tools, list) else ()):
         fn = t.get("function", t) if isinstance(t, dict) else None
         if isinstance(fn, dict) and "parameters" in fn:
-            out.append((fn["parameters"], f"{where}[{j}].{'function.' if fn is not t else ''}parameters"))
+            out.append(
+                (fn["parameters"], f"{where}[{j}].{'function.' if fn is not t else ''}parameters")
+            )
     return out
 
 
@@ -378,10 +428,14 @@ def check_stops(req: ChatRequest, limits: Limits) -> None:
         APIError: 400 for too many, empty or too long stop strings.
     """
     if len(req.stop) > limits.max_stop:
-        raise bad_request(f"stop: at most {limits.max_stop} stop strings are allowed, got {len(req.stop)}")
+        raise bad_request(
+            f"stop: at most {limits.max_stop} stop strings are allowed, got {len(req.stop)}"
+        )
     for s in req.stop:
         if not s or len(s.encode("utf-8")) > limits.max_stop_bytes:
-            raise bad_request(f"stop: each stop string must be 1 to {limits.max_stop_bytes} bytes, got {s!r}")
+            raise bad_request(
+                f"stop: each stop string must be 1 to {limits.max_stop_bytes} bytes, got {s!r}"
+            )
 
 
 def check_logprobs(req: ChatRequest) -> None:
@@ -417,14 +471,21 @@ def check_image_parts(prompt: Any, supports_image_in: bool) -> None:
     """
     for part, where in zip(prompt.images, prompt.image_locations or [""] * len(prompt.images)):
         anthropic = bool(where) and where.endswith(".source")
-        field = (where or "image_url") if anthropic else (f"{where}.image_url.url" if where else "image_url.url")
+        field = (
+            (where or "image_url")
+            if anthropic
+            else (f"{where}.image_url.url" if where else "image_url.url")
+        )
         ref = part.get("image_url", part.get("image"))
         url = ref.get("url") if isinstance(ref, dict) else ref
         if not isinstance(url, str):
             raise bad_request(f"{field}: missing image URL")
         if url.startswith(("http://", "https://")):
-            hint = ("use a base64 source" if anthropic
-                    else "send the image as a base64 data URL (data:image/png;base64,...)")
+            hint = (
+                "use a base64 source"
+                if anthropic
+                else "send the image as a base64 data URL (data:image/png;base64,...)"
+            )
             raise bad_request(f"{field}: http(s) image URLs are not supported; {hint}")
         if not url.startswith("data:") or ";base64," not in url:
             raise bad_request(f"{field}: must be a base64 data URL (data:image/<type>;base64,...)")

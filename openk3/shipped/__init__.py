@@ -32,8 +32,10 @@ def shipped_model_path(name: str = DEFAULT_MODEL) -> Path:
         raise ValueError(f"unknown shipped model {name!r}; shipped: {', '.join(SHIPPED_MODELS)}")
     path = SHIPPED_DIR / name
     if not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"shipped model {name!r}: {path / 'model.safetensors'} is missing "
-                                "(was the package installed without its data files?)")
+        raise FileNotFoundError(
+            f"shipped model {name!r}: {path / 'model.safetensors'} is missing "
+            "(was the package installed without its data files?)"
+        )
     return path
 
 
@@ -46,4 +48,10 @@ def resolve_model_path(path: str | os.PathLike) -> str:
     return p
 
 
-__all__ = ["SHIPPED_DIR", "DEFAULT_MODEL", "SHIPPED_MODELS", "shipped_model_path", "resolve_model_path"]
+__all__ = [
+    "SHIPPED_DIR",
+    "DEFAULT_MODEL",
+    "SHIPPED_MODELS",
+    "shipped_model_path",
+    "resolve_model_path",
+]

@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 
-def topk_with_cutoff(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_with_cutoff(
+    scores: torch.Tensor, bias: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-(k+1) routing: the k routes taken and each token's cutoff alpha (QB step 1).
 
     Args:
@@ -45,9 +47,13 @@ def topk_with_cutoff(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[
         ValueError: shapes or k out of range.
     """
     if scores.ndim != 2 or bias.shape != (scores.shape[1],):
-        raise ValueError(f"scores {tuple(scores.shape)} / bias {tuple(bias.shape)}: expected [N, E] and [E]")
+        raise ValueError(
+            f"scores {tuple(scores.shape)} / bias {tuple(bias.shape)}: expected [N, E] and [E]"
+        )
     if not 1 <= k < scores.shape[1]:
-        raise ValueError(f"k={k}: must be in [1, E-1={scores.shape[1] - 1}] (QB needs a (k+1)-th expert)")
+        raise ValueError(
+            f"k={k}: must be in [1, E-1={scores.shape[1] - 1}] (QB needs a (k+1)-th expert)"
+        )
     vals, idx = (scores.float() + bias.float()).topk(k + 1, dim=-1, sorted=True)
     return idx[:, :k], vals[:, k]
 
@@ -110,8 +116,16 @@ class QuantileBalancer:
         ValueError: bad arguments, naming them.
     """
 
-    def __init__(self, num_experts: int, top_k: int, num_bins: int = 1000, *, ema: float | None = None,
-                 interpolate: bool = True, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        num_bins: int = 1000,
+        *,
+        ema: float | None = None,
+        interpolate: bool = True,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if not isinstance(num_experts, int) or num_experts < 2:
             raise ValueError(f"num_experts={num_experts!r}: must be an integer >= 2")
         if not isinstance(top_k, int) or not 1 <= top_k < num_experts:
@@ -133,8 +147,14 @@ class QuantileBalancer:
         return bias.min() - 1.0, (bias.max() - bias.min() + 2.0) / self.num_bins
 
     @torch.no_grad()
-    def observe(self, scores: torch.Tensor, bias: torch.Tensor, *, cutoff: torch.Tensor | None = None,
-                topk_idx: torch.Tensor | None = None) -> None:
+    def observe(
+        self,
+        scores: torch.Tensor,
+        bias: torch.Tensor,
+        *,
+        cutoff: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+    ) -> None:
         """Add one micro-batch's required biases ``r = alpha - s`` to the step's histogram.
 
         Args:
@@ -149,7 +169,9 @@ class QuantileBalancer:
         E = self.num_experts
         s = scores.detach().reshape(-1, scores.shape[-1]).float()
         if s.shape[1] != E or bias.shape != (E,):
-            raise ValueError(f"scores {tuple(scores.shape)} / bias {tuple(bias.shape)}: expected [..., {E}] and [{E}]")
+            raise ValueError(
+                f"scores {tuple(scores.shape)} / bias {tuple(bias.shape)}: expected [..., {E}] and [{E}]"
+            )
         if self.counts.device != s.device:
             self.counts, self.loads = self.counts.to(s.device), self.loads.to(s.device)
         b = bias.detach().float().to(s.device)
@@ -196,7 +218,11 @@ class QuantileBalancer:
         target_bin = (cum < q.ceil()).sum(1).clamp_(max=self.num_bins - 1)  # [E]
         in_bin = counts.gather(1, target_bin[:, None])[:, 0]
         below = cum.gather(1, target_bin[:, None])[:, 0] - in_bin
-        frac = ((q - below) / in_bin.clamp(min=1)).clamp(0.0, 1.0) if self.interpolate else torch.zeros_like(q)
+        frac = (
+            ((q - below) / in_bin.clamp(min=1)).clamp(0.0, 1.0)
+            if self.interpolate
+            else torch.zeros_like(q)
+        )
         lo, width = self._range(self._bias.double())
         return lo + (target_bin.double() + frac) * width
 
@@ -221,8 +247,10 @@ class QuantileBalancer:
             # the bias is the same on every rank, so it fixes the same bins.
             self._bias = b.clone()
         elif not torch.equal(b, self._bias):
-            raise ValueError("bias: changed during the step; QB needs one fixed bias per step "
-                             "(apply the new bias only after step())")
+            raise ValueError(
+                "bias: changed during the step; QB needs one fixed bias per step "
+                "(apply the new bias only after step())"
+            )
         m = int(self.counts[0].sum())
         if m == 0:
             self.last_stats, self._bias = {}, None
@@ -230,7 +258,11 @@ class QuantileBalancer:
         b_hat = self.quantiles()
         new = b_hat - b_hat.mean()
         if self.ema is not None:
-            self._ema_bias = new if self._ema_bias is None else self.ema * self._ema_bias.to(new) + (1 - self.ema) * new
+            self._ema_bias = (
+                new
+                if self._ema_bias is None
+                else self.ema * self._ema_bias.to(new) + (1 - self.ema) * new
+            )
             new = self._ema_bias
         loads = self.loads.clone()
         mean_load = loads.double().mean().clamp(min=1e-12)
@@ -249,8 +281,14 @@ class QuantileBalancer:
 
     def state_dict(self) -> dict:
         """What a checkpoint taken between steps needs: the settings and the EMA state."""
-        return {"num_experts": self.num_experts, "top_k": self.top_k, "num_bins": self.num_bins,
-                "ema": self.ema, "interpolate": self.interpolate, "ema_bias": self._ema_bias}
+        return {
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "num_bins": self.num_bins,
+            "ema": self.ema,
+            "interpolate": self.interpolate,
+            "ema_bias": self._ema_bias,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output.
@@ -260,7 +298,9 @@ class QuantileBalancer:
         """
         for key in ("num_experts", "top_k", "num_bins", "ema", "interpolate"):
             if state.get(key) != getattr(self, key):
-                raise ValueError(f"state_dict[{key!r}]={state.get(key)!r} != {getattr(self, key)!r}")
+                raise ValueError(
+                    f"state_dict[{key!r}]={state.get(key)!r} != {getattr(self, key)!r}"
+                )
         ema_bias = state.get("ema_bias")
         self._ema_bias = None if ema_bias is None else ema_bias.clone()
 
@@ -280,9 +320,15 @@ def all_reduce_balancers_(balancers: Sequence[QuantileBalancer], group=None) -> 
     dist.all_reduce(loads, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for i, b in enumerate(balancers):
-        b.counts.copy_(counts[offset:offset + b.counts.numel()].view_as(b.counts))
-        b.loads.copy_(loads[i * b.num_experts:(i + 1) * b.num_experts])
+        b.counts.copy_(counts[offset : offset + b.counts.numel()].view_as(b.counts))
+        b.loads.copy_(loads[i * b.num_experts : (i + 1) * b.num_experts])
         offset += b.counts.numel()
 
 
-__all__ = ["topk_with_cutoff", "expert_loads", "qb_exact_bias", "QuantileBalancer", "all_reduce_balancers_"]
+__all__ = [
+    "topk_with_cutoff",
+    "expert_loads",
+    "qb_exact_bias",
+    "QuantileBalancer",
+    "all_reduce_balancers_",
+]

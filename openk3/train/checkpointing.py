@@ -120,12 +120,16 @@ def verify_checksums(directory: str | os.PathLike) -> bool:
             raise ValueError(f"{manifest}: malformed line {'  '.join(entry)[:80]!r}")
         want, rel = entry
         path = os.path.join(directory, rel)
-        what = _WHAT.get(rel, "model weights" if rel.endswith(".safetensors") else "checkpoint file")
+        what = _WHAT.get(
+            rel, "model weights" if rel.endswith(".safetensors") else "checkpoint file"
+        )
         if not os.path.isfile(path):
             raise ValueError(f"{path}: missing from the checkpoint ({what}; listed in {CHECKSUMS})")
         if _sha256(path) != want:
-            raise ValueError(f"{path}: damaged {what}: its SHA-256 differs from the one recorded in {CHECKSUMS} "
-                             "when the checkpoint was saved")
+            raise ValueError(
+                f"{path}: damaged {what}: its SHA-256 differs from the one recorded in {CHECKSUMS} "
+                "when the checkpoint was saved"
+            )
     return True
 
 
@@ -157,9 +161,13 @@ class RunLock:
             finally:
                 os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise ValueError(f"out_dir {os.path.dirname(self.path)!r}: cannot lock {self.path} ({e.strerror})") from None
-            raise ValueError(f"out_dir {os.path.dirname(self.path)!r} is in use by another trainer (pid {holder}, "
-                             f"lock {self.path}); wait for it to finish or stop it first") from None
+                raise ValueError(
+                    f"out_dir {os.path.dirname(self.path)!r}: cannot lock {self.path} ({e.strerror})"
+                ) from None
+            raise ValueError(
+                f"out_dir {os.path.dirname(self.path)!r} is in use by another trainer (pid {holder}, "
+                f"lock {self.path}); wait for it to finish or stop it first"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -205,7 +213,9 @@ def _jsonable(x):
     return repr(x)
 
 
-def load_model_weights_(model: nn.Module, path: str | os.PathLike, *, allow_missing_vision: bool = False) -> None:
+def load_model_weights_(
+    model: nn.Module, path: str | os.PathLike, *, allow_missing_vision: bool = False
+) -> None:
     """Copy a ``save_pretrained``-format checkpoint's weights into ``model`` in place, bit for bit.
 
     The text tensors are read with the file's own ``config.json`` (a text-only ``kimi_linear``
@@ -226,9 +236,14 @@ def load_model_weights_(model: nn.Module, path: str | os.PathLike, *, allow_miss
 
     path = os.fspath(path)
     tensors = read_safetensors(path)
-    file_config = K3Config.from_pretrained(path) if os.path.isfile(os.path.join(path, "config.json")) \
+    file_config = (
+        K3Config.from_pretrained(path)
+        if os.path.isfile(os.path.join(path, "config.json"))
         else model.config
-    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith(VISION_PREFIXES)}
+    )
+    expected = {
+        k: v.shape for k, v in model.state_dict().items() if not k.startswith(VISION_PREFIXES)
+    }
     state = from_hf_state_dict(tensors, file_config, expected)
     with torch.no_grad():
         own = model.state_dict()
@@ -286,9 +301,16 @@ class CheckpointManager:
         return found[-1][1] if found else None
 
     # ---------------------------------------------------------------------------------- save
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             balancers: Mapping[int, object], data: DataSource | None = None, run=None,
-             metrics: Mapping | None = None) -> str:
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        balancers: Mapping[int, object],
+        data: DataSource | None = None,
+        run=None,
+        metrics: Mapping | None = None,
+    ) -> str:
         """Write the checkpoint of ``step`` (completed steps) atomically; returns its path.
 
         Args:
@@ -316,12 +338,15 @@ class CheckpointManager:
         os.makedirs(tmp)
         try:
             model.save_pretrained(tmp)
-            torch.save({
-                "step": step,
-                "optimizer": optimizer.state_dict(),
-                "balancers": {int(k): b.state_dict() for k, b in balancers.items()},
-                "rng": _rng_state(),
-            }, os.path.join(tmp, STATE_PT))
+            torch.save(
+                {
+                    "step": step,
+                    "optimizer": optimizer.state_dict(),
+                    "balancers": {int(k): b.state_dict() for k, b in balancers.items()},
+                    "rng": _rng_state(),
+                },
+                os.path.join(tmp, STATE_PT),
+            )
             record = {
                 "step": step,
                 "data": json.loads(data_json),
@@ -364,7 +389,7 @@ class CheckpointManager:
             return
         found = self.complete()
         latest = self.latest()
-        for _, path in found[:-self.keep]:
+        for _, path in found[: -self.keep]:
             if path != latest:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -374,9 +399,16 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # ---------------------------------------------------------------------------------- load
-    def load(self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             balancers: Mapping[int, object] | None = None, data: DataSource | None = None, *,
-             restore_rng: bool = True) -> dict:
+    def load(
+        self,
+        path: str | os.PathLike,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        balancers: Mapping[int, object] | None = None,
+        data: DataSource | None = None,
+        *,
+        restore_rng: bool = True,
+    ) -> dict:
         """Restore a checkpoint in place into freshly built training objects.
 
         The model must have the checkpoint's architecture and the optimizer the same parameter
@@ -396,28 +428,36 @@ class CheckpointManager:
         """
         path = os.fspath(path)
         if not os.path.isfile(os.path.join(path, STATE_JSON)):
-            raise FileNotFoundError(f"{path!r} is not a complete training checkpoint (no {STATE_JSON})")
+            raise FileNotFoundError(
+                f"{path!r} is not a complete training checkpoint (no {STATE_JSON})"
+            )
         verify_checksums(path)
         try:
             with open(os.path.join(path, STATE_JSON), encoding="utf-8") as f:
                 record = json.load(f)
         except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{os.path.join(path, STATE_JSON)}: damaged training state ({e})") from None
+            raise ValueError(
+                f"{os.path.join(path, STATE_JSON)}: damaged training state ({e})"
+            ) from None
         load_model_weights_(model, path)
         try:
             blob = torch.load(os.path.join(path, STATE_PT), map_location="cpu", weights_only=True)
         except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
             if isinstance(e, FileNotFoundError):
                 raise
-            raise ValueError(f"{os.path.join(path, STATE_PT)}: damaged optimizer state, not a readable torch "
-                             f"file ({type(e).__name__})") from None
+            raise ValueError(
+                f"{os.path.join(path, STATE_PT)}: damaged optimizer state, not a readable torch "
+                f"file ({type(e).__name__})"
+            ) from None
         if optimizer is not None:
             optimizer.load_state_dict(blob["optimizer"])
         if balancers is not None:
             saved = blob.get("balancers", {})
             if set(map(int, saved)) != set(map(int, balancers)):
-                raise ValueError(f"balancers: checkpoint has MoE layers {sorted(map(int, saved))}, "
-                                 f"model has {sorted(map(int, balancers))}")
+                raise ValueError(
+                    f"balancers: checkpoint has MoE layers {sorted(map(int, saved))}, "
+                    f"model has {sorted(map(int, balancers))}"
+                )
             for k, b in balancers.items():
                 b.load_state_dict(saved[int(k)])
         if data is not None and record.get("data") is not None:
@@ -427,8 +467,18 @@ class CheckpointManager:
         return record
 
 
-__all__ = ["CheckpointManager", "RunLock", "check_out_dir", "step_dir_name", "verify_checksums", "STATE_PT",
-           "STATE_JSON", "CHECKSUMS", "LATEST", "LOCK"]
+__all__ = [
+    "CheckpointManager",
+    "RunLock",
+    "check_out_dir",
+    "step_dir_name",
+    "verify_checksums",
+    "STATE_PT",
+    "STATE_JSON",
+    "CHECKSUMS",
+    "LATEST",
+    "LOCK",
+]
 
 
 def check_out_dir(out_dir: str, resume: bool, lock: bool = False) -> RunLock | None:
@@ -450,12 +500,18 @@ def check_out_dir(out_dir: str, resume: bool, lock: bool = False) -> RunLock | N
     if resume:
         return held
     ckpt_dir = os.path.join(out_dir, "checkpoints")
-    earlier = [n for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []) if n.startswith("step-")]
+    earlier = [
+        n
+        for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
+        if n.startswith("step-")
+    ]
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if earlier or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
         if held is not None:
             held.release()
         what = f"checkpoints {sorted(earlier)[-1]}" if earlier else "metrics.jsonl"
-        raise ValueError(f"out_dir {out_dir!r} already holds a training run ({what}): pass --resume to continue "
-                         "it, or choose another --out (or remove the directory) to start over")
+        raise ValueError(
+            f"out_dir {out_dir!r} already holds a training run ({what}): pass --resume to continue "
+            "it, or choose another --out (or remove the directory) to start over"
+        )
     return held

@@ -116,13 +116,25 @@ class DocumentStore:
     """
 
     def __init__(self, ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray):
-        ids, labels, offsets = (np.asarray(ids, np.int32), np.asarray(labels, np.int32),
-                                np.asarray(offsets, np.int64))
+        ids, labels, offsets = (
+            np.asarray(ids, np.int32),
+            np.asarray(labels, np.int32),
+            np.asarray(offsets, np.int64),
+        )
         if ids.shape != labels.shape or ids.ndim != 1:
-            raise ValueError(f"ids/labels: must be equal 1-D arrays, got {ids.shape} and {labels.shape}")
-        if (offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != ids.size
-                or bool((np.diff(offsets) <= 0).any())):
-            raise ValueError("offsets: must increase strictly from 0 to len(ids) (no empty documents)")
+            raise ValueError(
+                f"ids/labels: must be equal 1-D arrays, got {ids.shape} and {labels.shape}"
+            )
+        if (
+            offsets.ndim != 1
+            or offsets.size < 1
+            or offsets[0] != 0
+            or offsets[-1] != ids.size
+            or bool((np.diff(offsets) <= 0).any())
+        ):
+            raise ValueError(
+                "offsets: must increase strictly from 0 to len(ids) (no empty documents)"
+            )
         self.ids, self.labels, self.offsets = ids, labels, offsets
         h = hashlib.sha256()
         for a in (ids, labels, offsets):
@@ -140,17 +152,29 @@ class DocumentStore:
         if not docs:
             raise ValueError("docs: no non-empty documents")
         lengths = np.array([len(d.ids) for d in docs], dtype=np.int64)
-        return cls(np.concatenate([d.ids for d in docs]), np.concatenate([d.labels for d in docs]),
-                   np.concatenate([[0], np.cumsum(lengths)]))
+        return cls(
+            np.concatenate([d.ids for d in docs]),
+            np.concatenate([d.labels for d in docs]),
+            np.concatenate([[0], np.cumsum(lengths)]),
+        )
 
     @classmethod
-    def from_texts(cls, texts: Iterable[str], tokenizer: Any, *, add_eos: bool = True) -> DocumentStore:
+    def from_texts(
+        cls, texts: Iterable[str], tokenizer: Any, *, add_eos: bool = True
+    ) -> DocumentStore:
         """Tokenise plain texts (:func:`text_document`); empty texts are skipped."""
         return cls.from_documents(text_document(t, tokenizer, add_eos=add_eos) for t in texts if t)
 
     @classmethod
-    def from_corpus(cls, corpus_dir: str | os.PathLike, tokenizer: Any, split: str = "train", *,
-                    add_eos: bool = True, cache_dir: str | os.PathLike | None = None) -> DocumentStore:
+    def from_corpus(
+        cls,
+        corpus_dir: str | os.PathLike,
+        tokenizer: Any,
+        split: str = "train",
+        *,
+        add_eos: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> DocumentStore:
         """Tokenise one split of a corpus built by :func:`openk3.datasets.corpus.build_corpus`.
 
         With `cache_dir`, the store is saved under a key of (manifest, split, `add_eos`,
@@ -176,10 +200,13 @@ class DocumentStore:
         return store
 
     @classmethod
-    def from_conversations(cls, conversations: Iterable[dict | list], tokenizer: Any, *,
-                           train_on: str = "all") -> DocumentStore:
+    def from_conversations(
+        cls, conversations: Iterable[dict | list], tokenizer: Any, *, train_on: str = "all"
+    ) -> DocumentStore:
         """Render SFT conversations (:func:`chat_document`)."""
-        return cls.from_documents(chat_document(c, tokenizer, train_on=train_on) for c in conversations)
+        return cls.from_documents(
+            chat_document(c, tokenizer, train_on=train_on) for c in conversations
+        )
 
     def __len__(self) -> int:
         return self.offsets.size - 1
@@ -201,8 +228,17 @@ class DocumentStore:
         d.mkdir(parents=True, exist_ok=True)
         for name in ("ids", "labels", "offsets"):
             np.save(d / f"{name}.npy", getattr(self, name))
-        (d / "store.json").write_text(json.dumps({"fingerprint": self.fingerprint, "documents": len(self),
-                                                  "tokens": self.num_tokens, "meta": meta or {}}, indent=2))
+        (d / "store.json").write_text(
+            json.dumps(
+                {
+                    "fingerprint": self.fingerprint,
+                    "documents": len(self),
+                    "tokens": self.num_tokens,
+                    "meta": meta or {},
+                },
+                indent=2,
+            )
+        )
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> DocumentStore:
@@ -219,7 +255,9 @@ class DocumentStore:
             raise ValueError(f"DocumentStore.load: {str(d)!r} is not a saved store ({e})") from e
         store = cls(*arrays)
         if info.get("fingerprint") != store.fingerprint:
-            raise ValueError(f"DocumentStore.load: {str(d)!r} fingerprint mismatch (arrays modified)")
+            raise ValueError(
+                f"DocumentStore.load: {str(d)!r} fingerprint mismatch (arrays modified)"
+            )
         return store
 
 
@@ -284,8 +322,11 @@ class Batch:
     def packed(self) -> dict[str, torch.Tensor]:
         """The whole batch as one packed row for ``model(**batch.packed())``: ``input_ids`` /
         ``labels`` [1, B*T] and ``cu_seqlens``."""
-        return {"input_ids": self.input_ids.reshape(1, -1), "labels": self.labels.reshape(1, -1),
-                "cu_seqlens": self.cu_seqlens}
+        return {
+            "input_ids": self.input_ids.reshape(1, -1),
+            "labels": self.labels.reshape(1, -1),
+            "cu_seqlens": self.cu_seqlens,
+        }
 
     def row(self, r: int) -> dict[str, torch.Tensor]:
         """Row `r` alone (``input_ids`` / ``labels`` [1, T], its own ``cu_seqlens``), for per-row
@@ -293,7 +334,11 @@ class Batch:
         T = self.input_ids.shape[1]
         cu = self.cu_seqlens
         cu = cu[(cu >= r * T) & (cu <= (r + 1) * T)] - r * T
-        return {"input_ids": self.input_ids[r:r + 1], "labels": self.labels[r:r + 1], "cu_seqlens": cu}
+        return {
+            "input_ids": self.input_ids[r : r + 1],
+            "labels": self.labels[r : r + 1],
+            "cu_seqlens": cu,
+        }
 
     def to(self, device: str | torch.device) -> Batch:
         return Batch(self.input_ids.to(device), self.labels.to(device), self.cu_seqlens.to(device))
@@ -317,14 +362,28 @@ class PackedLoader:
         ValueError: bad sizes.
     """
 
-    def __init__(self, store: DocumentStore, seq_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 split_documents: bool = True, loop: bool = True, pad_id: int = 0):
+    def __init__(
+        self,
+        store: DocumentStore,
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        split_documents: bool = True,
+        loop: bool = True,
+        pad_id: int = 0,
+    ):
         if seq_len < 2:
             raise ValueError(f"seq_len: must be >= 2, got {seq_len}")
         if batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
         self.store, self.seq_len, self.batch_size = store, int(seq_len), int(batch_size)
-        self.seed, self.shuffle, self.split_documents = int(seed), bool(shuffle), bool(split_documents)
+        self.seed, self.shuffle, self.split_documents = (
+            int(seed),
+            bool(shuffle),
+            bool(split_documents),
+        )
         self.loop, self.pad_id = bool(loop), int(pad_id)
         self.epoch, self.cursor, self.offset, self.batches = 0, 0, 0, 0
         self._order_epoch: int | None = None
@@ -343,15 +402,29 @@ class PackedLoader:
         return self._order
 
     def _config(self) -> dict[str, Any]:
-        return {"documents": len(self.store), "store": self.store.fingerprint, "seq_len": self.seq_len,
-                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle,
-                "split_documents": self.split_documents, "loop": self.loop, "pad_id": self.pad_id}
+        return {
+            "documents": len(self.store),
+            "store": self.store.fingerprint,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "split_documents": self.split_documents,
+            "loop": self.loop,
+            "pad_id": self.pad_id,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position: ``epoch``, ``cursor`` (index into the epoch order), ``offset``
         (tokens of that document already served), ``batches`` served, and the loader config."""
-        return {"version": STATE_VERSION, "epoch": self.epoch, "cursor": self.cursor, "offset": self.offset,
-                "batches": self.batches, "config": self._config()}
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "offset": self.offset,
+            "batches": self.batches,
+            "config": self._config(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`.
@@ -361,11 +434,19 @@ class PackedLoader:
                 (the field is named).
         """
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"state.version: expected {STATE_VERSION}, got {state.get('version')!r}")
+            raise ValueError(
+                f"state.version: expected {STATE_VERSION}, got {state.get('version')!r}"
+            )
         for k, v in self._config().items():
             if state["config"].get(k) != v:
-                raise ValueError(f"state.config.{k}: saved {state['config'].get(k)!r}, this loader has {v!r}")
-        self.epoch, self.cursor, self.offset = int(state["epoch"]), int(state["cursor"]), int(state["offset"])
+                raise ValueError(
+                    f"state.config.{k}: saved {state['config'].get(k)!r}, this loader has {v!r}"
+                )
+        self.epoch, self.cursor, self.offset = (
+            int(state["epoch"]),
+            int(state["cursor"]),
+            int(state["offset"]),
+        )
         self.batches = int(state["batches"])
 
     # ---------------------------------------------------------------------- packing
@@ -389,8 +470,8 @@ class PackedLoader:
             else:
                 break  # whole-document mode: this one starts the next row
             starts.append(base + filled)
-            ids[filled:filled + take] = self.store.ids[a:a + take]
-            labels[filled:filled + take] = self.store.labels[a:a + take]
+            ids[filled : filled + take] = self.store.ids[a : a + take]
+            labels[filled : filled + take] = self.store.labels[a : a + take]
             filled += take
             self.offset += take
             if self.offset == self.store.doc_length(d):

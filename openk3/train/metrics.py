@@ -63,7 +63,11 @@ class MetricsLog:
 
     def __init__(self, path: str | os.PathLike, truncate_after: int = 0) -> None:
         self.path = os.fspath(path)
-        kept = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= truncate_after] if truncate_after else []
+        kept = (
+            [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= truncate_after]
+            if truncate_after
+            else []
+        )
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             for r in kept:
@@ -100,8 +104,14 @@ class Progress:
         min_interval: seconds between plain-text lines when tqdm is unavailable.
     """
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True, stream=None,
-                 min_interval: float = 5.0) -> None:
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        enabled: bool = True,
+        stream=None,
+        min_interval: float = 5.0,
+    ) -> None:
         self.total, self.initial, self.enabled = total, initial, enabled
         self.stream = stream or sys.stderr
         self.min_interval = min_interval
@@ -112,7 +122,9 @@ class Progress:
             try:
                 from tqdm.auto import tqdm
 
-                self._bar = tqdm(total=total, initial=initial, file=self.stream, unit="step", dynamic_ncols=True)
+                self._bar = tqdm(
+                    total=total, initial=initial, file=self.stream, unit="step", dynamic_ncols=True
+                )
             except ImportError:
                 self._bar = None
 
@@ -136,8 +148,11 @@ class Progress:
         done = step - self.initial
         rate = done / max(now - self._t0, 1e-9)
         eta = (self.total - step) / rate if rate > 0 else math.inf
-        print(f"step {step}/{self.total} loss {metrics['loss']:.4f} {tps:,.0f} tok/s ETA {_fmt_eta(eta)}",
-              file=self.stream, flush=True)
+        print(
+            f"step {step}/{self.total} loss {metrics['loss']:.4f} {tps:,.0f} tok/s ETA {_fmt_eta(eta)}",
+            file=self.stream,
+            flush=True,
+        )
 
     def note(self, text: str) -> None:
         """A message that does not break the bar."""
@@ -160,7 +175,7 @@ def _pooled_worst(train: list[dict], window: int) -> list[tuple[int, float]]:
     balance the bias actually achieves."""
     out = []
     for i in range(window - 1, len(train)):
-        recs = train[i - window + 1:i + 1]
+        recs = train[i - window + 1 : i + 1]
         if not all(r.get("expert_loads") for r in recs):
             continue
         worst = 0.0
@@ -173,7 +188,9 @@ def _pooled_worst(train: list[dict], window: int) -> list[tuple[int, float]]:
     return out
 
 
-def plot_metrics(jsonl_path: str | os.PathLike, png_path: str | os.PathLike, window: int = 20) -> str:
+def plot_metrics(
+    jsonl_path: str | os.PathLike, png_path: str | os.PathLike, window: int = 20
+) -> str:
     """Plot loss (train, and eval when present) and expert load (QB max/mean, per MoE layer, the
     worst layer, and the worst layer with loads pooled over ``window`` steps) against step into
     a PNG; returns ``png_path``.
@@ -189,26 +206,49 @@ def plot_metrics(jsonl_path: str | os.PathLike, png_path: str | os.PathLike, win
 
     records = read_metrics(jsonl_path)
     train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval" and isinstance(r.get("eval_loss"), (int, float))]
+    evals = [
+        r
+        for r in records
+        if r.get("kind") == "eval" and isinstance(r.get("eval_loss"), (int, float))
+    ]
     if not train:
         raise ValueError(f"{os.fspath(jsonl_path)}: no training records to plot")
     fig, (ax_loss, ax_load) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train loss")
     if evals:
-        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", ms=3, label="eval loss")
+        ax_loss.plot(
+            [r["step"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            "o-",
+            ms=3,
+            label="eval loss",
+        )
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
     layers = sorted({k for r in train for k in (r.get("qb_layer_max_over_mean") or {})}, key=int)
     for k in layers:
-        pts = [(r["step"], r["qb_layer_max_over_mean"][k]) for r in train if k in (r.get("qb_layer_max_over_mean") or {})]
+        pts = [
+            (r["step"], r["qb_layer_max_over_mean"][k])
+            for r in train
+            if k in (r.get("qb_layer_max_over_mean") or {})
+        ]
         ax_load.plot(*zip(*pts), lw=0.8, alpha=0.6, label=f"layer {k}")
-    worst = [(r["step"], r["qb_max_over_mean"]) for r in train if isinstance(r.get("qb_max_over_mean"), (int, float))]
+    worst = [
+        (r["step"], r["qb_max_over_mean"])
+        for r in train
+        if isinstance(r.get("qb_max_over_mean"), (int, float))
+    ]
     if worst:
         ax_load.plot(*zip(*worst), color="k", lw=1.2, label="worst layer")
         pooled = _pooled_worst(train, window)
         if pooled:
-            ax_load.plot(*zip(*pooled), color="tab:red", lw=1.5, label=f"worst layer, loads pooled over {window} steps")
+            ax_load.plot(
+                *zip(*pooled),
+                color="tab:red",
+                lw=1.5,
+                label=f"worst layer, loads pooled over {window} steps",
+            )
         ax_load.axhline(1.0, color="gray", ls="--", lw=0.8)
         ax_load.legend(fontsize=7, ncol=4)
     ax_load.set_ylabel("expert load max/mean")

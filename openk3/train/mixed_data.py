@@ -40,7 +40,11 @@ class MixedLoader:
     """
 
     def __init__(self, primary: DataSource, secondary: DataSource, fraction: float, seed: int = 0):
-        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 <= fraction < 1.0:
+        if (
+            not isinstance(fraction, (int, float))
+            or isinstance(fraction, bool)
+            or not 0.0 <= fraction < 1.0
+        ):
             raise ValueError(f"fraction={fraction!r}: must lie in [0, 1)")
         self.primary, self.secondary = primary, secondary
         self.fraction, self.seed = float(fraction), int(seed)
@@ -68,9 +72,15 @@ class MixedLoader:
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position: batches served (of which from ``secondary``), the mixing
         config, and both sources' own states."""
-        return {"version": MIXED_STATE_VERSION, "batches": self.batches, "served_secondary": self.served_secondary,
-                "fraction": self.fraction, "seed": self.seed, "primary": self.primary.state_dict(),
-                "secondary": self.secondary.state_dict()}
+        return {
+            "version": MIXED_STATE_VERSION,
+            "batches": self.batches,
+            "served_secondary": self.served_secondary,
+            "fraction": self.fraction,
+            "seed": self.seed,
+            "primary": self.primary.state_dict(),
+            "secondary": self.secondary.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the following batches equal an uninterrupted run's.
@@ -84,7 +94,9 @@ class MixedLoader:
             raise ValueError(f"state.version: expected {MIXED_STATE_VERSION}, got {got!r}")
         for k in ("fraction", "seed"):
             if state.get(k) != getattr(self, k):
-                raise ValueError(f"state.{k}: saved {state.get(k)!r}, this loader has {getattr(self, k)!r}")
+                raise ValueError(
+                    f"state.{k}: saved {state.get(k)!r}, this loader has {getattr(self, k)!r}"
+                )
         self.primary.load_state_dict(state["primary"])
         self.secondary.load_state_dict(state["secondary"])
         self.batches, self.served_secondary = int(state["batches"]), int(state["served_secondary"])
@@ -123,8 +135,14 @@ class CurriculumLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position: batches served, ``steps``, and both sources' states."""
-        return {"version": MIXED_STATE_VERSION, "kind": "curriculum", "batches": self.batches, "steps": self.steps,
-                "first": self.first.state_dict(), "then": self.then.state_dict()}
+        return {
+            "version": MIXED_STATE_VERSION,
+            "kind": "curriculum",
+            "batches": self.batches,
+            "steps": self.steps,
+            "first": self.first.state_dict(),
+            "then": self.then.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`.
@@ -133,11 +151,19 @@ class CurriculumLoader:
             ValueError: another state version or kind, a different ``steps`` (named), or a
                 source's own mismatch.
         """
-        if not isinstance(state, dict) or state.get("version") != MIXED_STATE_VERSION or state.get("kind") != "curriculum":
+        if (
+            not isinstance(state, dict)
+            or state.get("version") != MIXED_STATE_VERSION
+            or state.get("kind") != "curriculum"
+        ):
             got = (state.get("version"), state.get("kind")) if isinstance(state, dict) else state
-            raise ValueError(f"state.version/kind: expected ({MIXED_STATE_VERSION}, 'curriculum'), got {got!r}")
+            raise ValueError(
+                f"state.version/kind: expected ({MIXED_STATE_VERSION}, 'curriculum'), got {got!r}"
+            )
         if state.get("steps") != self.steps:
-            raise ValueError(f"state.steps: saved {state.get('steps')!r}, this loader has {self.steps!r}")
+            raise ValueError(
+                f"state.steps: saved {state.get('steps')!r}, this loader has {self.steps!r}"
+            )
         self.first.load_state_dict(state["first"])
         self.then.load_state_dict(state["then"])
         self.batches = int(state["batches"])

@@ -59,7 +59,9 @@ def zeropower_newton_schulz(
         ValueError: ``g`` not 2-D or 3-D, or ``steps`` < 0.
     """
     if g.ndim not in (2, 3):
-        raise ValueError(f"g: expected a [A, B] matrix or [N, A, B] batch, got shape {tuple(g.shape)}")
+        raise ValueError(
+            f"g: expected a [A, B] matrix or [N, A, B] batch, got shape {tuple(g.shape)}"
+        )
     if steps < 0:
         raise ValueError(f"steps={steps}: must be >= 0")
     a, b, c = coefficients
@@ -93,7 +95,13 @@ def rms_match_scale(rows: int, cols: int, rms: float = 0.2) -> float:
 
 def _check_head_blocks(p: torch.Tensor, blocks: HeadBlocks) -> None:
     heads, parts = blocks
-    if p.ndim != 2 or heads <= 0 or not parts or min(parts) <= 0 or p.shape[0] != heads * sum(parts):
+    if (
+        p.ndim != 2
+        or heads <= 0
+        or not parts
+        or min(parts) <= 0
+        or p.shape[0] != heads * sum(parts)
+    ):
         raise ValueError(
             f"head_blocks={blocks!r} does not tile a parameter of shape {tuple(p.shape)}: "
             f"need a 2-D weight with {heads} * {sum(parts) if parts else 0} rows"
@@ -168,9 +176,19 @@ class Muon(torch.optim.Optimizer):
         if not all(0.0 <= bb < 1.0 for bb in betas):
             raise ValueError(f"betas={betas!r}: each must be in [0, 1)")
         defaults = dict(
-            lr=lr, weight_decay=weight_decay, use_muon=True, head_blocks=None, momentum=momentum,
-            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients),
-            ns_dtype=ns_dtype, ns_eps=ns_eps, rms=rms, betas=tuple(betas), eps=eps,
+            lr=lr,
+            weight_decay=weight_decay,
+            use_muon=True,
+            head_blocks=None,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_dtype=ns_dtype,
+            ns_eps=ns_eps,
+            rms=rms,
+            betas=tuple(betas),
+            eps=eps,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -178,7 +196,9 @@ class Muon(torch.optim.Optimizer):
                 continue
             for p in group["params"]:
                 if p.ndim not in (2, 3):
-                    raise ValueError(f"Muon group: parameter of shape {tuple(p.shape)} is not 2-D or 3-D")
+                    raise ValueError(
+                        f"Muon group: parameter of shape {tuple(p.shape)} is not 2-D or 3-D"
+                    )
                 if group["head_blocks"] is not None:
                     _check_head_blocks(p, group["head_blocks"])
 
@@ -214,7 +234,11 @@ class Muon(torch.optim.Optimizer):
         p.mul_(1 - lr * group["weight_decay"])
         for rows, cols, p_blk, u_blk in _blocks(p, u, group["head_blocks"]):
             o = zeropower_newton_schulz(
-                u_blk, group["ns_steps"], group["ns_coefficients"], group["ns_eps"], group["ns_dtype"]
+                u_blk,
+                group["ns_steps"],
+                group["ns_coefficients"],
+                group["ns_eps"],
+                group["ns_dtype"],
             )
             p_blk.add_(o.view_as(p_blk), alpha=-(lr * rms_match_scale(rows, cols, group["rms"])))
 
@@ -251,7 +275,7 @@ def _blocks(p: torch.Tensor, u: torch.Tensor, head_blocks: HeadBlocks | None):
     u3 = u.view(heads, width, u.shape[-1])
     start = 0
     for rows in parts:
-        yield rows, p.shape[-1], p3[:, start:start + rows], u3[:, start:start + rows]
+        yield rows, p.shape[-1], p3[:, start : start + rows], u3[:, start : start + rows]
         start += rows
 
 
@@ -293,7 +317,9 @@ def qk_clip_weights_(
     if q_weight.ndim != 2 or q_weight.shape[0] != H * (Dn + Dr):
         raise ValueError(f"q_weight: shape {tuple(q_weight.shape)}, expected [{H}*({Dn}+{Dr}), in]")
     if kv_b_weight.ndim != 2 or kv_b_weight.shape[0] != H * (Dn + Dv):
-        raise ValueError(f"kv_b_weight: shape {tuple(kv_b_weight.shape)}, expected [{H}*({Dn}+{Dv}), kv_lora]")
+        raise ValueError(
+            f"kv_b_weight: shape {tuple(kv_b_weight.shape)}, expected [{H}*({Dn}+{Dv}), kv_lora]"
+        )
     s = max_logits.detach().float().reshape(-1).to(q_weight.device)
     if s.numel() != H:
         raise ValueError(f"max_logits: {s.numel()} entries, expected num_heads={H}")
@@ -301,8 +327,12 @@ def qk_clip_weights_(
         raise ValueError(f"max_logits: non-finite values {s.tolist()}")
     gamma = torch.where(s > tau, tau / s, torch.ones_like(s))
     root = gamma.sqrt()
-    q_scale = torch.cat([root[:, None].expand(H, Dn), gamma[:, None].expand(H, Dr)], dim=1).reshape(-1)
-    k_scale = torch.cat([root[:, None].expand(H, Dn), torch.ones(H, Dv, device=s.device)], dim=1).reshape(-1)
+    q_scale = torch.cat([root[:, None].expand(H, Dn), gamma[:, None].expand(H, Dr)], dim=1).reshape(
+        -1
+    )
+    k_scale = torch.cat(
+        [root[:, None].expand(H, Dn), torch.ones(H, Dv, device=s.device)], dim=1
+    ).reshape(-1)
     q_weight.mul_(q_scale[:, None].to(q_weight.dtype))
     kv_b_weight.mul_(k_scale[:, None].to(device=kv_b_weight.device, dtype=kv_b_weight.dtype))
     return gamma
@@ -313,6 +343,7 @@ _ATTN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
 
 def _mla_modules(model_or_layers) -> dict[int, nn.Module]:
     """Layer index -> MLA attention module (one with ``kv_b_proj``)."""
+
     def attn_of(m: nn.Module) -> nn.Module:
         return m if hasattr(m, "kv_b_proj") else getattr(m, "self_attn", m)
 
@@ -321,15 +352,19 @@ def _mla_modules(model_or_layers) -> dict[int, nn.Module]:
     if isinstance(model_or_layers, (Sequence, nn.ModuleList)):
         return {i: attn_of(m) for i, m in enumerate(model_or_layers)}
     if not isinstance(model_or_layers, nn.Module):
-        raise ValueError(f"model_or_layers: expected an nn.Module, a sequence or a mapping of layers, "
-                         f"got {type(model_or_layers).__name__}")
+        raise ValueError(
+            f"model_or_layers: expected an nn.Module, a sequence or a mapping of layers, "
+            f"got {type(model_or_layers).__name__}"
+        )
     found: dict[int, nn.Module] = {}
     for name, m in model_or_layers.named_modules():
         hit = _ATTN_NAME.search(name)
         if hit and hasattr(m, "kv_b_proj") and "vision" not in name:
             idx = int(hit.group(1))
             if idx in found:
-                raise ValueError(f"model_or_layers: two MLA modules for layer {idx} (second: {name})")
+                raise ValueError(
+                    f"model_or_layers: two MLA modules for layer {idx} (second: {name})"
+                )
             found[idx] = m
     return found
 
@@ -368,8 +403,13 @@ def qk_clip_(
             raise ValueError(f"max_logits_per_layer: layer {idx} has no MLA module (kv_b_proj)")
         q = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
         gammas[int(idx)] = qk_clip_weights_(
-            q.weight, attn.kv_b_proj.weight, s, tau,
-            num_heads=config.num_attention_heads, qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+            q.weight,
+            attn.kv_b_proj.weight,
+            s,
+            tau,
+            num_heads=config.num_attention_heads,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
         )
     return gammas

@@ -80,7 +80,10 @@ def classify_parameter(
     elif kind == MLA and proj in ("q_b_proj", "q_proj"):
         group, blocks = "muon_mla_q", (config.num_attention_heads, (config.qk_head_dim,))
     elif kind == MLA and proj == "kv_b_proj":
-        group, blocks = "muon_mla_kv", (config.num_attention_heads, (config.qk_nope_head_dim, config.v_head_dim))
+        group, blocks = (
+            "muon_mla_kv",
+            (config.num_attention_heads, (config.qk_nope_head_dim, config.v_head_dim)),
+        )
     if blocks is not None and param.shape[0] != blocks[0] * sum(blocks[1]):
         raise ValueError(
             f"{name}: shape {tuple(param.shape)} does not hold {blocks[0]} heads of {sum(blocks[1])} rows "
@@ -117,8 +120,14 @@ def param_groups(
         if group == "skip":
             continue
         if group not in buckets:
-            g = {"name": group, "params": [], "param_names": [], "use_muon": group != "adamw",
-                 "head_blocks": blocks, "weight_decay": weight_decay if group != "adamw" else adamw_weight_decay}
+            g = {
+                "name": group,
+                "params": [],
+                "param_names": [],
+                "use_muon": group != "adamw",
+                "head_blocks": blocks,
+                "weight_decay": weight_decay if group != "adamw" else adamw_weight_decay,
+            }
             if group == "adamw" and adamw_lr is not None:
                 g["lr"] = adamw_lr
             buckets[group] = g
@@ -159,12 +168,26 @@ def build_optimizer(
     Raises:
         ValueError: bad hyperparameters, or a model with no trainable parameters.
     """
-    groups = param_groups(model, config, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay,
-                          adamw_lr=adamw_lr, per_head=per_head)
+    groups = param_groups(
+        model,
+        config,
+        weight_decay=weight_decay,
+        adamw_weight_decay=adamw_weight_decay,
+        adamw_lr=adamw_lr,
+        per_head=per_head,
+    )
     if not groups:
         raise ValueError("model: no trainable parameters")
-    return Muon(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True,
-                ns_dtype=ns_dtype, betas=betas, eps=eps)
+    return Muon(
+        groups,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=True,
+        ns_dtype=ns_dtype,
+        betas=betas,
+        eps=eps,
+    )
 
 
 # ------------------------------------------------------------------------------- schedule
@@ -194,7 +217,9 @@ def cosine_with_warmup(step: int, total: int, warmup: int, min_ratio: float = 0.
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def wsd_with_warmup(step: int, total: int, warmup: int, decay: int, min_ratio: float = 0.0) -> float:
+def wsd_with_warmup(
+    step: int, total: int, warmup: int, decay: int, min_ratio: float = 0.0
+) -> float:
     """LR multiplier, warmup-stable-decay: linear warmup, a constant phase at the peak, then a
     cosine decay to ``min_ratio`` over the last ``decay`` steps.
 
@@ -211,7 +236,9 @@ def wsd_with_warmup(step: int, total: int, warmup: int, decay: int, min_ratio: f
     """
     cosine_with_warmup(0, total, warmup, min_ratio)  # the shared checks of total, warmup, min_ratio
     if isinstance(decay, bool) or not isinstance(decay, int) or not 0 <= decay <= total - warmup:
-        raise ValueError(f"decay={decay!r}: must be an integer in [0, total - warmup = {total - warmup}]")
+        raise ValueError(
+            f"decay={decay!r}: must be an integer in [0, total - warmup = {total - warmup}]"
+        )
     if step < 0:
         raise ValueError(f"step={step!r}: must be >= 0")
     if step < warmup:
@@ -237,7 +264,11 @@ def decay_steps(total: int, warmup: int, fraction: float) -> int:
     Raises:
         ValueError: ``fraction`` not a number in [0, 1].
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not 0.0 <= fraction <= 1.0
+    ):
         raise ValueError(f"decay_fraction={fraction!r}: must be a number in [0, 1]")
     return max(0, min(total - warmup, round(fraction * total)))
 
@@ -254,7 +285,8 @@ def lr_lambda(total: int, warmup: int | None = None, min_ratio: float = 0.0):
     return functools.partial(cosine_with_warmup, total=total, warmup=warmup, min_ratio=min_ratio)
 
 
-def cosine_scheduler(optimizer: torch.optim.Optimizer, total: int, warmup: int | None = None,
-                     min_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+def cosine_scheduler(
+    optimizer: torch.optim.Optimizer, total: int, warmup: int | None = None, min_ratio: float = 0.0
+) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` over every param group with :func:`cosine_with_warmup`."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, warmup, min_ratio))

@@ -68,7 +68,9 @@ class RunConfig:
 
     name: str
     model: str | K3Config = field(metadata={"expect": "a preset name or a K3Config"})
-    data: Callable[["RunConfig", str], DataSource] = field(metadata={"expect": "a data factory (callable; set by the recipe)"})
+    data: Callable[["RunConfig", str], DataSource] = field(
+        metadata={"expect": "a data factory (callable; set by the recipe)"}
+    )
     total_steps: int
     seq_len: int = 256
     batch_size: int = 1
@@ -91,7 +93,9 @@ class RunConfig:
     keep_checkpoints: int | None = 3
     seed: int = 0
     threads: int | None = None
-    device: str = field(default="cpu", metadata={"expect": 'a device string ("cpu", "cuda", "cuda:1")'})
+    device: str = field(
+        default="cpu", metadata={"expect": 'a device string ("cpu", "cuda", "cuda:1")'}
+    )
     ep_size: int = 1
     init_from: str | None = None
     settings: Any = None
@@ -99,10 +103,21 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, skip=("settings",))
-        if self.settings is not None and not (dataclasses.is_dataclass(self.settings)
-                                              and not isinstance(self.settings, type)):
-            raise ValueError(f"RunConfig.settings={self.settings!r}: must be a recipe's settings dataclass or null")
-        for name in ("total_steps", "seq_len", "batch_size", "grad_accum", "ckpt_every", "qb_bins", "ep_size"):
+        if self.settings is not None and not (
+            dataclasses.is_dataclass(self.settings) and not isinstance(self.settings, type)
+        ):
+            raise ValueError(
+                f"RunConfig.settings={self.settings!r}: must be a recipe's settings dataclass or null"
+            )
+        for name in (
+            "total_steps",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "ckpt_every",
+            "qb_bins",
+            "ep_size",
+        ):
             v = getattr(self, name)
             if v < 1:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a positive integer")
@@ -111,16 +126,22 @@ class RunConfig:
             if v < 0:
                 raise ValueError(f"RunConfig.{name}={v!r}: must be a non-negative integer")
         if self.threads is not None and self.threads < 1:
-            raise ValueError(f"RunConfig.threads={self.threads!r}: must be a positive integer or None")
+            raise ValueError(
+                f"RunConfig.threads={self.threads!r}: must be a positive integer or None"
+            )
         if self.adamw_lr is not None and not self.adamw_lr > 0:
             raise ValueError(f"RunConfig.adamw_lr={self.adamw_lr!r}: must be > 0 or None")
         self._check_device()
         ctx = self.model_config().max_position_embeddings
         if self.seq_len > ctx:  # the model's declared context; beyond it a row only exhausts memory
-            raise ValueError(f"RunConfig.seq_len={self.seq_len}: exceeds the model's max_position_embeddings={ctx}")
+            raise ValueError(
+                f"RunConfig.seq_len={self.seq_len}: exceeds the model's max_position_embeddings={ctx}"
+            )
         if self.ep_size > 1 and self.model_config().n_routed_experts % self.ep_size:
-            raise ValueError(f"RunConfig.ep_size={self.ep_size}: must divide n_routed_experts="
-                             f"{self.model_config().n_routed_experts}")
+            raise ValueError(
+                f"RunConfig.ep_size={self.ep_size}: must divide n_routed_experts="
+                f"{self.model_config().n_routed_experts}"
+            )
         if self.qat is not None:
             from openk3.quant.qat import resolve_scheme
 
@@ -136,10 +157,13 @@ class RunConfig:
         try:
             dev = torch.device(self.device)
         except RuntimeError:
-            raise ValueError(f"RunConfig.device={self.device!r}: not a torch device (\"cpu\", \"cuda\", "
-                             f"\"cuda:1\")") from None
+            raise ValueError(
+                f'RunConfig.device={self.device!r}: not a torch device ("cpu", "cuda", "cuda:1")'
+            ) from None
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"RunConfig.device={self.device!r}: CUDA is not available in this torch build")
+            raise ValueError(
+                f"RunConfig.device={self.device!r}: CUDA is not available in this torch build"
+            )
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"RunConfig.device={self.device!r}: only cpu and cuda are supported")
 
@@ -154,9 +178,15 @@ class RunConfig:
             ValueError: a bad ``schedule`` / ``decay_fraction`` / warmup / clip value.
         """
         try:
-            return StepConfig(total_steps=self.total_steps, warmup_steps=self.warmup_steps,
-                              min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip, qk_clip_tau=self.qk_clip_tau,
-                              schedule=self.schedule, decay_fraction=self.decay_fraction)
+            return StepConfig(
+                total_steps=self.total_steps,
+                warmup_steps=self.warmup_steps,
+                min_lr_ratio=self.min_lr_ratio,
+                grad_clip=self.grad_clip,
+                qk_clip_tau=self.qk_clip_tau,
+                schedule=self.schedule,
+                decay_fraction=self.decay_fraction,
+            )
         except ValueError as e:
             msg = str(e)
             if msg.startswith("StepConfig."):  # the same field under the same name here
@@ -188,8 +218,9 @@ class RunConfig:
             from openk3.quant.qat import model_qat
 
             model_qat(model, self.qat)
-        optimizer = build_optimizer(model, model.config, lr=self.lr, weight_decay=self.weight_decay,
-                                    adamw_lr=self.adamw_lr)
+        optimizer = build_optimizer(
+            model, model.config, lr=self.lr, weight_decay=self.weight_decay, adamw_lr=self.adamw_lr
+        )
         return model, optimizer, make_balancers(model, self.qb_bins, self.qb_ema)
 
     def to_dict(self) -> dict:
@@ -232,11 +263,15 @@ class RunConfig:
             settings_changes[key] = changes.pop(key)
         unknown = sorted(set(changes) - names)
         if unknown:
-            raise ValueError(f"RunConfig: unknown field {unknown[0]!r} (known: "
-                             f"{', '.join(sorted(names | known_settings | {'extra'}))})")
+            raise ValueError(
+                f"RunConfig: unknown field {unknown[0]!r} (known: "
+                f"{', '.join(sorted(names | known_settings | {'extra'}))})"
+            )
         if settings_changes:
             if base is None:
-                raise ValueError(f"RunConfig.extra={settings_changes!r}: recipe {self.name!r} has no settings")
+                raise ValueError(
+                    f"RunConfig.extra={settings_changes!r}: recipe {self.name!r} has no settings"
+                )
             changes["settings"] = replace_fields(base, settings_changes, owner="RunConfig.extra")
         return dataclasses.replace(self, **changes)
 

@@ -32,15 +32,38 @@ from pathlib import Path
 from typing import Any
 
 from openk3.tokenizer import (
-    CLOSE, END_OF_MSG, KIMI_PAT_STR, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, NUM_SPECIAL_SLOTS, OPEN, SEP,
-    Tokenizer, load_tokenizer,
+    CLOSE,
+    END_OF_MSG,
+    KIMI_PAT_STR,
+    MEDIA_BEGIN,
+    MEDIA_CONTENT,
+    MEDIA_END,
+    MEDIA_PAD,
+    NUM_SPECIAL_SLOTS,
+    OPEN,
+    SEP,
+    Tokenizer,
+    load_tokenizer,
 )
 
 # Offset of each named K3 special token inside the 256-slot block (Kimi id - 163584, spec §1.1).
 K3_SPECIAL_SLOT_OFFSETS: dict[str, int] = {
-    "[BOS]": 0, "[EOS]": 1, END_OF_MSG: 2, OPEN: 3, CLOSE: 4, SEP: 5, "[start_header_id]": 6,
-    "[end_header_id]": 7, "[EOT]": 9, MEDIA_BEGIN: 18, MEDIA_CONTENT: 19, MEDIA_END: 20, MEDIA_PAD: 21,
-    "<osagent_mode>": 65, "[UNK]": 254, "[PAD]": 255,
+    "[BOS]": 0,
+    "[EOS]": 1,
+    END_OF_MSG: 2,
+    OPEN: 3,
+    CLOSE: 4,
+    SEP: 5,
+    "[start_header_id]": 6,
+    "[end_header_id]": 7,
+    "[EOT]": 9,
+    MEDIA_BEGIN: 18,
+    MEDIA_CONTENT: 19,
+    MEDIA_END: 20,
+    MEDIA_PAD: 21,
+    "<osagent_mode>": 65,
+    "[UNK]": 254,
+    "[PAD]": 255,
 }
 _NOT_SPECIAL = {OPEN, CLOSE, SEP}  # `"special": false` in the official tokenizer_config (spec §1.1)
 MIN_VOCAB = 256 + NUM_SPECIAL_SLOTS  # every byte + the special block
@@ -50,7 +73,9 @@ def special_slot_names(num_ranks: int) -> list[str]:
     """The 256 special-slot strings for a vocabulary with `num_ranks` BPE tokens, in id order
     (slot ``i`` has id ``num_ranks + i``)."""
     by_offset = {o: s for s, o in K3_SPECIAL_SLOT_OFFSETS.items()}
-    return [by_offset.get(i, f"<|reserved_token_{num_ranks + i}|>") for i in range(NUM_SPECIAL_SLOTS)]
+    return [
+        by_offset.get(i, f"<|reserved_token_{num_ranks + i}|>") for i in range(NUM_SPECIAL_SLOTS)
+    ]
 
 
 # The Kimi regex with numbers cut into single digits (LLaMA-style digit splitting): every number
@@ -65,30 +90,41 @@ def kimi_pre_tokenizer(byte_level: bool = True, split_digits: bool = False) -> A
     byte-to-char map without its own regex."""
     from tokenizers import Regex, pre_tokenizers
 
-    split = pre_tokenizers.Split(Regex(DIGIT_PAT_STR if split_digits else KIMI_PAT_STR), behavior="isolated",
-                                 invert=False)
+    split = pre_tokenizers.Split(
+        Regex(DIGIT_PAT_STR if split_digits else KIMI_PAT_STR), behavior="isolated", invert=False
+    )
     if not byte_level:
         return split
-    return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 def _doc_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _corpus_texts(corpus: Any, max_bytes: int | None) -> tuple[Iterator[str] | list[str], dict[str, Any]]:
+def _corpus_texts(
+    corpus: Any, max_bytes: int | None
+) -> tuple[Iterator[str] | list[str], dict[str, Any]]:
     """Texts to train on and a description of where they came from."""
     if isinstance(corpus, (str, os.PathLike)):
         p = Path(corpus)
         if p.is_dir():
             from openk3.datasets.corpus import load_manifest, read_documents
 
-            manifest_sha = hashlib.sha256((p / "manifest.json").read_bytes()).hexdigest() if (
-                p / "manifest.json").is_file() else None
+            manifest_sha = (
+                hashlib.sha256((p / "manifest.json").read_bytes()).hexdigest()
+                if (p / "manifest.json").is_file()
+                else None
+            )
             load_manifest(p)  # raises a clear error for a directory that is not a corpus
             docs = read_documents(p, "train")
             if max_bytes is None:
-                return (d["text"] for d in docs), {"corpus": str(p), "manifest_sha256": manifest_sha}
+                return (d["text"] for d in docs), {
+                    "corpus": str(p),
+                    "manifest_sha256": manifest_sha,
+                }
             # A byte cap keeps documents in hash order, so every source is sampled, not the first ones.
             chosen, total = [], 0
             for d in sorted(docs, key=lambda d: _doc_hash(d["id"])):
@@ -96,7 +132,11 @@ def _corpus_texts(corpus: Any, max_bytes: int | None) -> tuple[Iterator[str] | l
                 if total + n <= max_bytes:
                     chosen.append(d["text"])
                     total += n
-            return chosen, {"corpus": str(p), "manifest_sha256": manifest_sha, "max_bytes": max_bytes}
+            return chosen, {
+                "corpus": str(p),
+                "manifest_sha256": manifest_sha,
+                "max_bytes": max_bytes,
+            }
         if p.is_file():
             text = p.read_text(encoding="utf-8", errors="replace")
             if max_bytes is not None:
@@ -120,13 +160,23 @@ def _corpus_texts(corpus: Any, max_bytes: int | None) -> tuple[Iterator[str] | l
         for t in texts:
             h.update(hashlib.sha256(t.encode()).digest())
         return texts, {"corpus": "<iterable>", "documents": len(texts), "sha256": h.hexdigest()}
-    raise ValueError(f"corpus: expected a corpus directory, a text file or an iterable of str, got "
-                     f"{type(corpus).__name__}")
+    raise ValueError(
+        f"corpus: expected a corpus directory, a text file or an iterable of str, got "
+        f"{type(corpus).__name__}"
+    )
 
 
-def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | None = None, *,
-                    min_frequency: int = 2, max_bytes: int | None = None, max_token_length: int | None = 32,
-                    show_progress: bool = False, split_digits: bool = False) -> Tokenizer:
+def train_tokenizer(
+    corpus: Any,
+    vocab_size: int,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    min_frequency: int = 2,
+    max_bytes: int | None = None,
+    max_token_length: int | None = 32,
+    show_progress: bool = False,
+    split_digits: bool = False,
+) -> Tokenizer:
     """Train a byte-level BPE with the K3 special-token block and (optionally) save it.
 
     Args:
@@ -153,7 +203,9 @@ def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | N
     from tokenizers import Tokenizer as HFTokenizer
 
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size: must be an int >= {MIN_VOCAB} (256 bytes + 256 special slots), got {vocab_size!r}")
+        raise ValueError(
+            f"vocab_size: must be an int >= {MIN_VOCAB} (256 bytes + 256 special slots), got {vocab_size!r}"
+        )
     if min_frequency < 0:
         raise ValueError(f"min_frequency: must be >= 0, got {min_frequency}")
     texts, origin = _corpus_texts(corpus, max_bytes)
@@ -169,8 +221,11 @@ def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | N
     bpe.pre_tokenizer = kimi_pre_tokenizer(split_digits=split_digits)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - NUM_SPECIAL_SLOTS, min_frequency=min_frequency, special_tokens=[],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress,
+        vocab_size=vocab_size - NUM_SPECIAL_SLOTS,
+        min_frequency=min_frequency,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
         max_token_length=max_token_length,
     )
     bpe.train_from_iterator(counted(texts), trainer)
@@ -182,21 +237,35 @@ def train_tokenizer(corpus: Any, vocab_size: int, out_dir: str | os.PathLike | N
         (bpe.add_tokens if name in _NOT_SPECIAL else bpe.add_special_tokens)([tok])
     for i, name in enumerate(special_slot_names(n_ranks)):
         if bpe.token_to_id(name) != n_ranks + i:
-            raise ValueError(f"special token {name!r} landed at id {bpe.token_to_id(name)}, expected {n_ranks + i} "
-                             "(the BPE vocabulary already spells it)")
-    tok = Tokenizer.from_bpe(bpe, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token="[UNK]")
+            raise ValueError(
+                f"special token {name!r} landed at id {bpe.token_to_id(name)}, expected {n_ranks + i} "
+                "(the BPE vocabulary already spells it)"
+            )
+    tok = Tokenizer.from_bpe(
+        bpe, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token="[UNK]"
+    )
     if out_dir is None:
         return tok
     out = Path(out_dir)
     tok.save_pretrained(out)
     info = {
-        "format": "openk3-bpe/1", "vocab_size": tok.vocab_size, "requested_vocab_size": vocab_size,
-        "bpe_tokens": n_ranks, "special_slots": NUM_SPECIAL_SLOTS, "min_frequency": min_frequency,
+        "format": "openk3-bpe/1",
+        "vocab_size": tok.vocab_size,
+        "requested_vocab_size": vocab_size,
+        "bpe_tokens": n_ranks,
+        "special_slots": NUM_SPECIAL_SLOTS,
+        "min_frequency": min_frequency,
         "max_token_length": max_token_length,
-        "pre_tokenizer": "kimi-regex" + (" (single digits)" if split_digits else "") + " + byte-level",
-        "training_bytes": n_bytes, "tokenizers_version": __import__("tokenizers").__version__, **origin,
+        "pre_tokenizer": "kimi-regex"
+        + (" (single digits)" if split_digits else "")
+        + " + byte-level",
+        "training_bytes": n_bytes,
+        "tokenizers_version": __import__("tokenizers").__version__,
+        **origin,
     }
-    (out / "tokenizer_training.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    (out / "tokenizer_training.json").write_text(
+        json.dumps(info, indent=2) + "\n", encoding="utf-8"
+    )
     return load_tokenizer(out)
 
 
@@ -210,17 +279,28 @@ def cli_train_tokenizer(args: Any) -> int:
         return 2
     max_bytes = None if args.max_mb is None else int(args.max_mb * (1 << 20))
     try:
-        tok = train_tokenizer(args.corpus, args.vocab_size, args.out, min_frequency=args.min_frequency,
-                              max_bytes=max_bytes, split_digits=bool(getattr(args, "split_digits", False)))
+        tok = train_tokenizer(
+            args.corpus,
+            args.vocab_size,
+            args.out,
+            min_frequency=args.min_frequency,
+            max_bytes=max_bytes,
+            split_digits=bool(getattr(args, "split_digits", False)),
+        )
     except (ValueError, OSError) as e:
         print(f"openk3 train-tokenizer: {e}", file=sys.stderr)
         return 2
     info = json.loads((Path(args.out) / "tokenizer_training.json").read_text(encoding="utf-8"))
-    print(f"{args.out}: vocab {tok.vocab_size} ({info['bpe_tokens']} BPE + {NUM_SPECIAL_SLOTS} special), "
-          f"trained on {info['training_bytes'] / (1 << 20):.1f} MiB; <|end_of_msg|>={tok.end_of_msg_id}, "
-          f"[PAD]={tok.pad_id}")
+    print(
+        f"{args.out}: vocab {tok.vocab_size} ({info['bpe_tokens']} BPE + {NUM_SPECIAL_SLOTS} special), "
+        f"trained on {info['training_bytes'] / (1 << 20):.1f} MiB; <|end_of_msg|>={tok.end_of_msg_id}, "
+        f"[PAD]={tok.pad_id}"
+    )
     if tok.vocab_size < args.vocab_size:
-        print(f"openk3 train-tokenizer: note: the corpus supports only {tok.vocab_size} ids, fewer than "
-              f"--vocab-size {args.vocab_size} (no more merges to learn); use {tok.vocab_size} as the model's "
-              f"vocab_size", file=sys.stderr)
+        print(
+            f"openk3 train-tokenizer: note: the corpus supports only {tok.vocab_size} ids, fewer than "
+            f"--vocab-size {args.vocab_size} (no more merges to learn); use {tok.vocab_size} as the model's "
+            f"vocab_size",
+            file=sys.stderr,
+        )
     return 0

@@ -49,7 +49,13 @@ from torch import nn
 from openk3.config import MLA, K3Config
 from openk3.train.balance import QuantileBalancer
 from openk3.train.distributed.run import ONE_PROCESS, DistributedRun, SingleProcess
-from openk3.train.optim import Schedule, cosine_with_warmup, decay_steps, default_warmup, wsd_with_warmup
+from openk3.train.optim import (
+    Schedule,
+    cosine_with_warmup,
+    decay_steps,
+    default_warmup,
+    wsd_with_warmup,
+)
 from openk3.typed_fields import check_fields
 
 _BATCH_KEYS = ("input_ids", "labels", "cu_seqlens", "lengths", "pixel_values", "grid_thws")
@@ -110,7 +116,9 @@ class StepConfig:
         if self.warmup_steps is None:
             self.warmup_steps = default_warmup(self.total_steps)
         cosine_with_warmup(0, self.total_steps, self.warmup_steps, self.min_lr_ratio)  # validates
-        self._decay = decay_steps(self.total_steps, self.warmup_steps, self.decay_fraction)  # validates
+        self._decay = decay_steps(
+            self.total_steps, self.warmup_steps, self.decay_fraction
+        )  # validates
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip!r}: must be > 0 or None")
         if self.qk_clip_tau is not None and not self.qk_clip_tau > 0:
@@ -119,7 +127,9 @@ class StepConfig:
     def lr_multiplier(self, step: int) -> float:
         """The schedule's LR multiplier of the 0-based ``step``."""
         if self.schedule == "wsd":
-            return wsd_with_warmup(step, self.total_steps, self.warmup_steps, self._decay, self.min_lr_ratio)
+            return wsd_with_warmup(
+                step, self.total_steps, self.warmup_steps, self._decay, self.min_lr_ratio
+            )
         return cosine_with_warmup(step, self.total_steps, self.warmup_steps, self.min_lr_ratio)
 
 
@@ -145,25 +155,34 @@ def moe_routers(model: nn.Module) -> dict[int, nn.Module]:
     return out
 
 
-def make_balancers(model: nn.Module, num_bins: int = 1000, ema: float | None = None) -> dict[int, QuantileBalancer]:
+def make_balancers(
+    model: nn.Module, num_bins: int = 1000, ema: float | None = None
+) -> dict[int, QuantileBalancer]:
     """One :class:`QuantileBalancer` per MoE layer of ``model`` ({layer index: balancer})."""
     dev = model.lm_head.weight.device
-    return {i: QuantileBalancer(r.num_experts, r.top_k, num_bins, ema=ema, device=dev)
-            for i, r in moe_routers(model).items()}
+    return {
+        i: QuantileBalancer(r.num_experts, r.top_k, num_bins, ema=ema, device=dev)
+        for i, r in moe_routers(model).items()
+    }
 
 
 def new_max_logits(model: nn.Module) -> dict[int, torch.Tensor]:
     """{MLA layer index: [H] fp32 filled with -inf}: the forward's running per-head max logits."""
     cfg = _config_of(model)
     dev = model.lm_head.weight.device
-    return {i: torch.full((cfg.num_attention_heads,), -math.inf, device=dev)
-            for i, kind in enumerate(cfg.layer_types) if kind == MLA}
+    return {
+        i: torch.full((cfg.num_attention_heads,), -math.inf, device=dev)
+        for i, kind in enumerate(cfg.layer_types)
+        if kind == MLA
+    }
 
 
 def _model_inputs(mb: Mapping, device: torch.device) -> dict:
     if not isinstance(mb, Mapping) or "input_ids" not in mb or "labels" not in mb:
-        raise ValueError(f"batch: each micro-batch must be a mapping with input_ids and labels, got "
-                         f"{type(mb).__name__} with keys {sorted(mb) if isinstance(mb, Mapping) else '-'}")
+        raise ValueError(
+            f"batch: each micro-batch must be a mapping with input_ids and labels, got "
+            f"{type(mb).__name__} with keys {sorted(mb) if isinstance(mb, Mapping) else '-'}"
+        )
     return {k: mb[k].to(device) for k in _BATCH_KEYS if mb.get(k) is not None}
 
 
@@ -230,7 +249,9 @@ def train_step(
     max_logits = new_max_logits(model)
     optimizer.zero_grad(set_to_none=True)
 
-    loss_sum = _forward_backward(model, inputs, counts, denom, routers, balancers, max_logits, ctx, step)
+    loss_sum = _forward_backward(
+        model, inputs, counts, denom, routers, balancers, max_logits, ctx, step
+    )
     grad_norm = _clip_and_update(optimizer, cfg, ctx, step)
     clipped, max_logit = _qk_clip(model, max_logits, cfg, ctx)
     per_layer, loads = _update_router_biases(routers, balancers, ctx)
@@ -247,9 +268,17 @@ def train_step(
     }
 
 
-def _forward_backward(model, inputs: list[dict], counts: list[int], denom: float, routers: dict,
-                      balancers: Mapping[int, QuantileBalancer], max_logits: dict[int, torch.Tensor], ctx,
-                      step: int) -> float:
+def _forward_backward(
+    model,
+    inputs: list[dict],
+    counts: list[int],
+    denom: float,
+    routers: dict,
+    balancers: Mapping[int, QuantileBalancer],
+    max_logits: dict[int, torch.Tensor],
+    ctx,
+    step: int,
+) -> float:
     """Forward and backward of every micro-batch, the gradients accumulating as
     ``sum(loss_mb * n_mb) / denom``; each forward's routing is observed by the balancers (bias
     fixed for the whole step) and its per-head max logits go into ``max_logits`` (in place).
@@ -264,13 +293,22 @@ def _forward_backward(model, inputs: list[dict], counts: list[int], denom: float
     loss_sum = 0.0
     for x, n_mb in zip(inputs, counts):
         sink: list = []
-        out = model(x["input_ids"], labels=x["labels"], cu_seqlens=x.get("cu_seqlens"), lengths=x.get("lengths"),
-                    routing_sink=sink, max_logits=max_logits, **_image_kwargs(x))
+        out = model(
+            x["input_ids"],
+            labels=x["labels"],
+            cu_seqlens=x.get("cu_seqlens"),
+            lengths=x.get("lengths"),
+            routing_sink=sink,
+            max_logits=max_logits,
+            **_image_kwargs(x),
+        )
         if len(sink) != len(routers):
             raise ValueError(f"model: {len(sink)} routing records for {len(routers)} MoE layers")
         for (idx, router), route in zip(routers.items(), sink):
             if idx in balancers:
-                balancers[idx].observe(route.scores, router.e_score_correction_bias, topk_idx=route.topk_idx)
+                balancers[idx].observe(
+                    route.scores, router.e_score_correction_bias, topk_idx=route.topk_idx
+                )
         del sink
         if n_mb == 0:  # nothing to learn from; its routing still counts for QB
             ctx.backward_unlabelled(out)
@@ -308,7 +346,9 @@ def _clip_and_update(optimizer: torch.optim.Optimizer, cfg: StepConfig, ctx, ste
     return grad_norm
 
 
-def _qk_clip(model: nn.Module, max_logits: dict[int, torch.Tensor], cfg: StepConfig, ctx) -> tuple[int, float | None]:
+def _qk_clip(
+    model: nn.Module, max_logits: dict[int, torch.Tensor], cfg: StepConfig, ctx
+) -> tuple[int, float | None]:
     """QK-Clip after the update (K2) from the step's per-head max logits (the maximum over every
     rank). Layers whose max is not finite (no token reached them) are skipped.
 
@@ -324,8 +364,9 @@ def _qk_clip(model: nn.Module, max_logits: dict[int, torch.Tensor], cfg: StepCon
     return clipped, max((float(s.max()) for s in seen.values()), default=None)
 
 
-def _update_router_biases(routers: dict, balancers: Mapping[int, QuantileBalancer],
-                          ctx) -> tuple[dict[int, float], dict[int, list[int]]]:
+def _update_router_biases(
+    routers: dict, balancers: Mapping[int, QuantileBalancer], ctx
+) -> tuple[dict[int, float], dict[int, list[int]]]:
     """Quantile Balancing: the step's routing counts (summed over ranks) set each router's
     ``e_score_correction_bias``, used from the next step on, never on this batch.
 
@@ -362,8 +403,13 @@ def evaluate(model: nn.Module, batches) -> dict:
             k = int((x["labels"] != -100).sum())
             if k == 0:
                 continue
-            out = model(x["input_ids"], labels=x["labels"], cu_seqlens=x.get("cu_seqlens"), lengths=x.get("lengths"),
-                        **_image_kwargs(x))
+            out = model(
+                x["input_ids"],
+                labels=x["labels"],
+                cu_seqlens=x.get("cu_seqlens"),
+                lengths=x.get("lengths"),
+                **_image_kwargs(x),
+            )
             total += float(out.loss) * k
             n += k
     finally:
@@ -414,8 +460,14 @@ class TrainResult:
     last_metrics: dict
 
 
-def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: int | None = None,
-          progress: bool = True) -> TrainResult:
+def train(
+    run,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    max_steps: int | None = None,
+    progress: bool = True,
+) -> TrainResult:
     """Run a recipe (:class:`~openk3.train.run_config.RunConfig`) into ``out_dir``.
 
     Writes ``out_dir/metrics.jsonl`` (one record per step and per eval), ``out_dir/metrics.png``
@@ -450,7 +502,9 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
     # one trainer per run directory: held from here to the end (rank 0 holds it for a torchrun job)
     lock = check_out_dir(out_dir, resume, lock=os.environ.get("RANK", "0") == "0")
     try:
-        if run.prepare is not None and not distributed_requested():  # multi-stage: earlier stages first
+        if (
+            run.prepare is not None and not distributed_requested()
+        ):  # multi-stage: earlier stages first
             run = run.prepare(run, out_dir, resume)
         ctx = run_context(run)
     except BaseException:
@@ -467,13 +521,19 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
         train_data = run.data(run, "train")
         ckpts = CheckpointManager(os.path.join(out_dir, "checkpoints"), keep=run.keep_checkpoints)
         start, ckpt_path = 0, None
-        if resume:  # into the plain model, before any sharding (the checkpoint is single-process format)
+        if (
+            resume
+        ):  # into the plain model, before any sharding (the checkpoint is single-process format)
             ckpt_path = ckpts.latest()
             if ckpt_path is not None:
                 start = ckpts.load(ckpt_path, model, optimizer, balancers, train_data)["step"]
         model, optimizer = ctx.parallelize(model, optimizer)
         end = run.total_steps if max_steps is None else min(run.total_steps, max_steps)
-        log = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), truncate_after=start) if ctx.is_writer else NullLog()
+        log = (
+            MetricsLog(os.path.join(out_dir, "metrics.jsonl"), truncate_after=start)
+            if ctx.is_writer
+            else NullLog()
+        )
         last: dict = {}
         tokens_done, t0 = 0, time.perf_counter()
         bar = Progress(total=end, initial=start, enabled=progress and ctx.is_writer)
@@ -485,20 +545,35 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
                     batch, normalizer = ctx.step_batch(train_data, run.grad_accum)
                     t_step = time.perf_counter()
                     try:
-                        m = train_step(model, batch, optimizer, balancers, step_cfg, step=step,
-                                       token_normalizer=normalizer, ctx=ctx)
+                        m = train_step(
+                            model,
+                            batch,
+                            optimizer,
+                            balancers,
+                            step_cfg,
+                            step=step,
+                            token_normalizer=normalizer,
+                            ctx=ctx,
+                        )
                     except NonFiniteError as e:
                         where = ckpt_path or "none saved yet (nothing to resume from)"
-                        msg = (f"training stopped: {e}; parameters not updated by that step. Last good checkpoint: "
-                               f"{where}" + (" (resume with --resume)" if ckpt_path else ""))
+                        msg = (
+                            f"training stopped: {e}; parameters not updated by that step. Last good checkpoint: "
+                            f"{where}" + (" (resume with --resume)" if ckpt_path else "")
+                        )
                         log.write({"kind": "error", "step": step + 1, "message": msg})
                         raise TrainingStopped(msg, step + 1, ckpt_path) from e
                     m = ctx.reduce_metrics(m)
                     step += 1
                     tokens_done += m["tokens"]
                     elapsed = time.perf_counter() - t0
-                    m.update(kind="train", step=step, step_time=time.perf_counter() - t_step,
-                             tokens_per_s=tokens_done / max(elapsed, 1e-9), elapsed=elapsed)
+                    m.update(
+                        kind="train",
+                        step=step,
+                        step_time=time.perf_counter() - t_step,
+                        tokens_per_s=tokens_done / max(elapsed, 1e-9),
+                        elapsed=elapsed,
+                    )
                     log.write(m)
                     last = m
                     bar.update(step, m)
@@ -508,30 +583,49 @@ def train(run, out_dir: str | os.PathLike, *, resume: bool = False, max_steps: i
                         log.write({"kind": "eval", "step": step, **ev})
                         bar.note(f"step {step}: eval loss {ev['eval_loss']:.4f}")
                     if step % run.ckpt_every == 0 or step == end:
-                        ckpt_path = ctx.save(ckpts, step, model, optimizer, balancers, train_data, run, last)
+                        ckpt_path = ctx.save(
+                            ckpts, step, model, optimizer, balancers, train_data, run, last
+                        )
                         saved_step = step
                     stop_sig = ctx.agree_signal(stop.signum)
                 if stop_sig is not None and saved_step != step:
-                    ckpt_path, saved_step = ctx.save(ckpts, step, model, optimizer, balancers, train_data, run,
-                                                     last), step
+                    ckpt_path, saved_step = (
+                        ctx.save(ckpts, step, model, optimizer, balancers, train_data, run, last),
+                        step,
+                    )
             finally:
                 bar.close()
                 log.close()
                 if ctx.is_writer:
                     try:
-                        plot_metrics(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "metrics.png"))
+                        plot_metrics(
+                            os.path.join(out_dir, "metrics.jsonl"),
+                            os.path.join(out_dir, "metrics.png"),
+                        )
                     except Exception as e:  # a plot must never turn a finished run into a failure
                         print(f"openk3 train: no plot ({e})", file=sys.stderr)
     finally:
         ctx.close()
         if lock is not None:
             lock.release()
-    return TrainResult(step=step, end_step=end, signal=stop_sig, checkpoint=ckpt_path, last_metrics=last)
+    return TrainResult(
+        step=step, end_step=end, signal=stop_sig, checkpoint=ckpt_path, last_metrics=last
+    )
 
 
 def _take(source, n: int) -> list:
     return [source.next_batch() for _ in range(n)]
 
 
-__all__ = ["StepConfig", "NonFiniteError", "TrainingStopped", "TrainResult", "train_step", "evaluate", "train",
-           "make_balancers", "moe_routers", "new_max_logits"]
+__all__ = [
+    "StepConfig",
+    "NonFiniteError",
+    "TrainingStopped",
+    "TrainResult",
+    "train_step",
+    "evaluate",
+    "train",
+    "make_balancers",
+    "moe_routers",
+    "new_max_logits",
+]

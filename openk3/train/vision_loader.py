@@ -48,7 +48,9 @@ def _image_bytes(part: dict) -> bytes:
     return image_bytes_from_data_url(ref.get("url") if isinstance(ref, dict) else ref)
 
 
-def image_chat_document(conversation: dict | list, tokenizer: Any, image_config=None) -> ImageDocument:
+def image_chat_document(
+    conversation: dict | list, tokenizer: Any, image_config=None
+) -> ImageDocument:
     """Render + expand a conversation whose user messages may hold images (base64 data URLs).
 
     Raises:
@@ -62,10 +64,17 @@ def image_chat_document(conversation: dict | list, tokenizer: Any, image_config=
     cfg = image_config or DEFAULT_CONFIG
     ex = render_training(conversation, tokenizer)
     request = {"messages": conversation} if isinstance(conversation, list) else conversation
-    parts = [p for m in request["messages"] if isinstance(m.get("content"), list) for p in m["content"]
-             if isinstance(p, dict) and p.get("type") in ("image", "image_url")]
+    parts = [
+        p
+        for m in request["messages"]
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if isinstance(p, dict) and p.get("type") in ("image", "image_url")
+    ]
     if len(parts) != len(ex.image_slots):
-        raise ValueError(f"conversation: {len(parts)} image parts but {len(ex.image_slots)} rendered slots")
+        raise ValueError(
+            f"conversation: {len(parts)} image parts but {len(ex.image_slots)} rendered slots"
+        )
     ids: list[int] = []
     mask: list[int] = []
     images: list[bytes] = []
@@ -98,8 +107,16 @@ class ImageSFTLoader:
         ValueError: no documents, ``seq_len`` < 2, or a document longer than ``seq_len`` (named).
     """
 
-    def __init__(self, docs: list[ImageDocument], seq_len: int, *, seed: int = 0, shuffle: bool = True,
-                 pad_id: int = 0, image_config=None):
+    def __init__(
+        self,
+        docs: list[ImageDocument],
+        seq_len: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        pad_id: int = 0,
+        image_config=None,
+    ):
         from openk3.vision.preprocess import DEFAULT_CONFIG
 
         if not docs:
@@ -109,7 +126,12 @@ class ImageSFTLoader:
         for i, d in enumerate(docs):
             if len(d.ids) > seq_len:
                 raise ValueError(f"docs[{i}]: {len(d.ids)} tokens exceed seq_len={seq_len}")
-        self.docs, self.seq_len, self.seed, self.shuffle = docs, int(seq_len), int(seed), bool(shuffle)
+        self.docs, self.seq_len, self.seed, self.shuffle = (
+            docs,
+            int(seq_len),
+            int(seed),
+            bool(shuffle),
+        )
         self.pad_id, self.image_config = int(pad_id), image_config or DEFAULT_CONFIG
         self.epoch, self.cursor, self.batches = 0, 0, 0
         self._order_epoch: int | None = None
@@ -123,19 +145,33 @@ class ImageSFTLoader:
 
     def _current_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
-            self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(len(self.docs))
-                           if self.shuffle else np.arange(len(self.docs)))
+            self._order = (
+                np.random.default_rng([self.seed, self.epoch]).permutation(len(self.docs))
+                if self.shuffle
+                else np.arange(len(self.docs))
+            )
             self._order_epoch = self.epoch
         return self._order
 
     def _config(self) -> dict[str, Any]:
-        return {"documents": len(self.docs), "store": self.fingerprint, "seq_len": self.seq_len, "seed": self.seed,
-                "shuffle": self.shuffle, "pad_id": self.pad_id}
+        return {
+            "documents": len(self.docs),
+            "store": self.fingerprint,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "pad_id": self.pad_id,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """JSON position: ``epoch``, ``cursor`` (index into the epoch order), ``batches``, config."""
-        return {"version": LOADER_STATE_VERSION, "epoch": self.epoch, "cursor": self.cursor, "batches": self.batches,
-                "config": self._config()}
+        return {
+            "version": LOADER_STATE_VERSION,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "batches": self.batches,
+            "config": self._config(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`.
@@ -144,12 +180,20 @@ class ImageSFTLoader:
             ValueError: another version or a different document set / config (field named).
         """
         if not isinstance(state, dict) or state.get("version") != LOADER_STATE_VERSION:
-            raise ValueError(f"state.version: expected {LOADER_STATE_VERSION}, got "
-                             f"{state.get('version') if isinstance(state, dict) else state!r}")
+            raise ValueError(
+                f"state.version: expected {LOADER_STATE_VERSION}, got "
+                f"{state.get('version') if isinstance(state, dict) else state!r}"
+            )
         for k, v in self._config().items():
             if state["config"].get(k) != v:
-                raise ValueError(f"state.config.{k}: saved {state['config'].get(k)!r}, this loader has {v!r}")
-        self.epoch, self.cursor, self.batches = int(state["epoch"]), int(state["cursor"]), int(state["batches"])
+                raise ValueError(
+                    f"state.config.{k}: saved {state['config'].get(k)!r}, this loader has {v!r}"
+                )
+        self.epoch, self.cursor, self.batches = (
+            int(state["epoch"]),
+            int(state["cursor"]),
+            int(state["batches"]),
+        )
 
     def next_doc_indices(self) -> list[int]:
         """Advance over one row's documents and return their indices (in row order)."""
@@ -178,15 +222,18 @@ class ImageSFTLoader:
         for d in self.next_doc_indices():
             doc = self.docs[d]
             starts.append(pos)
-            ids[pos:pos + len(doc.ids)] = doc.ids
-            labels[pos:pos + len(doc.ids)] = doc.labels
+            ids[pos : pos + len(doc.ids)] = doc.ids
+            labels[pos : pos + len(doc.ids)] = doc.labels
             pos += len(doc.ids)
             images += [process_image(im, self.image_config) for im in doc.images]
         if pos < T:
             starts.append(pos)  # padding is a segment of its own
         self.batches += 1
-        out = {"input_ids": torch.from_numpy(ids).reshape(1, T), "labels": torch.from_numpy(labels).reshape(1, T),
-               "cu_seqlens": torch.tensor(starts + [T], dtype=torch.long)}
+        out = {
+            "input_ids": torch.from_numpy(ids).reshape(1, T),
+            "labels": torch.from_numpy(labels).reshape(1, T),
+            "cu_seqlens": torch.tensor(starts + [T], dtype=torch.long),
+        }
         if images:
             out["pixel_values"], out["grid_thws"] = pack_images(images)
         return out

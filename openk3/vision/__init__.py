@@ -18,20 +18,50 @@ from openk3.vision.encoder import MoonViT, merged_token_counts
 from openk3.vision.expand import ExpandedPrompt, expand_image_slots, expand_prompt, image_block
 from openk3.vision.projector import PatchMergerV2
 from openk3.vision.weights import (
-    VisionModel, count_vision_parameters, init_vision_weights, load_vision_weights, vision_state_dict_to_hf,
+    VisionModel,
+    count_vision_parameters,
+    init_vision_weights,
+    load_vision_weights,
+    vision_state_dict_to_hf,
 )
 
-_PREPROCESS = ("ImageError", "ImageProcessorConfig", "ProcessedImage", "ResizePlan", "decode_image",
-               "image_bytes_from_data_url", "image_token_count", "navit_resize", "open_image", "pack_images",
-               "process_image", "process_images")
+_PREPROCESS = (
+    "ImageError",
+    "ImageProcessorConfig",
+    "ProcessedImage",
+    "ResizePlan",
+    "decode_image",
+    "image_bytes_from_data_url",
+    "image_token_count",
+    "navit_resize",
+    "open_image",
+    "pack_images",
+    "process_image",
+    "process_images",
+)
 
-__all__ = ["VisionConfig", "vision_preset", "MoonViT", "merged_token_counts", "PatchMergerV2", "VisionModel",
-           "count_vision_parameters", "init_vision_weights", "load_vision_weights", "vision_state_dict_to_hf",
-           "ExpandedPrompt", "expand_image_slots", "expand_prompt", "image_block", *_PREPROCESS]
+__all__ = [
+    "VisionConfig",
+    "vision_preset",
+    "MoonViT",
+    "merged_token_counts",
+    "PatchMergerV2",
+    "VisionModel",
+    "count_vision_parameters",
+    "init_vision_weights",
+    "load_vision_weights",
+    "vision_state_dict_to_hf",
+    "ExpandedPrompt",
+    "expand_image_slots",
+    "expand_prompt",
+    "image_block",
+    *_PREPROCESS,
+]
 
 
 def __getattr__(name: str) -> Any:
     if name in _PREPROCESS:
         from openk3.vision import preprocess
+
         return getattr(preprocess, name)
     raise AttributeError(f"module 'openk3.vision' has no attribute {name!r}")

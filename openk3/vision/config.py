@@ -83,7 +83,9 @@ class VisionConfig:
         if isinstance(mk, int) and not isinstance(mk, bool):
             mk = (mk, mk)
         if not isinstance(mk, (list, tuple)) or len(mk) != 2:
-            raise ValueError(f"vision_config.merge_kernel_size: expected [kh, kw], got {self.merge_kernel_size!r}")
+            raise ValueError(
+                f"vision_config.merge_kernel_size: expected [kh, kw], got {self.merge_kernel_size!r}"
+            )
         self.merge_kernel_size = tuple(mk)
         self.validate()
 
@@ -110,23 +112,48 @@ class VisionConfig:
         def bad(name: str, why: str) -> None:
             raise ValueError(_message(name, getattr(self, name), why))
 
-        for name in ("vt_num_hidden_layers", "vt_hidden_size", "vt_intermediate_size", "vt_num_attention_heads",
-                     "qkv_hidden_size", "patch_size", "init_pos_emb_height", "init_pos_emb_width",
-                     "init_pos_emb_time", "mm_hidden_size", "text_hidden_size"):
+        for name in (
+            "vt_num_hidden_layers",
+            "vt_hidden_size",
+            "vt_intermediate_size",
+            "vt_num_attention_heads",
+            "qkv_hidden_size",
+            "patch_size",
+            "init_pos_emb_height",
+            "init_pos_emb_width",
+            "init_pos_emb_time",
+            "mm_hidden_size",
+            "text_hidden_size",
+        ):
             if getattr(self, name) <= 0:
                 bad(name, "must be a positive integer")
         if min(self.merge_kernel_size) <= 0:
             bad("merge_kernel_size", "entries must be positive")
         if self.qkv_hidden_size % self.vt_num_attention_heads:
-            bad("qkv_hidden_size", f"must be divisible by vt_num_attention_heads={self.vt_num_attention_heads}")
+            bad(
+                "qkv_hidden_size",
+                f"must be divisible by vt_num_attention_heads={self.vt_num_attention_heads}",
+            )
         if self.head_dim % 4:
-            bad("qkv_hidden_size", "head dim (qkv_hidden_size / heads) must be divisible by 4 for the 2D rotary embedding")
+            bad(
+                "qkv_hidden_size",
+                "head dim (qkv_hidden_size / heads) must be divisible by 4 for the 2D rotary embedding",
+            )
         if self.mm_hidden_size != self.vt_hidden_size:
-            bad("mm_hidden_size", f"must equal vt_hidden_size={self.vt_hidden_size} (the projector reads tower outputs)")
+            bad(
+                "mm_hidden_size",
+                f"must equal vt_hidden_size={self.vt_hidden_size} (the projector reads tower outputs)",
+            )
         if self.projector_ln_eps <= 0:
             bad("projector_ln_eps", "must be a positive number")
-        fixed = {"pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
-                 "norm_type": "rmsnorm", "mlp_type": "mlp2", "projector_hidden_act": "gelu"}
+        fixed = {
+            "pos_emb_type": "divided_fixed",
+            "merge_type": "sd2_tpool",
+            "mm_projector_type": "patchmergerv2",
+            "norm_type": "rmsnorm",
+            "mlp_type": "mlp2",
+            "projector_hidden_act": "gelu",
+        }
         for name, want in fixed.items():
             if getattr(self, name) != want:
                 bad(name, f"only {want!r} is implemented")
@@ -160,7 +187,9 @@ class VisionConfig:
             raise ValueError(f"vision_config must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: copy.deepcopy(v) for k, v in d.items() if k in known}
-        if kwargs.get("mm_hidden_size") is None:  # KimiK3VisionConfig: null or absent means vt_hidden_size
+        if (
+            kwargs.get("mm_hidden_size") is None
+        ):  # KimiK3VisionConfig: null or absent means vt_hidden_size
             kwargs["mm_hidden_size"] = kwargs.get("vt_hidden_size", cls.vt_hidden_size)
         kwargs["extra"] = {k: copy.deepcopy(v) for k, v in d.items() if k not in known}
         return cls(**kwargs)
@@ -178,9 +207,17 @@ def _released() -> VisionConfig:
 def _tiny() -> VisionConfig:
     # Smallest tower that still exercises every branch: two layers, attention width != D, a pos
     # table smaller than typical grids (interpolation up) and larger than tiny ones (down).
-    return VisionConfig(vt_num_hidden_layers=2, vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2,
-                        qkv_hidden_size=48, init_pos_emb_height=8, init_pos_emb_width=8, mm_hidden_size=32,
-                        text_hidden_size=64)
+    return VisionConfig(
+        vt_num_hidden_layers=2,
+        vt_hidden_size=32,
+        vt_intermediate_size=64,
+        vt_num_attention_heads=2,
+        qkv_hidden_size=48,
+        init_pos_emb_height=8,
+        init_pos_emb_width=8,
+        mm_hidden_size=32,
+        text_hidden_size=64,
+    )
 
 
 PRESETS = {"kimi-k3": _released, "tiny": _tiny}
@@ -195,4 +232,6 @@ def vision_preset(name: str) -> VisionConfig:
     try:
         return PRESETS[name]()
     except KeyError:
-        raise ValueError(f"vision preset: unknown name {name!r} (known: {', '.join(PRESETS)})") from None
+        raise ValueError(
+            f"vision preset: unknown name {name!r} (known: {', '.join(PRESETS)})"
+        ) from None

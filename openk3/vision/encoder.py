@@ -78,7 +78,9 @@ def sincos_time_embedding(dim: int, frames: int) -> torch.Tensor:
     return torch.cat([ang.sin(), ang.cos()], dim=1).float()
 
 
-def interpolate_pos_emb(table: torch.Tensor, h: int, w: int, mode: str = "bilinear") -> torch.Tensor:
+def interpolate_pos_emb(
+    table: torch.Tensor, h: int, w: int, mode: str = "bilinear"
+) -> torch.Tensor:
     """Resize the position table to an h x w grid -> [h*w, D] (row-major), in fp32.
 
     Half-pixel sampling (``align_corners=False``), no antialiasing, as ``F.interpolate`` does; at
@@ -105,7 +107,9 @@ def rope_2d_angles(h: int, w: int, head_dim: int, theta: float = ROPE_THETA) -> 
     if h > ROPE_MAX_SIDE or w > ROPE_MAX_SIDE:
         raise ValueError(f"rope_2d_angles: grid {h}x{w} exceeds {ROPE_MAX_SIDE} patches per side")
     freqs = theta ** (-torch.arange(0, head_dim, 4, dtype=torch.float64) / head_dim)  # [K/4]
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
+    ys, xs = torch.meshgrid(
+        torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij"
+    )
     ax = xs.reshape(-1, 1) * freqs  # [h*w, K/4]
     ay = ys.reshape(-1, 1) * freqs
     return torch.stack([ax, ay], dim=-1).reshape(h * w, head_dim // 2).float()
@@ -126,8 +130,9 @@ def apply_rope_2d(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).to(x.dtype)
 
 
-def segment_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+def segment_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[tuple[int, int]]
+) -> torch.Tensor:
     """Plain softmax attention inside each segment ``[start, end)``, in fp32 (readable reference).
 
     Args:
@@ -144,8 +149,9 @@ def segment_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return torch.cat(outs).flatten(-2).to(q.dtype)
 
 
-def segment_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+def segment_attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[tuple[int, int]]
+) -> torch.Tensor:
     """Same as :func:`segment_attention_reference` through ``F.scaled_dot_product_attention``,
     one call per segment and query block (sum of L_i^2 work, never a full L x L mask).
 
@@ -163,14 +169,19 @@ def segment_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     outs = []
     for s, e in bounds:
-        ks, vs = k[s:e].transpose(0, 1).unsqueeze(0), v[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L_i, K]
+        ks, vs = (
+            k[s:e].transpose(0, 1).unsqueeze(0),
+            v[s:e].transpose(0, 1).unsqueeze(0),
+        )  # [1, H, L_i, K]
         for a in range(s, e, ATTN_QUERY_BLOCK):
-            qs = q[a:min(e, a + ATTN_QUERY_BLOCK)].transpose(0, 1).unsqueeze(0)
+            qs = q[a : min(e, a + ATTN_QUERY_BLOCK)].transpose(0, 1).unsqueeze(0)
             outs.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
     return torch.cat(outs).flatten(-2)
 
 
-def temporal_pool_merge(x: torch.Tensor, grids: Sequence[Grid], kernel: tuple[int, int]) -> torch.Tensor:
+def temporal_pool_merge(
+    x: torch.Tensor, grids: Sequence[Grid], kernel: tuple[int, int]
+) -> torch.Tensor:
     """``sd2_tpool``: mean over frames, then concatenate each kh x kw patch block.
 
     Args:
@@ -187,8 +198,10 @@ def temporal_pool_merge(x: torch.Tensor, grids: Sequence[Grid], kernel: tuple[in
     out, pos = [], 0
     for i, (t, h, w) in enumerate(grids):
         if h % kh or w % kw:
-            raise ValueError(f"grid_thws[{i}]: grid {h}x{w} is not divisible by merge_kernel_size {kh}x{kw}")
-        seq = x[pos:pos + t * h * w].reshape(t, h // kh, kh, w // kw, kw, d)
+            raise ValueError(
+                f"grid_thws[{i}]: grid {h}x{w} is not divisible by merge_kernel_size {kh}x{kw}"
+            )
+        seq = x[pos : pos + t * h * w].reshape(t, h // kh, kh, w // kw, kw, d)
         pos += t * h * w
         seq = seq.permute(0, 1, 3, 2, 4, 5).mean(dim=0)
         out.append(seq.reshape((h // kh) * (w // kw), kh * kw * d))
@@ -201,8 +214,11 @@ class PosEmbDividedFixed(nn.Module):
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.init_pos_emb_height, config.init_pos_emb_width,
-                                               config.vt_hidden_size))
+        self.weight = nn.Parameter(
+            torch.empty(
+                config.init_pos_emb_height, config.init_pos_emb_width, config.vt_hidden_size
+            )
+        )
         self.num_frames = config.init_pos_emb_time
         self.mode = config.pos_emb_interpolation_mode
 
@@ -215,9 +231,13 @@ class PosEmbDividedFixed(nn.Module):
         embs = []
         for i, (t, h, w) in enumerate(grids):
             if t > self.num_frames:
-                raise ValueError(f"grid_thws[{i}]: {t} frames > init_pos_emb_time={self.num_frames}")
+                raise ValueError(
+                    f"grid_thws[{i}]: {t} frames > init_pos_emb_time={self.num_frames}"
+                )
             if (h, w) == tuple(self.weight.shape[:2]):
-                e2d = self.weight.float().reshape(h * w, -1)  # the stored table, not a resampled copy
+                e2d = self.weight.float().reshape(
+                    h * w, -1
+                )  # the stored table, not a resampled copy
             else:
                 e2d = interpolate_pos_emb(self.weight, h, w, self.mode)
             if t > 1:  # images get no time term: row 0 of the sin/cos table is not zero
@@ -233,7 +253,9 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         p = config.patch_size
-        self.proj = nn.Conv2d(3, config.vt_hidden_size, kernel_size=p, stride=p, bias=config.patch_embed_proj_bias)
+        self.proj = nn.Conv2d(
+            3, config.vt_hidden_size, kernel_size=p, stride=p, bias=config.patch_embed_proj_bias
+        )
         self.pos_emb = PosEmbDividedFixed(config)
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
@@ -248,8 +270,12 @@ class MLP2(nn.Module):
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.fc0 = nn.Linear(config.vt_hidden_size, config.vt_intermediate_size, bias=config.linear_bias)
-        self.fc1 = nn.Linear(config.vt_intermediate_size, config.vt_hidden_size, bias=config.linear_bias)
+        self.fc0 = nn.Linear(
+            config.vt_hidden_size, config.vt_intermediate_size, bias=config.linear_bias
+        )
+        self.fc1 = nn.Linear(
+            config.vt_intermediate_size, config.vt_hidden_size, bias=config.linear_bias
+        )
         self.approximate = "tanh" if config.activation_func == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,8 +297,13 @@ class EncoderLayer(nn.Module):
         self.norm1 = RMSNorm(d, eps=VIT_NORM_EPS)
         self.mlp = MLP2(config)
 
-    def attention(self, x: torch.Tensor, angles: torch.Tensor, bounds: Sequence[tuple[int, int]],
-                  impl: str = "sdpa") -> torch.Tensor:
+    def attention(
+        self,
+        x: torch.Tensor,
+        angles: torch.Tensor,
+        bounds: Sequence[tuple[int, int]],
+        impl: str = "sdpa",
+    ) -> torch.Tensor:
         """Bidirectional 2D-RoPE attention within each segment: [L, D] -> [L, D].
 
         The wqkv output splits as [q | k | v], each [A] = H heads of K.
@@ -283,8 +314,13 @@ class EncoderLayer(nn.Module):
         attend = segment_attention_sdpa if impl == "sdpa" else segment_attention_reference
         return self.wo(attend(q, k, v, bounds))
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, bounds: Sequence[tuple[int, int]],
-                impl: str = "sdpa") -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        angles: torch.Tensor,
+        bounds: Sequence[tuple[int, int]],
+        impl: str = "sdpa",
+    ) -> torch.Tensor:
         """[L, D] -> [L, D]."""
         x = x + self.attention(self.norm0(x), angles, bounds, impl)
         return x + self.mlp(self.norm1(x))
@@ -296,12 +332,16 @@ class Encoder(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.blocks = nn.ModuleList(EncoderLayer(config) for _ in range(config.vt_num_hidden_layers))
+        self.blocks = nn.ModuleList(
+            EncoderLayer(config) for _ in range(config.vt_num_hidden_layers)
+        )
         self.final_layernorm = RMSNorm(config.vt_hidden_size, eps=VIT_NORM_EPS)
 
     def forward(self, x: torch.Tensor, grids: Sequence[Grid], impl: str = "sdpa") -> torch.Tensor:
         """[L, D] -> [L, D]; one attention segment per item (all its frames together)."""
-        angles = torch.cat([rope_2d_angles(h, w, self.head_dim).repeat(t, 1) for t, h, w in grids]).to(x.device)
+        angles = torch.cat(
+            [rope_2d_angles(h, w, self.head_dim).repeat(t, 1) for t, h, w in grids]
+        ).to(x.device)
         bounds, pos = [], 0
         for t, h, w in grids:
             bounds.append((pos, pos + t * h * w))
@@ -325,8 +365,12 @@ class MoonViT(nn.Module):
         self.patch_embed = PatchEmbed(config)
         self.encoder = Encoder(config)
 
-    def encode(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor | Sequence[Sequence[int]],
-               attn_impl: str = "sdpa") -> torch.Tensor:
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thws: torch.Tensor | Sequence[Sequence[int]],
+        attn_impl: str = "sdpa",
+    ) -> torch.Tensor:
         """Per-patch features before merging: [L, 3, P, P] -> [L, D].
 
         Raises:
@@ -338,14 +382,24 @@ class MoonViT(nn.Module):
         grids = normalize_grids(grid_thws)
         p = self.config.patch_size
         total = sum(t * h * w for t, h, w in grids)
-        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (3, p, p) or pixel_values.shape[0] != total:
-            raise ValueError(f"pixel_values: expected [{total}, 3, {p}, {p}] for grids {grids}, "
-                             f"got {list(pixel_values.shape)}")
+        if (
+            pixel_values.dim() != 4
+            or tuple(pixel_values.shape[1:]) != (3, p, p)
+            or pixel_values.shape[0] != total
+        ):
+            raise ValueError(
+                f"pixel_values: expected [{total}, 3, {p}, {p}] for grids {grids}, "
+                f"got {list(pixel_values.shape)}"
+            )
         x = self.patch_embed(pixel_values, grids)
         return self.encoder(x, grids, attn_impl)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor | Sequence[Sequence[int]],
-                attn_impl: str = "sdpa") -> torch.Tensor:
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thws: torch.Tensor | Sequence[Sequence[int]],
+        attn_impl: str = "sdpa",
+    ) -> torch.Tensor:
         """[L, 3, P, P] -> merged features [N, kh*kw*D] (the projector's input), items in order.
 
         Raises:
@@ -356,7 +410,9 @@ class MoonViT(nn.Module):
         return temporal_pool_merge(x, grids, self.config.merge_kernel_size)
 
 
-def tower_activation_bytes(config: VisionConfig, grids: int | Sequence[Sequence[int]], itemsize: int = 4) -> int:
+def tower_activation_bytes(
+    config: VisionConfig, grids: int | Sequence[Sequence[int]], itemsize: int = 4
+) -> int:
     """Upper estimate of the peak memory (bytes) that encoding a request's images with
     :func:`encode_in_pieces` (one image at a time, the projector included) adds, pixels included.
 
@@ -375,10 +431,19 @@ def tower_activation_bytes(config: VisionConfig, grids: int | Sequence[Sequence[
         grids: the images' (t, h, w) grids, or a packed patch count L (one image).
         itemsize: bytes per element of the tower's dtype.
     """
-    p, d, a, i = config.patch_size, config.vt_hidden_size, config.qkv_hidden_size, config.vt_intermediate_size
+    p, d, a, i = (
+        config.patch_size,
+        config.vt_hidden_size,
+        config.qkv_hidden_size,
+        config.vt_intermediate_size,
+    )
     kh, kw = config.merge_kernel_size
     m, e = config.merged_hidden_size, config.text_hidden_size
-    sizes = [(int(grids), int(grids))] if isinstance(grids, int) else [(t * h * w, h * w) for t, h, w in grids]
+    sizes = (
+        [(int(grids), int(grids))]
+        if isinstance(grids, int)
+        else [(t * h * w, h * w) for t, h, w in grids]
+    )
     held = sum(L * 3 * p * p + n // (kh * kw) * e for L, n in sizes) * itemsize
     work = 0
     for L, n in sizes:
@@ -389,18 +454,25 @@ def tower_activation_bytes(config: VisionConfig, grids: int | Sequence[Sequence[
     return int(1.25 * (held + work))
 
 
-def merged_token_counts(grid_thws: torch.Tensor | Sequence[Sequence[int]], kernel: tuple[int, int]) -> list[int]:
+def merged_token_counts(
+    grid_thws: torch.Tensor | Sequence[Sequence[int]], kernel: tuple[int, int]
+) -> list[int]:
     """Merged tokens per item: (h/kh) * (w/kw) (frames are pooled, so t does not count)."""
     return [(h // kernel[0]) * (w // kernel[1]) for _, h, w in normalize_grids(grid_thws)]
-
 
 
 def _row_blocks(n: int, rows: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
-def encode_in_pieces(tower: MoonViT, pixel_values: torch.Tensor, grid: Sequence[int], projector=None, *,
-                     piece_flops: int = 1 << 28):
+def encode_in_pieces(
+    tower: MoonViT,
+    pixel_values: torch.Tensor,
+    grid: Sequence[int],
+    projector=None,
+    *,
+    piece_flops: int = 1 << 28,
+):
     """The tower (and optionally the projector) on one item as resumable work: a generator that
     runs one bounded piece per ``next()``, yields that piece's multiply-add FLOPs, and returns
     the features (``StopIteration.value``). Same math as :meth:`MoonViT.forward` (then
@@ -433,15 +505,19 @@ def encode_in_pieces(tower: MoonViT, pixel_values: torch.Tensor, grid: Sequence[
         ValueError: as :meth:`MoonViT.forward` (checked before the first piece runs).
     """
     cfg = tower.config
-    (t, h, w), = normalize_grids([grid])
+    ((t, h, w),) = normalize_grids([grid])
     p = cfg.patch_size
     L = t * h * w
     if pixel_values.dim() != 4 or tuple(pixel_values.shape) != (L, 3, p, p):
-        raise ValueError(f"pixel_values: expected [{L}, 3, {p}, {p}] for grid {(t, h, w)}, "
-                         f"got {list(pixel_values.shape)}")
+        raise ValueError(
+            f"pixel_values: expected [{L}, 3, {p}, {p}] for grid {(t, h, w)}, "
+            f"got {list(pixel_values.shape)}"
+        )
     kh, kw = cfg.merge_kernel_size
     if h % kh or w % kw:
-        raise ValueError(f"grid_thws[0]: grid {h}x{w} is not divisible by merge_kernel_size {kh}x{kw}")
+        raise ValueError(
+            f"grid_thws[0]: grid {h}x{w} is not divisible by merge_kernel_size {kh}x{kw}"
+        )
     pos = tower.patch_embed.pos_emb([(t, h, w)])  # also checks the frame count
     angles = rope_2d_angles(h, w, tower.encoder.head_dim).repeat(t, 1).to(pixel_values.device)
     return _pieces(tower, pixel_values, (t, h, w), pos, angles, projector, piece_flops)
@@ -462,9 +538,13 @@ def _pieces(tower, pixel_values, grid, pos, angles, projector, piece_flops):
 
     proj = tower.patch_embed.proj.weight
     x = torch.empty(L, d, dtype=proj.dtype, device=pixel_values.device)
-    per = 2 * 3 * cfg.patch_size ** 2 * d
+    per = 2 * 3 * cfg.patch_size**2 * d
     for s, e in _row_blocks(L, rows_for(per)):
-        y = F.linear(pixel_values[s:e].to(proj.dtype).flatten(1), proj.flatten(1), tower.patch_embed.proj.bias)
+        y = F.linear(
+            pixel_values[s:e].to(proj.dtype).flatten(1),
+            proj.flatten(1),
+            tower.patch_embed.proj.bias,
+        )
         x[s:e] = (y.float() + pos[s:e]).to(proj.dtype)
         yield per * (e - s)
     del pos
@@ -475,11 +555,17 @@ def _pieces(tower, pixel_values, grid, pos, angles, projector, piece_flops):
     for block in tower.encoder.blocks:
         for s, e in _row_blocks(L, rows_for(qkv_per)):
             qs, ks, vs = block.wqkv(block.norm0(x[s:e])).view(e - s, 3, heads, k_dim).unbind(dim=1)
-            q[s:e], k[s:e], v[s:e] = apply_rope_2d(qs, angles[s:e]), apply_rope_2d(ks, angles[s:e]), vs
+            q[s:e], k[s:e], v[s:e] = (
+                apply_rope_2d(qs, angles[s:e]),
+                apply_rope_2d(ks, angles[s:e]),
+                vs,
+            )
             yield qkv_per * (e - s)
         kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, H, L, K]
         for s, e in _row_blocks(L, rows_for(attn_per)):
-            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), kt, vt)[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), kt, vt)[
+                0
+            ].transpose(0, 1)
             xs = x[s:e] + block.wo(o.flatten(-2))
             x[s:e] = xs + block.mlp(block.norm1(xs))
             yield attn_per * (e - s)

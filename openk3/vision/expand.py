@@ -50,13 +50,25 @@ def image_block(tokenizer: Tokenizer, width: int, height: int, num_pads: int) ->
         names = [n for n, i in zip((MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END), ids) if i is None]
         raise ValueError(f"tokenizer: missing special token(s) {names} needed for image blocks")
     if width < 1 or height < 1 or num_pads < 1:
-        raise ValueError(f"image_block: size {width}x{height} and num_pads {num_pads} must be positive")
-    return ([tokenizer.media_begin_id] + tokenizer.encode_text(f"image {width}x{height}")
-            + [tokenizer.media_content_id] + [tokenizer.media_pad_id] * num_pads + [tokenizer.media_end_id])
+        raise ValueError(
+            f"image_block: size {width}x{height} and num_pads {num_pads} must be positive"
+        )
+    return (
+        [tokenizer.media_begin_id]
+        + tokenizer.encode_text(f"image {width}x{height}")
+        + [tokenizer.media_content_id]
+        + [tokenizer.media_pad_id] * num_pads
+        + [tokenizer.media_end_id]
+    )
 
 
-def expand_image_slots(token_ids: Sequence[int], image_slots: Sequence[int], sizes: Sequence[tuple[int, int]],
-                       num_pads: Sequence[int], tokenizer: Tokenizer) -> ExpandedPrompt:
+def expand_image_slots(
+    token_ids: Sequence[int],
+    image_slots: Sequence[int],
+    sizes: Sequence[tuple[int, int]],
+    num_pads: Sequence[int],
+    tokenizer: Tokenizer,
+) -> ExpandedPrompt:
     """Replace the pad id at each slot by its image block.
 
     Args:
@@ -67,8 +79,10 @@ def expand_image_slots(token_ids: Sequence[int], image_slots: Sequence[int], siz
             :func:`image_block`.
     """
     if not (len(image_slots) == len(sizes) == len(num_pads)):
-        raise ValueError(f"expand_image_slots: {len(image_slots)} slots, {len(sizes)} sizes, "
-                         f"{len(num_pads)} token counts")
+        raise ValueError(
+            f"expand_image_slots: {len(image_slots)} slots, {len(sizes)} sizes, "
+            f"{len(num_pads)} token counts"
+        )
     out: list[int] = []
     pads: list[range] = []
     counts: list[int] = []
@@ -77,15 +91,17 @@ def expand_image_slots(token_ids: Sequence[int], image_slots: Sequence[int], siz
         if not prev < slot < len(token_ids):
             raise ValueError(f"image_slots[{k}]: {slot} is out of range or not increasing")
         if token_ids[slot] != tokenizer.media_pad_id:
-            raise ValueError(f"image_slots[{k}]: id {token_ids[slot]} at {slot} is not <|media_pad|>")
-        out.extend(token_ids[prev + 1:slot])
+            raise ValueError(
+                f"image_slots[{k}]: id {token_ids[slot]} at {slot} is not <|media_pad|>"
+            )
+        out.extend(token_ids[prev + 1 : slot])
         block = image_block(tokenizer, int(w), int(h), int(n))
         start = len(out) + len(block) - 1 - int(n)
         pads.append(range(start, start + int(n)))
         counts.append(len(block))
         out.extend(block)
         prev = slot
-    out.extend(token_ids[prev + 1:])
+    out.extend(token_ids[prev + 1 :])
     return ExpandedPrompt(out, pads, counts, [int(n) for n in num_pads])
 
 
@@ -99,5 +115,10 @@ def expand_prompt(prompt, images: Sequence, tokenizer: Tokenizer) -> ExpandedPro
     Raises:
         ValueError: see :func:`expand_image_slots`.
     """
-    return expand_image_slots(prompt.token_ids, prompt.image_slots, [(im.width, im.height) for im in images],
-                              [im.num_tokens for im in images], tokenizer)
+    return expand_image_slots(
+        prompt.token_ids,
+        prompt.image_slots,
+        [(im.width, im.height) for im in images],
+        [im.num_tokens for im in images],
+        tokenizer,
+    )

@@ -70,8 +70,13 @@ class ImageError(ValueError):
 
 
 def _default_bg() -> dict[str, Any]:
-    return {"pattern": "chessboard", "chessboard_square_size": 8, "chessboard_square_on_top_left": True,
-            "chessboard_white_value": 255, "chessboard_gray_value": 180}
+    return {
+        "pattern": "chessboard",
+        "chessboard_square_size": 8,
+        "chessboard_square_on_top_left": True,
+        "chessboard_white_value": 255,
+        "chessboard_gray_value": 180,
+    }
 
 
 @dataclass
@@ -107,27 +112,44 @@ class ImageProcessorConfig:
         mk = self.merge_kernel_size
         if isinstance(mk, (list, tuple)):
             if len(mk) != 2 or mk[0] != mk[1]:
-                raise ValueError(f"media_proc_cfg.merge_kernel_size: only square kernels are supported, got {mk!r}")
+                raise ValueError(
+                    f"media_proc_cfg.merge_kernel_size: only square kernels are supported, got {mk!r}"
+                )
             self.merge_kernel_size = int(mk[0])
         self.image_mean = tuple(float(v) for v in self.image_mean)
         self.image_std = tuple(float(v) for v in self.image_std)
-        for name in ("patch_size", "merge_kernel_size", "in_patch_limit", "patch_limit_on_one_side",
-                     "max_image_bytes", "max_image_pixels", "max_images"):
+        for name in (
+            "patch_size",
+            "merge_kernel_size",
+            "in_patch_limit",
+            "patch_limit_on_one_side",
+            "max_image_bytes",
+            "max_image_pixels",
+            "max_images",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"media_proc_cfg.{name}: must be a positive integer, got {v!r}")
         if self.fixed_output_tokens is not None:
-            raise ValueError(f"media_proc_cfg.fixed_output_tokens: only None is supported, got {self.fixed_output_tokens!r}")
+            raise ValueError(
+                f"media_proc_cfg.fixed_output_tokens: only None is supported, got {self.fixed_output_tokens!r}"
+            )
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
-            raise ValueError(f"media_proc_cfg.image_mean/image_std: need 3 values each, std > 0 "
-                             f"(got {self.image_mean}, {self.image_std})")
+            raise ValueError(
+                f"media_proc_cfg.image_mean/image_std: need 3 values each, std > 0 "
+                f"(got {self.image_mean}, {self.image_std})"
+            )
         if self.transparent_bg_fill_stage not in FILL_STAGES:
-            raise ValueError(f"media_proc_cfg.transparent_bg_fill_stage: must be one of {FILL_STAGES}, "
-                             f"got {self.transparent_bg_fill_stage!r}")
+            raise ValueError(
+                f"media_proc_cfg.transparent_bg_fill_stage: must be one of {FILL_STAGES}, "
+                f"got {self.transparent_bg_fill_stage!r}"
+            )
         bg = self.transparent_bg_config
         if bg is not None and bg.get("pattern", "black") not in BG_PATTERNS:
-            raise ValueError(f"media_proc_cfg.transparent_bg_config.pattern: must be one of {BG_PATTERNS}, "
-                             f"got {bg.get('pattern')!r}")
+            raise ValueError(
+                f"media_proc_cfg.transparent_bg_config.pattern: must be one of {BG_PATTERNS}, "
+                f"got {bg.get('pattern')!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """``media_proc_cfg`` dict (official keys, openk3 limits and extras)."""
@@ -171,7 +193,9 @@ class ResizePlan:
     num_tokens: int
 
 
-def navit_resize(width: int, height: int, config: ImageProcessorConfig = DEFAULT_CONFIG) -> ResizePlan:
+def navit_resize(
+    width: int, height: int, config: ImageProcessorConfig = DEFAULT_CONFIG
+) -> ResizePlan:
     """Resize, pad and token count of a W x H image (formula in the module docstring).
 
     Raises:
@@ -192,7 +216,9 @@ def navit_resize(width: int, height: int, config: ImageProcessorConfig = DEFAULT
     return ResizePlan(width, height, new_w, new_h, pad_w, pad_h, gh, gw, (gh // m) * (gw // m))
 
 
-def image_token_count(width: int, height: int, config: ImageProcessorConfig = DEFAULT_CONFIG) -> int:
+def image_token_count(
+    width: int, height: int, config: ImageProcessorConfig = DEFAULT_CONFIG
+) -> int:
     """N, the number of ``<|media_pad|>`` tokens for a W x H image (see :func:`navit_resize`)."""
     return navit_resize(width, height, config).num_tokens
 
@@ -229,18 +255,25 @@ def image_bytes_from_data_url(url: str, index: int | None = None) -> bytes:
     """
     if not isinstance(url, str) or not url.startswith("data:"):
         shown = url[:40] if isinstance(url, str) else type(url).__name__
-        raise ImageError(f"only base64 data: URLs are accepted, got {shown!r}", code="bad_url", index=index)
+        raise ImageError(
+            f"only base64 data: URLs are accepted, got {shown!r}", code="bad_url", index=index
+        )
     head, sep, payload = url.partition(",")
     if not sep or not head.endswith(";base64"):
-        raise ImageError("data URL is not base64-encoded (expected 'data:<mime>;base64,<data>')",
-                         code="bad_url", index=index)
+        raise ImageError(
+            "data URL is not base64-encoded (expected 'data:<mime>;base64,<data>')",
+            code="bad_url",
+            index=index,
+        )
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ImageError(f"invalid base64 image data ({e})", code="corrupt", index=index) from None
 
 
-def open_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index: int | None = None) -> Image.Image:
+def open_image(
+    data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index: int | None = None
+) -> Image.Image:
     """Read an encoded image's header only: format and size, no pixel decoded (Pillow opens
     lazily). Callers plan the token count and the memory of a request from these sizes before
     paying for any decode (:func:`decode_image` then loads the pixels).
@@ -250,12 +283,17 @@ def open_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index
             image, or another format.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ImageError(f"image data must be bytes, got {type(data).__name__}", code="corrupt", index=index)
+        raise ImageError(
+            f"image data must be bytes, got {type(data).__name__}", code="corrupt", index=index
+        )
     if len(data) == 0:
         raise ImageError("empty image data", code="empty", index=index)
     if len(data) > config.max_image_bytes:
-        raise ImageError(f"{len(data)} bytes exceeds the limit of {config.max_image_bytes}", code="too_large",
-                         index=index)
+        raise ImageError(
+            f"{len(data)} bytes exceeds the limit of {config.max_image_bytes}",
+            code="too_large",
+            index=index,
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -263,20 +301,30 @@ def open_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index
     except Image.DecompressionBombError as e:
         raise ImageError(f"image too large ({e})", code="too_large", index=index) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as e:
-        raise ImageError(f"cannot identify image data ({type(e).__name__})", code="corrupt", index=index) from None
+        raise ImageError(
+            f"cannot identify image data ({type(e).__name__})", code="corrupt", index=index
+        ) from None
     if img.format not in ALLOWED_FORMATS:
-        raise ImageError(f"unsupported image format {img.format!r} (PNG, JPEG, WebP, GIF)",
-                         code="unsupported_format", index=index)
+        raise ImageError(
+            f"unsupported image format {img.format!r} (PNG, JPEG, WebP, GIF)",
+            code="unsupported_format",
+            index=index,
+        )
     w, h = img.size
     if w < 1 or h < 1:
         raise ImageError(f"zero-size image {w}x{h}", code="empty", index=index)
     if w * h > config.max_image_pixels:
-        raise ImageError(f"{w}x{h} = {w * h} pixels exceeds the limit of {config.max_image_pixels}",
-                         code="too_large", index=index)
+        raise ImageError(
+            f"{w}x{h} = {w * h} pixels exceeds the limit of {config.max_image_pixels}",
+            code="too_large",
+            index=index,
+        )
     return img
 
 
-def decode_image(data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index: int | None = None) -> Image.Image:
+def decode_image(
+    data: bytes, config: ImageProcessorConfig = DEFAULT_CONFIG, index: int | None = None
+) -> Image.Image:
     """Decode PNG / JPEG / WebP / GIF bytes (GIF: first frame) into a loaded Pillow image.
 
     The size is checked from the header before any pixel is decoded (:func:`open_image`;
@@ -305,7 +353,10 @@ def _background(h: int, w: int, bg: dict[str, Any]) -> np.ndarray:
     pattern = bg.get("pattern", "black")
     if pattern == "chessboard":
         s = int(bg.get("chessboard_square_size", 16))
-        white, gray = int(bg.get("chessboard_white_value", 255)), int(bg.get("chessboard_gray_value", 200))
+        white, gray = (
+            int(bg.get("chessboard_white_value", 255)),
+            int(bg.get("chessboard_gray_value", 200)),
+        )
         parity = (np.arange(h)[:, None] // s + np.arange(w)[None, :] // s) % 2
         # The square at the top-left corner is white when chessboard_square_on_top_left is true.
         gray_mask = parity == (1 if bg.get("chessboard_square_on_top_left", True) else 0)
@@ -328,7 +379,9 @@ def _fill_transparent(img: Image.Image, bg: dict[str, Any] | None) -> Image.Imag
     return Image.fromarray(out.astype(np.uint8), mode="RGB")
 
 
-def resized_pixels(img: Image.Image, plan: ResizePlan, config: ImageProcessorConfig = DEFAULT_CONFIG) -> np.ndarray:
+def resized_pixels(
+    img: Image.Image, plan: ResizePlan, config: ImageProcessorConfig = DEFAULT_CONFIG
+) -> np.ndarray:
     """The padded uint8 image the tower sees -> [gh*P, gw*P, 3].
 
     Mode handling: RGB as is; images with alpha (an A band or palette transparency) keep it through
@@ -336,17 +389,23 @@ def resized_pixels(img: Image.Image, plan: ResizePlan, config: ImageProcessorCon
     to RGB (grayscale replicated, CMYK converted, 16-bit clipped as Pillow does).
     """
     bg = config.transparent_bg_config
-    img = img.convert("RGBA") if _has_alpha(img) else img.convert("RGB") if img.mode != "RGB" else img
+    img = (
+        img.convert("RGBA") if _has_alpha(img) else img.convert("RGB") if img.mode != "RGB" else img
+    )
     size = (plan.new_width, plan.new_height)
     if config.transparent_bg_fill_stage == "before_resize":
         img = _fill_transparent(img, bg).resize(size, resample=Image.Resampling.BICUBIC)
     else:
         img = _fill_transparent(img.resize(size, resample=Image.Resampling.BICUBIC), bg)
     arr = np.asarray(img)
-    return np.pad(arr, ((0, plan.pad_height), (0, plan.pad_width), (0, 0)), mode="constant", constant_values=0)
+    return np.pad(
+        arr, ((0, plan.pad_height), (0, plan.pad_width), (0, 0)), mode="constant", constant_values=0
+    )
 
 
-def normalize_and_patchify(arr: np.ndarray, config: ImageProcessorConfig = DEFAULT_CONFIG) -> torch.Tensor:
+def normalize_and_patchify(
+    arr: np.ndarray, config: ImageProcessorConfig = DEFAULT_CONFIG
+) -> torch.Tensor:
     """uint8 [gh*P, gw*P, 3] -> float32 [gh*gw, 3, P, P]: (x/255 - mean) / std, patches row-major.
 
     Raises:
@@ -355,15 +414,22 @@ def normalize_and_patchify(arr: np.ndarray, config: ImageProcessorConfig = DEFAU
     p = config.patch_size
     h, w, c = arr.shape
     if h % p or w % p or c != 3:
-        raise ValueError(f"normalize_and_patchify: expected [k*{p}, k*{p}, 3], got {list(arr.shape)}")
+        raise ValueError(
+            f"normalize_and_patchify: expected [k*{p}, k*{p}, 3], got {list(arr.shape)}"
+        )
     x = arr.astype(np.float32) / np.float32(255.0)
-    x = (x - np.asarray(config.image_mean, dtype=np.float32)) * (1.0 / np.asarray(config.image_std, dtype=np.float32))
+    x = (x - np.asarray(config.image_mean, dtype=np.float32)) * (
+        1.0 / np.asarray(config.image_std, dtype=np.float32)
+    )
     x = x.reshape(h // p, p, w // p, p, c).transpose(0, 2, 4, 1, 3).reshape(-1, c, p, p)
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
 
-def process_image(image: bytes | Image.Image, config: ImageProcessorConfig = DEFAULT_CONFIG,
-                  index: int | None = None) -> ProcessedImage:
+def process_image(
+    image: bytes | Image.Image,
+    config: ImageProcessorConfig = DEFAULT_CONFIG,
+    index: int | None = None,
+) -> ProcessedImage:
     """Decode (bytes) or take a Pillow image, and produce the tower input.
 
     Raises:
@@ -375,19 +441,31 @@ def process_image(image: bytes | Image.Image, config: ImageProcessorConfig = DEF
         if w < 1 or h < 1:
             raise ImageError(f"zero-size image {w}x{h}", code="empty", index=index)
         if w * h > config.max_image_pixels:
-            raise ImageError(f"{w}x{h} = {w * h} pixels exceeds the limit of {config.max_image_pixels}",
-                             code="too_large", index=index)
+            raise ImageError(
+                f"{w}x{h} = {w * h} pixels exceeds the limit of {config.max_image_pixels}",
+                code="too_large",
+                index=index,
+            )
         digest = hashlib.sha256(f"{img.mode}:{w}x{h}:".encode() + img.tobytes()).hexdigest()
     else:
         img = decode_image(image, config, index)
         digest = hashlib.sha256(bytes(image)).hexdigest()
     plan = navit_resize(img.size[0], img.size[1], config)
     pixels = normalize_and_patchify(resized_pixels(img, plan, config), config)
-    return ProcessedImage(pixels, (1, plan.grid_h, plan.grid_w), plan.num_tokens, plan.width, plan.height, plan, digest)
+    return ProcessedImage(
+        pixels,
+        (1, plan.grid_h, plan.grid_w),
+        plan.num_tokens,
+        plan.width,
+        plan.height,
+        plan,
+        digest,
+    )
 
 
-def process_images(images: Sequence[bytes | Image.Image],
-                   config: ImageProcessorConfig = DEFAULT_CONFIG) -> list[ProcessedImage]:
+def process_images(
+    images: Sequence[bytes | Image.Image], config: ImageProcessorConfig = DEFAULT_CONFIG
+) -> list[ProcessedImage]:
     """:func:`process_image` for every image of a request, in order.
 
     Raises:
@@ -395,8 +473,10 @@ def process_images(images: Sequence[bytes | Image.Image],
             its index).
     """
     if len(images) > config.max_images:
-        raise ImageError(f"{len(images)} images in one request exceeds the limit of {config.max_images}",
-                         code="too_many")
+        raise ImageError(
+            f"{len(images)} images in one request exceeds the limit of {config.max_images}",
+            code="too_many",
+        )
     return [process_image(im, config, i) for i, im in enumerate(images)]
 
 
@@ -408,5 +488,7 @@ def pack_images(images: Sequence[ProcessedImage]) -> tuple[torch.Tensor, torch.T
     """
     if not images:
         raise ValueError("pack_images: no images")
-    return (torch.cat([im.pixel_values for im in images]),
-            torch.tensor([im.grid_thw for im in images], dtype=torch.int64))
+    return (
+        torch.cat([im.pixel_values for im in images]),
+        torch.tensor([im.grid_thw for im in images], dtype=torch.int64),
+    )

@@ -24,7 +24,9 @@ class PatchMergerV2(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         m, e = config.merged_hidden_size, config.text_hidden_size
-        self.proj = nn.Sequential(nn.Linear(m, m, bias=False), nn.GELU(), nn.Linear(m, e, bias=False))
+        self.proj = nn.Sequential(
+            nn.Linear(m, m, bias=False), nn.GELU(), nn.Linear(m, e, bias=False)
+        )
         self.post_norm = RMSNorm(e, eps=config.projector_ln_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,12 @@ class VisionModel(nn.Module):
         self.vision_tower = MoonViT(config)
         self.mm_projector = PatchMergerV2(config)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor | Sequence[Sequence[int]],
-                attn_impl: str = "sdpa") -> torch.Tensor:
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thws: torch.Tensor | Sequence[Sequence[int]],
+        attn_impl: str = "sdpa",
+    ) -> torch.Tensor:
         """[L, 3, P, P] patches of G packed items -> [N, E] features, item after item, each item's
         rows in the order of its pad tokens.
 
@@ -57,15 +61,24 @@ class VisionModel(nn.Module):
         return self.mm_projector(self.vision_tower(pixel_values, grid_thws, attn_impl))
 
     @classmethod
-    def from_state_dict(cls, tensors: Mapping[str, torch.Tensor], vision_config: VisionConfig | dict,
-                        *, dtype: torch.dtype = torch.float32) -> "VisionModel":
+    def from_state_dict(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        vision_config: VisionConfig | dict,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> "VisionModel":
         """Build and strictly load from official names (other prefixes in ``tensors`` are ignored).
 
         Raises:
             ValueError: a missing, unexpected or wrongly shaped ``vision_tower.*`` /
                 ``mm_projector.*`` tensor (all of them listed), or a bad config.
         """
-        config = vision_config if isinstance(vision_config, VisionConfig) else VisionConfig.from_dict(vision_config)
+        config = (
+            vision_config
+            if isinstance(vision_config, VisionConfig)
+            else VisionConfig.from_dict(vision_config)
+        )
         with torch.device("meta"):
             model = cls(config)
         load_vision_weights(model, tensors, assign=True, dtype=dtype)
@@ -81,7 +94,9 @@ def _official_names(module: nn.Module) -> dict[str, str]:
         return {k: TOWER_PREFIX + k for k in keys}
     if isinstance(module, PatchMergerV2):
         return {k: PROJECTOR_PREFIX + k for k in keys}
-    raise ValueError(f"module: expected VisionModel, MoonViT or PatchMergerV2, got {type(module).__name__}")
+    raise ValueError(
+        f"module: expected VisionModel, MoonViT or PatchMergerV2, got {type(module).__name__}"
+    )
 
 
 def _prefixes(module: nn.Module) -> tuple[str, ...]:
@@ -92,8 +107,13 @@ def _prefixes(module: nn.Module) -> tuple[str, ...]:
     return (TOWER_PREFIX, PROJECTOR_PREFIX)
 
 
-def load_vision_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], *, assign: bool = False,
-                        dtype: torch.dtype | None = None) -> None:
+def load_vision_weights(
+    module: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    assign: bool = False,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Strictly load official tensors into a :class:`VisionModel`, :class:`MoonViT` or
     :class:`PatchMergerV2`: every expected name present with its exact shape, no unexpected name
     under the module's prefixes (``vision_tower.`` and/or ``mm_projector.``); other keys (the
@@ -111,8 +131,11 @@ def load_vision_weights(module: nn.Module, tensors: Mapping[str, torch.Tensor], 
     wanted = {official: key for key, official in names.items()}
     missing = sorted(o for o in wanted if o not in tensors)
     unexpected = sorted(n for n in tensors if n.startswith(prefixes) and n not in wanted)
-    shapes = sorted(f"{o}: file {list(tensors[o].shape)} != model {list(expected[k].shape)}"
-                    for o, k in wanted.items() if o in tensors and tuple(tensors[o].shape) != tuple(expected[k].shape))
+    shapes = sorted(
+        f"{o}: file {list(tensors[o].shape)} != model {list(expected[k].shape)}"
+        for o, k in wanted.items()
+        if o in tensors and tuple(tensors[o].shape) != tuple(expected[k].shape)
+    )
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -144,16 +167,25 @@ def vision_state_dict_to_hf(module: nn.Module) -> "OrderedDict[str, torch.Tensor
 
 
 @torch.no_grad()
-def init_vision_weights(module: nn.Module, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+def init_vision_weights(
+    module: nn.Module, generator: torch.Generator | None = None, std: float = 0.02
+) -> None:
     """Fresh-training init [P] (the official recipe is not public): N(0, std) for linears, the patch
     projection and the position table; ones for RMSNorm weights; zero biases."""
     for name, p in module.named_parameters():
-        if name.endswith("norm0.weight") or name.endswith("norm1.weight") or "layernorm" in name or "post_norm" in name:
+        if (
+            name.endswith("norm0.weight")
+            or name.endswith("norm1.weight")
+            or "layernorm" in name
+            or "post_norm" in name
+        ):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()
         else:
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(std).to(p.dtype))
+            p.copy_(
+                torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(std).to(p.dtype)
+            )
 
 
 def _component(name: str) -> str:
@@ -176,12 +208,20 @@ def count_vision_parameters(vision_config: VisionConfig | dict) -> dict:
         "pos_emb", "blocks", "final_norm", "mm_projector": int}}``. The released config gives
         vision_tower = 401,214,464 (architecture.md §11) and mm_projector = 46,144,512.
     """
-    config = vision_config if isinstance(vision_config, VisionConfig) else VisionConfig.from_dict(vision_config)
+    config = (
+        vision_config
+        if isinstance(vision_config, VisionConfig)
+        else VisionConfig.from_dict(vision_config)
+    )
     with torch.device("meta"):
         model = VisionModel(config)
     by = {c: 0 for c in ("patch_embed", "pos_emb", "blocks", "final_norm", "mm_projector")}
     for name, p in model.named_parameters():
         by[_component(name)] += p.numel()
     tower = sum(v for c, v in by.items() if c != "mm_projector")
-    return {"vision_tower": tower, "mm_projector": by["mm_projector"], "total": tower + by["mm_projector"],
-            "by_component": by}
+    return {
+        "vision_tower": tower,
+        "mm_projector": by["mm_projector"],
+        "total": tower + by["mm_projector"],
+        "by_component": by,
+    }

@@ -111,13 +111,17 @@ class LocalDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """x: [N, L], topk_idx: [N, k] -> (rows [A, L], local expert id [A] int64, handle)."""
         n, k = topk_idx.shape
         rows = x.repeat_interleave(k, dim=0) if k > 1 else x
         return rows, topk_idx.reshape(-1).long(), DispatchHandle(n, k)
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weight: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weight: torch.Tensor
+    ) -> torch.Tensor:
         """y: [A, L] expert outputs in dispatch order -> [N, L] fp32 ``Σ_j w_j y_j``."""
         return _weighted_sum(y, handle, topk_weight)
 
@@ -144,13 +148,17 @@ class AllToAllDispatcher:
     def __init__(self, num_experts: int, group) -> None:
         world = dist.get_world_size(group)
         if num_experts % world:
-            raise ValueError(f"num_experts={num_experts}: not divisible by the expert-parallel size {world}")
+            raise ValueError(
+                f"num_experts={num_experts}: not divisible by the expert-parallel size {world}"
+            )
         self.num_experts, self.group, self.world = num_experts, group, world
         self.num_local_experts = num_experts // world
         self.last_send: list[int] = []
         self.last_recv: list[int] = []
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """x: [N, L], topk_idx: [N, k] global ids -> (rows [M, L], local expert id [M] int64, handle)."""
         n, k = topk_idx.shape
         r, el = self.world, self.num_local_experts
@@ -162,13 +170,17 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         send = counts.view(r, el).sum(1).tolist()  # host sync: the split sizes must be known
         recv = recv_counts.view(r, el).sum(1).tolist()
-        rows = _AllToAll.apply(x[torch.div(order, k, rounding_mode="floor")], send, recv, self.group)
+        rows = _AllToAll.apply(
+            x[torch.div(order, k, rounding_mode="floor")], send, recv, self.group
+        )
         local_ids = torch.arange(el, device=flat.device).repeat(r)
         expert = torch.repeat_interleave(local_ids, recv_counts)
         self.last_send, self.last_recv = send, recv
         return rows, expert, DispatchHandle(n, k, order, send, recv)
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weight: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weight: torch.Tensor
+    ) -> torch.Tensor:
         """y: [M, L] outputs of the received rows -> [N, L] fp32 ``Σ_j w_j y_j`` for this rank's tokens."""
         back = _AllToAll.apply(y, handle.recv, handle.send, self.group)  # [A, L] in sorted order
         inverse = torch.empty_like(handle.order)
@@ -176,7 +188,9 @@ class AllToAllDispatcher:
         return _weighted_sum(back[inverse], handle, topk_weight)
 
 
-def _weighted_sum(y: torch.Tensor, handle: DispatchHandle, topk_weight: torch.Tensor) -> torch.Tensor:
+def _weighted_sum(
+    y: torch.Tensor, handle: DispatchHandle, topk_weight: torch.Tensor
+) -> torch.Tensor:
     """[A, L] rows in (token, slot) order -> [N, L] in the accumulation dtype, summed over slots
     in a fixed order (as :func:`~openk3.ops.grouped_mm.routed_experts` does)."""
     acc = torch.float64 if y.dtype == torch.float64 else torch.float32
@@ -220,27 +234,41 @@ class ExpertParallelExperts(nn.Module):
         e = experts.w1.shape[0]
         ep_size = mesh.size(ep_dim)
         if e % ep_size:
-            raise ValueError(f"n_routed_experts={e}: not divisible by the expert-parallel size {ep_size}")
+            raise ValueError(
+                f"n_routed_experts={e}: not divisible by the expert-parallel size {ep_size}"
+            )
         self.mesh, self.ep_dim = mesh, ep_dim
         self.act = experts.act
-        self.qat = getattr(experts, "qat", None)  # QAT scheme of the source module (model_qat switches it)
+        self.qat = getattr(
+            experts, "qat", None
+        )  # QAT scheme of the source module (model_qat switches it)
         self.initializer_range = experts.initializer_range
         self.num_experts, self.num_local_experts = e, e // ep_size
         self.dp_degree = mesh.size()
         rep_dim = 1 - ep_dim if mesh.ndim == 2 else None
-        self.replica_group = mesh.get_group(rep_dim) if rep_dim is not None and mesh.size(rep_dim) > 1 else None
+        self.replica_group = (
+            mesh.get_group(rep_dim) if rep_dim is not None and mesh.size(rep_dim) > 1 else None
+        )
         self.placements = tuple(Shard(0) if d == ep_dim else Replicate() for d in range(mesh.ndim))
         group = mesh.get_group(ep_dim)
         self.dispatcher = AllToAllDispatcher(e, group) if ep_size > 1 else LocalDispatcher(e)
         self.ep_rank = mesh.get_local_rank(ep_dim)
         for name in ("w1", "w3", "w2"):
-            self.register_parameter(name, nn.Parameter(self._shard(getattr(experts, name).detach())))
+            self.register_parameter(
+                name, nn.Parameter(self._shard(getattr(experts, name).detach()))
+            )
 
     def _shard(self, full: torch.Tensor) -> DTensor:
         lo = self.ep_rank * self.num_local_experts
-        local = full[lo:lo + self.num_local_experts].clone()
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=full.shape, stride=full.stride())
+        local = full[lo : lo + self.num_local_experts].clone()
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -248,24 +276,36 @@ class ExpertParallelExperts(nn.Module):
         :meth:`Experts.init_weights` does, then sliced: same values as the single-device module
         for the same RNG state (every rank must be seeded alike)."""
         for w in (self.w1, self.w2, self.w3):
-            full = torch.empty(w.shape, dtype=w.dtype, device=w.to_local().device).normal_(0.0, self.initializer_range)
+            full = torch.empty(w.shape, dtype=w.dtype, device=w.to_local().device).normal_(
+                0.0, self.initializer_range
+            )
             lo = self.ep_rank * self.num_local_experts
-            w.to_local().copy_(full[lo:lo + self.num_local_experts])
+            w.to_local().copy_(full[lo : lo + self.num_local_experts])
 
     def _local(self, w: torch.Tensor) -> torch.Tensor:
         return _ExpertGradSync.apply(w.to_local(), self.dp_degree, self.replica_group)
 
     def forward(
-        self, z: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, backend: str | None = None
+        self,
+        z: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weight: torch.Tensor,
+        backend: str | None = None,
     ) -> torch.Tensor:
         """z: [N, L]; topk_idx, topk_weight: [N, k] -> [N, L] fp32, equal to the single-device
         :meth:`Experts.forward` on the same tokens (up to fp summation order of the expert GEMMs).
 
         Every EP rank must call it the same number of times (it communicates). Raises the
         errors of :func:`~openk3.ops.grouped_mm.routed_experts`."""
-        if topk_idx.dim() != 2 or topk_idx.shape[0] != z.shape[0] or topk_weight.shape != topk_idx.shape:
-            raise ValueError(f"topk_idx {tuple(topk_idx.shape)} / topk_weight {tuple(topk_weight.shape)}: "
-                             f"expected [N={z.shape[0]}, k]")
+        if (
+            topk_idx.dim() != 2
+            or topk_idx.shape[0] != z.shape[0]
+            or topk_weight.shape != topk_idx.shape
+        ):
+            raise ValueError(
+                f"topk_idx {tuple(topk_idx.shape)} / topk_weight {tuple(topk_weight.shape)}: "
+                f"expected [N={z.shape[0]}, k]"
+            )
         rows, expert, handle = self.dispatcher.dispatch(z, topk_idx)
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         w1, w3, w2 = (self._local(w) for w in (self.w1, self.w3, self.w2))
@@ -275,8 +315,17 @@ class ExpertParallelExperts(nn.Module):
             # local experts equals slicing the quantised full stack; the MXFP8 input fake-quant
             # is row-wise, so a row quantised after the all-to-all equals the same row before it.
             w1, w3, w2 = (q.fake_quant_weight(w) for w in (w1, w3, w2))
-        y = routed_experts(rows, expert[:, None], ones, w1, w3, w2, self.act, backend=backend,
-                           input_quant=q.input_quant if q is not None else None)
+        y = routed_experts(
+            rows,
+            expert[:, None],
+            ones,
+            w1,
+            w3,
+            w2,
+            self.act,
+            backend=backend,
+            input_quant=q.input_quant if q is not None else None,
+        )
         # Weight 1 over a single slot is exact; back to the row dtype as the single-device path
         # keeps per-slot outputs in x's dtype before its fp32 combine.
         return self.dispatcher.combine(y.to(z.dtype), handle, topk_weight)
@@ -287,7 +336,9 @@ class ExpertParallelExperts(nn.Module):
         return f"experts={e}, local={self.num_local_experts}, width={l}, hidden={f}{qat}"
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep_dim: str | int = -1) -> list[ExpertParallelExperts]:
+def apply_expert_parallel(
+    model: nn.Module, mesh: DeviceMesh, ep_dim: str | int = -1
+) -> list[ExpertParallelExperts]:
     """Replace every ``block_sparse_moe.experts`` of ``model`` by an :class:`ExpertParallelExperts`.
 
     Call on the unmodified single-device model (identical on every rank), before
@@ -311,14 +362,27 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep_dim: str | int 
             parent.experts = new
             replaced.append(new)
     if not replaced:
-        raise ValueError("model: no block_sparse_moe.experts (openk3.layers.moe.Experts) to parallelise")
+        raise ValueError(
+            "model: no block_sparse_moe.experts (openk3.layers.moe.Experts) to parallelise"
+        )
     return replaced
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
     """The parameters owned by :class:`ExpertParallelExperts` modules (FSDP must ignore them)."""
-    return {p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters(recurse=False)}
+    return {
+        p
+        for m in model.modules()
+        if isinstance(m, ExpertParallelExperts)
+        for p in m.parameters(recurse=False)
+    }
 
 
-__all__ = ["LocalDispatcher", "AllToAllDispatcher", "DispatchHandle", "ExpertParallelExperts",
-           "apply_expert_parallel", "expert_parameters"]
+__all__ = [
+    "LocalDispatcher",
+    "AllToAllDispatcher",
+    "DispatchHandle",
+    "ExpertParallelExperts",
+    "apply_expert_parallel",
+    "expert_parameters",
+]

@@ -31,13 +31,31 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from openk3.train.muon import (HeadBlocks, Muon, _blocks, _mla_modules, qk_clip_weights_, rms_match_scale,
-                               zeropower_newton_schulz)
+from openk3.train.muon import (
+    HeadBlocks,
+    Muon,
+    _blocks,
+    _mla_modules,
+    qk_clip_weights_,
+    rms_match_scale,
+    zeropower_newton_schulz,
+)
 from openk3.train.optim import build_optimizer
 
 # Constructor keywords of Muon that live in its ``defaults``.
-_MUON_KWARGS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_dtype",
-                "ns_eps", "rms", "betas", "eps")
+_MUON_KWARGS = (
+    "lr",
+    "weight_decay",
+    "momentum",
+    "nesterov",
+    "ns_steps",
+    "ns_coefficients",
+    "ns_dtype",
+    "ns_eps",
+    "rms",
+    "betas",
+    "eps",
+)
 
 
 def _row_shard(t: DTensor) -> tuple[int, int] | None:
@@ -95,7 +113,9 @@ class DistMuon(Muon):
             ValueError: ``optimizer`` already has state (convert before the first step).
         """
         if any(optimizer.state.values()):
-            raise ValueError("optimizer: already stepped; convert to DistMuon before the first step")
+            raise ValueError(
+                "optimizer: already stepped; convert to DistMuon before the first step"
+            )
         kwargs = {k: optimizer.defaults[k] for k in _MUON_KWARGS}
         return cls(optimizer.param_groups, **kwargs)
 
@@ -120,10 +140,13 @@ class DistMuon(Muon):
             # factor uses the block shape, which the shard shares with the full parameter.
             for rows, cols, p_blk, u_blk in _blocks(local_p, u, layout):
                 o = zeropower_newton_schulz(u_blk, *ns_args)
-                p_blk.add_(o.view_as(p_blk), alpha=-(lr * rms_match_scale(rows, cols, group["rms"])))
+                p_blk.add_(
+                    o.view_as(p_blk), alpha=-(lr * rms_match_scale(rows, cols, group["rms"]))
+                )
             return
-        u_full = DTensor.from_local(u, p.device_mesh, p.placements, run_check=False,
-                                    shape=p.shape, stride=p.stride()).full_tensor()
+        u_full = DTensor.from_local(
+            u, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        ).full_tensor()
         o_full = torch.empty_like(u_full)
         blocks = group["head_blocks"]
         # One block shape: apply the RMS factor through ``alpha`` exactly as the parent does;
@@ -133,7 +156,9 @@ class DistMuon(Muon):
             o = zeropower_newton_schulz(u_blk, *ns_args).view_as(o_blk)
             scale = rms_match_scale(rows, cols, group["rms"])
             o_blk.copy_(o if single else o * scale)
-        o_local = distribute_tensor(o_full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        o_local = distribute_tensor(
+            o_full, p.device_mesh, p.placements, src_data_rank=None
+        ).to_local()
         local_p.add_(o_local.to(local_p.dtype), alpha=-(lr * scale) if single else -lr)
 
 
@@ -145,8 +170,14 @@ def build_sharded_optimizer(model: nn.Module, config, lr: float, **kwargs) -> Di
 
 
 @torch.no_grad()
-def qk_clip_sharded_(model: nn.Module, max_logits_per_layer: Mapping[int, torch.Tensor], tau: float,
-                     config=None, group=None, reduce_max: bool = True) -> dict[int, torch.Tensor]:
+def qk_clip_sharded_(
+    model: nn.Module,
+    max_logits_per_layer: Mapping[int, torch.Tensor],
+    tau: float,
+    config=None,
+    group=None,
+    reduce_max: bool = True,
+) -> dict[int, torch.Tensor]:
     """QK-Clip (:func:`openk3.train.muon.qk_clip_`) for a data-parallel model whose MLA weights
     may be FSDP shards.
 
@@ -170,8 +201,12 @@ def qk_clip_sharded_(model: nn.Module, max_logits_per_layer: Mapping[int, torch.
     if config is None:
         raise ValueError("config: required when model has no .config")
     modules = _mla_modules(model)
-    H, Dn, Dr, Dv = (config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
-                     config.v_head_dim)
+    H, Dn, Dr, Dv = (
+        config.num_attention_heads,
+        config.qk_nope_head_dim,
+        config.qk_rope_head_dim,
+        config.v_head_dim,
+    )
     distributed = reduce_max and dist.is_available() and dist.is_initialized()
     gammas = {}
     for idx in sorted(max_logits_per_layer):
@@ -185,8 +220,16 @@ def qk_clip_sharded_(model: nn.Module, max_logits_per_layer: Mapping[int, torch.
         kv_w = attn.kv_b_proj.weight
         q_scale = torch.ones(H * (Dn + Dr), 1, device=s.device)
         k_scale = torch.ones(H * (Dn + Dv), 1, device=s.device)
-        gammas[int(idx)] = qk_clip_weights_(q_scale, k_scale, s, tau, num_heads=H, qk_nope_head_dim=Dn,
-                                            qk_rope_head_dim=Dr, v_head_dim=Dv)
+        gammas[int(idx)] = qk_clip_weights_(
+            q_scale,
+            k_scale,
+            s,
+            tau,
+            num_heads=H,
+            qk_nope_head_dim=Dn,
+            qk_rope_head_dim=Dr,
+            v_head_dim=Dv,
+        )
         for w, scale in ((q_w, q_scale), (kv_w, k_scale)):
             _scale_rows_(w, scale)
     return gammas
@@ -199,10 +242,12 @@ def _scale_rows_(w: torch.Tensor, scale: torch.Tensor) -> None:
         return
     rows = _row_shard(w)
     if rows is None:
-        raise ValueError(f"weight placements {w.placements}: QK-Clip supports row (Shard(0)) sharding only")
+        raise ValueError(
+            f"weight placements {w.placements}: QK-Clip supports row (Shard(0)) sharding only"
+        )
     start, count = rows
     local = w.to_local()
-    local.mul_(scale[start:start + count].to(device=local.device, dtype=local.dtype))
+    local.mul_(scale[start : start + count].to(device=local.device, dtype=local.dtype))
 
 
 __all__ = ["DistMuon", "build_sharded_optimizer", "qk_clip_sharded_", "local_blocks"]

@@ -36,7 +36,9 @@ from torch.distributed.tensor import DTensor, Shard
 from openk3.train.distributed.expert_parallel import expert_parameters
 
 
-def init_meshes(ep_size: int = 1, device_type: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
+def init_meshes(
+    ep_size: int = 1, device_type: str | None = None
+) -> tuple[DeviceMesh, DeviceMesh | None]:
     """The meshes of a ``torchrun`` job: all R ranks data parallel, optionally expert parallel.
 
     Args:
@@ -58,7 +60,9 @@ def init_meshes(ep_size: int = 1, device_type: str | None = None) -> tuple[Devic
     dp_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     if ep_size == 1:
         return dp_mesh, None
-    ep_mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("ep_replica", "ep"))
+    ep_mesh = init_device_mesh(
+        device_type, (world // ep_size, ep_size), mesh_dim_names=("ep_replica", "ep")
+    )
     return dp_mesh, ep_mesh
 
 
@@ -116,10 +120,16 @@ def apply_fsdp(
     # LatentMoE and KimiDeltaAttention return views (reshapes); FSDP warns in case the caller
     # modifies them in place. K3Model's AttnRes state uses mixer and FFN outputs out of place
     # (``p = a``, ``p = p + f``), so the warning is moot.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(LatentMoE|KimiDeltaAttention)\) "
-                            r"returned a view tensor")
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-              "ignored_params": expert_parameters(model) or None}
+    warnings.filterwarnings(
+        "ignore",
+        message=r"FSDP2-wrapped module \(FSDP(LatentMoE|KimiDeltaAttention)\) "
+        r"returned a view tensor",
+    )
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "ignored_params": expert_parameters(model) or None,
+    }
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for unit in fsdp_units(model):
@@ -174,9 +184,13 @@ def grad_norm(parameters) -> torch.Tensor:
             continue
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):
-                raise ValueError(f"grad placements {g.placements}: partial gradients are not reduced yet")
+                raise ValueError(
+                    f"grad placements {g.placements}: partial gradients are not reduced yet"
+                )
             key = (id(g.device_mesh), _sharded_mesh_dims(g))
-            entry = buckets.setdefault(key, [g.device_mesh, torch.zeros((), dtype=torch.float32, device=g.device)])
+            entry = buckets.setdefault(
+                key, [g.device_mesh, torch.zeros((), dtype=torch.float32, device=g.device)]
+            )
             entry[1] = entry[1] + g.to_local().float().pow(2).sum()
         else:
             total = total.to(g.device) + g.float().pow(2).sum()
@@ -229,5 +243,13 @@ def all_reduce_mean_(value: torch.Tensor, group=None) -> torch.Tensor:
     return value
 
 
-__all__ = ["init_meshes", "fsdp_units", "broadcast_from_rank0_", "apply_fsdp", "grad_norm",
-           "clip_grad_norm_", "full_state_dict", "all_reduce_mean_"]
+__all__ = [
+    "init_meshes",
+    "fsdp_units",
+    "broadcast_from_rank0_",
+    "apply_fsdp",
+    "grad_norm",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "all_reduce_mean_",
+]

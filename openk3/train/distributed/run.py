@@ -120,7 +120,9 @@ class SingleProcess:
         """Identity: this process saw every token of the step."""
         return max_logits
 
-    def qk_clip(self, model: nn.Module, max_logits: Mapping[int, torch.Tensor], tau: float, config) -> dict:
+    def qk_clip(
+        self, model: nn.Module, max_logits: Mapping[int, torch.Tensor], tau: float, config
+    ) -> dict:
         """:func:`openk3.train.muon.qk_clip_`: ``{layer: gamma [H]}``."""
         return qk_clip_(model, max_logits, tau, config)
 
@@ -166,12 +168,16 @@ class DistributedRun:
         from openk3.train.distributed.parallel import init_meshes
 
         if run.prepare is not None:
-            raise ValueError(f"recipe {run.name!r}: multi-stage recipes (RunConfig.prepare) run in a single "
-                             "process only; run the earlier stages without torchrun first")
+            raise ValueError(
+                f"recipe {run.name!r}: multi-stage recipes (RunConfig.prepare) run in a single "
+                "process only; run the earlier stages without torchrun first"
+            )
         device_type = torch.device(run.device).type
         if device_type not in ("cpu", "cuda"):
-            raise ValueError(f"RunConfig.device={run.device!r}: torchrun training supports 'cpu' (gloo) and "
-                             "'cuda' (NCCL)")
+            raise ValueError(
+                f"RunConfig.device={run.device!r}: torchrun training supports 'cpu' (gloo) and "
+                "'cuda' (NCCL)"
+            )
         self.owns_group = not dist.is_initialized()
         if device_type == "cuda":
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -205,17 +211,26 @@ class DistributedRun:
         from openk3.train.muon import Muon
         from openk3.train.distributed.parallel import apply_fsdp
 
-        if not isinstance(optimizer, Muon) or any("param_names" not in g for g in optimizer.param_groups):
-            raise ValueError(f"optimizer: {type(optimizer).__name__} is not a Muon built by build_optimizer "
-                             "(param groups with param_names); torchrun training needs one")
+        if not isinstance(optimizer, Muon) or any(
+            "param_names" not in g for g in optimizer.param_groups
+        ):
+            raise ValueError(
+                f"optimizer: {type(optimizer).__name__} is not a Muon built by build_optimizer "
+                "(param groups with param_names); torchrun training needs one"
+            )
         names = {id(p): n for n, p in model.named_parameters()}
         state = {names[id(p)]: s for p, s in optimizer.state.items() if s}
         if self.ep_mesh is not None:
             apply_expert_parallel(model, self.ep_mesh, "ep")
         apply_fsdp(model, self.dp_mesh)
         params = dict(model.named_parameters())
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["param_names"]]}
-                  for g in optimizer.param_groups]
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [params[n] for n in g["param_names"]],
+            }
+            for g in optimizer.param_groups
+        ]
         sharded = DistMuon(groups, **{k: optimizer.defaults[k] for k in _MUON_KWARGS})
         for name, s in state.items():
             p = params[name]
@@ -233,7 +248,7 @@ class DistributedRun:
         """
         batch = [source.next_batch() for _ in range(grad_accum * self.world)]
         n = sum(int((torch.as_tensor(mb["labels"]) != IGNORE_INDEX).sum()) for mb in batch)
-        return batch[self.rank::self.world], max(n, 1) / self.world
+        return batch[self.rank :: self.world], max(n, 1) / self.world
 
     # ------------------------------------------------------- the step (train_step asks these)
     def backward_unlabelled(self, out) -> None:
@@ -275,7 +290,9 @@ class DistributedRun:
         dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
         return {i: stacked[j] for j, i in enumerate(layers)}
 
-    def qk_clip(self, model: nn.Module, max_logits: Mapping[int, torch.Tensor], tau: float, config) -> dict:
+    def qk_clip(
+        self, model: nn.Module, max_logits: Mapping[int, torch.Tensor], tau: float, config
+    ) -> dict:
         """:func:`openk3.train.distributed.muon.qk_clip_sharded_` on the row shards, from the
         already reduced ``max_logits``: ``{layer: gamma [H]}``."""
         from openk3.train.distributed.muon import qk_clip_sharded_
@@ -289,8 +306,11 @@ class DistributedRun:
     def reduce_metrics(self, metrics: dict) -> dict:
         """Global ``loss`` (token mean over all ranks) and ``tokens`` (sum). The other
         :func:`~openk3.train.trainer.train_step` metrics are global already. Collective."""
-        t = torch.tensor([metrics["loss"] * metrics["tokens"], metrics["tokens"]], dtype=torch.float64,
-                         device=self.device)
+        t = torch.tensor(
+            [metrics["loss"] * metrics["tokens"], metrics["tokens"]],
+            dtype=torch.float64,
+            device=self.device,
+        )
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         total, tokens = t.tolist()
         return {**metrics, "loss": total / max(tokens, 1.0), "tokens": int(round(tokens))}
@@ -317,7 +337,10 @@ class DistributedRun:
         outcome: list = [None]
         if self.is_writer:
             try:
-                outcome[0] = ("ok", ckpts.save(step, full, opt_state, balancers, data, run, metrics))
+                outcome[0] = (
+                    "ok",
+                    ckpts.save(step, full, opt_state, balancers, data, run, metrics),
+                )
             except BaseException as e:
                 outcome[0] = ("error", f"{type(e).__name__}: {e}")
                 dist.broadcast_object_list(outcome, src=0)
@@ -406,5 +429,12 @@ class _FullOptimizer:
 #: one process, no collectives.
 ONE_PROCESS = SingleProcess()
 
-__all__ = ["distributed_requested", "run_context", "SingleProcess", "DistributedRun", "NullLog",
-           "full_optimizer_state", "ONE_PROCESS"]
+__all__ = [
+    "distributed_requested",
+    "run_context",
+    "SingleProcess",
+    "DistributedRun",
+    "NullLog",
+    "full_optimizer_state",
+    "ONE_PROCESS",
+]
