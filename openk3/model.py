@@ -27,7 +27,7 @@ from openk3.layers.mla import GatedMLA
 from openk3.layers.mlp import MLP
 from openk3.layers.moe import LatentMoE
 from openk3.layers.norm import RMSNorm
-from openk3.ops.varlen import check_lengths
+from openk3.ops.varlen import check_cu_seqlens, check_lengths, check_past_lengths
 from openk3.weight_init import init_module
 
 
@@ -174,10 +174,7 @@ class K3Model(nn.Module):
         if cache is not None:
             if cache.batch_size != B:
                 raise ValueError(f"cache: holds {cache.batch_size} rows, input has B={B}")
-            if bool((cache.lengths < 0).any()):
-                raise ValueError(
-                    f"past_lengths: expected [B={B}] non-negative values, got {cache.lengths.tolist()}"
-                )
+            check_past_lengths(cache.lengths, B)
             # Checked before any layer runs: a failed call must leave every layer's state untouched.
             cache.check_room(
                 lengths if lengths is not None else torch.full((B,), T, dtype=torch.long)
@@ -186,8 +183,10 @@ class K3Model(nn.Module):
                 raise ValueError(
                     "cu_seqlens: packed documents are a training input; not supported with a cache"
                 )
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"cu_seqlens: needs a single packed row (B=1), got B={B}")
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"cu_seqlens: needs a single packed row (B=1), got B={B}")
+            check_cu_seqlens(cu_seqlens, T)
         return lengths
 
     def forward(

@@ -307,3 +307,42 @@ def test_tied_embeddings_stay_tied(tmp_path):
     ids = torch.randint(0, 512, (1, 6))
     with torch.no_grad():
         assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+@torch.no_grad()
+def test_lengths_values_are_checked_once_per_forward(monkeypatch):
+    """The model forward reads the values of ``lengths`` once (varlen.check_lengths); the layers
+    and ops under it check shapes only, and a bad value is still refused at the boundary."""
+    import openk3.layers.kda
+    import openk3.layers.mla
+    import openk3.model
+    import openk3.ops.attention
+    import openk3.ops.kda_inputs
+    import openk3.ops.short_conv
+    from openk3.ops import varlen
+
+    value_checks = []
+
+    def counting(lengths, batch, total, name="lengths", *, values=True):
+        value_checks.append(values)
+        varlen.check_lengths(lengths, batch, total, name, values=values)
+
+    for mod in (
+        openk3.model,
+        openk3.layers.kda,
+        openk3.layers.mla,
+        openk3.ops.attention,
+        openk3.ops.kda_inputs,
+        openk3.ops.short_conv,
+    ):
+        monkeypatch.setattr(mod, "check_lengths", counting)
+    model = build_model(preset("k3-test-tiny"), seed=3)
+    ids = torch.randint(0, 512, (2, 6))
+    lengths = torch.tensor([6, 4])
+    for cache in (None, model.new_cache(2, 16)):
+        value_checks.clear()
+        model(ids, cache, lengths=lengths)
+        assert value_checks.count(True) == 1, value_checks
+        assert len(value_checks) > 1  # the layers and ops did run their shape checks
+    with pytest.raises(ValueError, match=r"lengths: expected \[B=2\] values in \[0, T=6\], got \[7, 4\]"):
+        model(ids, lengths=torch.tensor([7, 4]))

@@ -28,7 +28,7 @@ from openk3.cache import MLACacheEntry
 from openk3.config import K3Config
 from openk3.layers.norm import RMSNorm
 from openk3.ops.attention import causal_attention, latent_attention
-from openk3.ops.varlen import check_lengths
+from openk3.ops.varlen import check_cache_room, check_lengths, check_past_lengths
 from openk3.weight_init import init_module
 
 # eps of q_a_layernorm / kv_a_layernorm: the reference's RMSNorm default, not config.rms_norm_eps.
@@ -155,7 +155,7 @@ class GatedMLA(nn.Module):
         if cache is None:
             if past_lengths is not None:
                 raise ValueError("past_lengths: only meaningful with a cache")
-            return self._forward_full(x, lengths, cu_seqlens, max_logits_out)
+            return self._forward_full(x, lengths, cu_seqlens, max_logits_out, validate)
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens: packed documents are not supported with a cache")
         return self._forward_cached(x, cache, lengths, past_lengths, max_logits_out, validate)
@@ -166,6 +166,7 @@ class GatedMLA(nn.Module):
         lengths: torch.Tensor | None,
         cu_seqlens: torch.Tensor | None,
         max_logits_out: torch.Tensor | None,
+        validate: bool = True,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, N, V = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
@@ -185,6 +186,7 @@ class GatedMLA(nn.Module):
             lengths=lengths,
             cu_seqlens=cu_seqlens,
             max_logits_out=max_logits_out,
+            validate=validate,
         )
         return self._output(x, o.transpose(1, 2).reshape(B, T, H * V))
 
@@ -254,21 +256,10 @@ class GatedMLA(nn.Module):
         """Raise unless ``lengths`` [B] lie in [0, T], ``past`` [B] is non-negative and every
         row's end fits the cache (three host reads)."""
         B = cache.batch_size
-        lens = (
-            torch.full((B,), T, dtype=torch.long, device=past.device)
-            if lengths is None
-            else lengths
-        )
-        check_lengths(lens, B, T)
-        if past.shape != (B,) or bool((past < 0).any()):
-            raise ValueError(
-                f"past_lengths: expected [B={B}] non-negative values, got {past.tolist()}"
-            )
-        end = past + lens
-        if B and int(end.max()) > cache.capacity:
-            raise ValueError(
-                f"cache overflow: past_lengths + lengths = {end.tolist()} exceeds capacity {cache.capacity}"
-            )
+        if lengths is not None:
+            check_lengths(lengths, B, T)
+        check_past_lengths(past, B)
+        check_cache_room(past, lengths, T, cache.capacity)
 
     def extra_repr(self) -> str:
         return (

@@ -34,7 +34,12 @@ import torch.nn.functional as F
 from openk3.ops import backends
 from openk3.ops.cast import cast, fp32
 from openk3.ops.latent_blocked import latent_attention_blocked
-from openk3.ops.varlen import check_lengths
+from openk3.ops.varlen import (
+    check_cache_room,
+    check_cu_seqlens,
+    check_lengths,
+    check_past_lengths,
+)
 
 BACKENDS = tuple(backends.BACKENDS["attention"])
 
@@ -60,7 +65,9 @@ def _check_full_args(
     v: torch.Tensor,
     lengths: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    validate: bool = True,
 ) -> None:
+    """Shapes always; the values of ``lengths`` / ``cu_seqlens`` (host reads) when ``validate``."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
             f"q, k, v: expected [B, H, T, K], [B, H, T, K], [B, H, T, V]; got {tuple(q.shape)}, "
@@ -72,21 +79,12 @@ def _check_full_args(
             "lengths and cu_seqlens: pass at most one (padded rows or packed documents)"
         )
     if lengths is not None:
-        check_lengths(lengths, B, T)
+        check_lengths(lengths, B, T, values=validate)
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens: packed documents need a single row (B=1), got B={B}")
-        cu = cu_seqlens
-        if (
-            cu.dim() != 1
-            or cu.numel() < 2
-            or int(cu[0]) != 0
-            or int(cu[-1]) != T
-            or bool((cu[1:] < cu[:-1]).any())
-        ):
-            raise ValueError(
-                f"cu_seqlens: expected non-decreasing [N+1] from 0 to T={T}, got {cu.tolist()}"
-            )
+        if validate:
+            check_cu_seqlens(cu_seqlens, T)
 
 
 def _segment_ids(cu_seqlens: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
@@ -205,6 +203,7 @@ def causal_attention(
     cu_seqlens: torch.Tensor | None = None,
     max_logits_out: torch.Tensor | None = None,
     backend: str | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Causal softmax attention over a full sequence, via SDPA or the plain reference.
 
@@ -217,6 +216,9 @@ def causal_attention(
         max_logits_out: [H] float, updated in place (running max) with the max scaled logit
             over valid pairs; no gradient.
         backend: ``"sdpa"`` or ``"reference"``; None = :func:`get_attention_backend`.
+        validate: check the values of ``lengths`` / ``cu_seqlens`` (host reads); False when the
+            caller has (the MLA layer under :meth:`~openk3.model.K3Model.forward`). Shapes are
+            always checked.
     Returns:
         [B, H, T, V] in ``q.dtype``; zero at padded query positions.
     Raises:
@@ -234,7 +236,7 @@ def causal_attention(
             cu_seqlens=cu_seqlens,
             max_logits_out=max_logits_out,
         )
-    _check_full_args(q, k, v, lengths, cu_seqlens)
+    _check_full_args(q, k, v, lengths, cu_seqlens, validate)
     B, H, T, K = q.shape
     V = v.shape[-1]
     qvalid = _query_valid(lengths, B, T, q.device)
@@ -326,8 +328,8 @@ def latent_attention_reference(
         scale: multiplies the logit.
         lengths: [B] int64 valid new tokens per row, or None (all T).
         max_logits_out: [H] float, updated in place with the max scaled logit over visible pairs.
-        validate: check that no query sees beyond the cache (a host read); False when the
-            caller has (shapes are always checked).
+        validate: check the values of ``past_lengths`` / ``lengths`` and that no query sees
+            beyond the cache (host reads); False when the caller has (shapes are always checked).
     Returns:
         [B, T, H, C] in ``q_latent.dtype``: Σ_j p_j latent[b, j] per head (zero for padded queries).
     Raises:
@@ -340,25 +342,17 @@ def latent_attention_reference(
             f"q_latent, q_rope, latent, k_rope: expected [B,T,H,C], [B,T,H,R], [B,S,C], [B,S,R]; got "
             f"{tuple(q_latent.shape)}, {tuple(q_rope.shape)}, {tuple(latent.shape)}, {tuple(k_rope.shape)}"
         )
-    if past_lengths.shape != (B,):
-        raise ValueError(f"past_lengths: expected shape [B={B}], got {tuple(past_lengths.shape)}")
+    check_past_lengths(past_lengths, B, values=validate)
+    if lengths is not None:
+        check_lengths(lengths, B, T, values=validate)
+    if validate:
+        check_cache_room(past_lengths, lengths, T, S)
     dev = q_latent.device
     t = torch.arange(T, device=dev)
     limit = past_lengths.to(dev)[:, None] + t[None, :] + 1  # [B, T] visible prefix length
     qvalid = (
         None if lengths is None else t[None, :] < lengths.to(dev)[:, None]
     )  # [B, T]; None: all valid
-    if validate:
-        over = limit > S if qvalid is None else limit.masked_fill(~qvalid, 0) > S
-        if bool(over.any()):
-            lens = (
-                torch.full((B,), T, device=dev, dtype=torch.long)
-                if lengths is None
-                else lengths.to(dev)
-            )
-            raise ValueError(
-                f"past_lengths + lengths exceed the cache length S={S}: {(past_lengths + lens).tolist()}"
-            )
     visible = torch.arange(S, device=dev)[None, None, :] < limit[:, :, None]  # [B, T, S]
     if qvalid is not None:  # padded queries see nothing
         visible = visible & qvalid[:, :, None]

@@ -31,7 +31,8 @@ _BACKENDS: dict[str, dict[str, Callable]] = {
 
 
 def register_backend(name: str, chunk: Callable, recurrent: Callable) -> None:
-    """Add a backend; both callables take the :func:`kda` arguments (minus ``mode``/``backend``)."""
+    """Add a backend; both callables take the :func:`kda` arguments (minus ``mode``/``backend``),
+    ``validate`` included."""
     _BACKENDS[name] = {"chunk": chunk, "recurrent": recurrent}
     backends.register_backend("kda", name)
 
@@ -70,6 +71,7 @@ def kda(
     chunk_size: int = 64,
     output_chunk_states: bool = False,
     backend: str | None = None,
+    validate: bool = True,
 ):
     """Kimi Delta Attention over a (right-padded or packed) batch.
 
@@ -83,6 +85,8 @@ def kda(
             decode); both compute the same function.
         chunk_size, output_chunk_states: see :func:`openk3.ops.kda_reference.kda_chunk`.
         backend: force a backend by name (default: the automatic choice).
+        validate: check the values of ``lengths`` (a host read); False when the caller has (the
+            KDA layer). Shapes are always checked.
     Returns:
         (o [B, T, H, V], final_state [B or N, H, K, V] fp32) and, with ``output_chunk_states``,
         chunk_states [B or N, NC, H, K, V] fp32 (state after each chunk of ``chunk_size`` tokens).
@@ -107,4 +111,5 @@ def kda(
         cu_seqlens,
         chunk_size=chunk_size,
         output_chunk_states=output_chunk_states,
+        validate=validate,
     )

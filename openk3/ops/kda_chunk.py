@@ -183,11 +183,21 @@ def _intra_general(q, k, v, g, beta):
 
 
 def _chunk_rows(
-    q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    lengths,
+    chunk_size=64,
+    output_chunk_states=False,
+    validate=True,
 ):
     dtype = v.dtype
     q, k, v, g, beta, S, valid = prepare_inputs(
-        q, k, v, g, beta, scale, initial_state, lengths, chunk_size
+        q, k, v, g, beta, scale, initial_state, lengths, chunk_size, validate
     )
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -236,6 +246,7 @@ def kda_chunk_batched(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     output_chunk_states: bool = False,
+    validate: bool = True,
 ):
     """Chunkwise-parallel KDA, state-independent work batched over chunks.
 
@@ -252,4 +263,5 @@ def kda_chunk_batched(
         initial_state,
         chunk_size=chunk_size,
         output_chunk_states=output_chunk_states,
+        validate=validate,
     )

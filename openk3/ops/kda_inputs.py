@@ -15,11 +15,12 @@ from openk3.ops.cast import cast, fp32
 from openk3.ops.varlen import check_lengths
 
 
-def prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size):
+def prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size, validate=True):
     """Validate the KDA arguments, cast to fp32 and neutralise padded positions.
 
     Args: as :func:`openk3.ops.kda.kda` (q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
-        initial_state [B, H, K, V] or None; lengths [B] or None).
+        initial_state [B, H, K, V] or None; lengths [B] or None; ``validate=False`` checks the
+        shape of ``lengths`` but not its values, a host read the caller has already made).
     Returns:
         (q, k, v, g, beta fp32 with padded positions set to 0, S0 [B, H, K, V] fp32, valid [B, T]
         bool or None when there is no padding).
@@ -55,7 +56,7 @@ def prepare_inputs(q, k, v, g, beta, scale, initial_state, lengths, chunk_size):
     q, k, v, g, beta = (fp32(t) for t in (q, k, v, g, beta))
     valid = None
     if lengths is not None:
-        check_lengths(lengths, B, T)
+        check_lengths(lengths, B, T, values=validate)
         valid = torch.arange(T, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [B, T]
         # where(), not a product: garbage (even NaN) in padding must not leak into the state.
         m4 = valid[:, :, None, None]

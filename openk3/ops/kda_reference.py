@@ -104,11 +104,21 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- token recurrence
 def _recurrent_rows(
-    q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    lengths,
+    chunk_size=64,
+    output_chunk_states=False,
+    validate=True,
 ):
     dtype = v.dtype
     q, k, v, g, beta, S, valid = prepare_inputs(
-        q, k, v, g, beta, scale, initial_state, lengths, chunk_size
+        q, k, v, g, beta, scale, initial_state, lengths, chunk_size, validate
     )
     T = q.shape[1]
     outs, snaps = [], []
@@ -141,6 +151,7 @@ def kda_recurrent(
     *,
     chunk_size: int = 64,
     output_chunk_states: bool = False,
+    validate: bool = True,
 ):
     """Token-by-token KDA: per step ``S = S*exp(g)[:, None]; u = beta*(v - S^T k); S += k u^T;
     o = S^T (q*scale)``.
@@ -152,6 +163,7 @@ def kda_recurrent(
         lengths: [B] valid tokens per row (right padding); None = all valid.
         cu_seqlens: [N+1] packed document offsets (requires B == 1; excludes ``lengths``).
         chunk_size, output_chunk_states: as :func:`kda_chunk` (snapshots every ``chunk_size`` steps).
+        validate: check the values of ``lengths`` (a host read); False when the caller has.
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [B or N, H, K, V] fp32), plus chunk_states
         [B or N, NC, H, K, V] fp32 when ``output_chunk_states``.
@@ -168,6 +180,7 @@ def kda_recurrent(
         initial_state,
         chunk_size=chunk_size,
         output_chunk_states=output_chunk_states,
+        validate=validate,
     )
 
 
@@ -200,11 +213,21 @@ def _decayed_scores(
 
 
 def _chunk_rows(
-    q, k, v, g, beta, scale, initial_state, lengths, chunk_size=64, output_chunk_states=False
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    lengths,
+    chunk_size=64,
+    output_chunk_states=False,
+    validate=True,
 ):
     dtype = v.dtype
     q, k, v, g, beta, S, valid = prepare_inputs(
-        q, k, v, g, beta, scale, initial_state, lengths, chunk_size
+        q, k, v, g, beta, scale, initial_state, lengths, chunk_size, validate
     )
     B, T, H, K = q.shape
     C = chunk_size
@@ -253,6 +276,7 @@ def kda_chunk(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     output_chunk_states: bool = False,
+    validate: bool = True,
 ):
     """Chunkwise-parallel KDA (same function as :func:`kda_recurrent`, up to fp32 rounding).
 
@@ -262,7 +286,8 @@ def kda_chunk(
     ``S <- Diag(Gamma_C) S + (K * e^{G_C - G})^T (U - W S)``. Vectorised over B and H.
 
     Args:
-        q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens: as :func:`kda_recurrent`.
+        q, k, v, g, beta, scale, initial_state, lengths, cu_seqlens, validate: as
+            :func:`kda_recurrent`.
         chunk_size: C (64 as in every implementation). output_chunk_states: also return the state
             after every chunk, i.e. after min((i+1)*C, length) tokens of each row/document.
     Returns:
@@ -282,6 +307,7 @@ def kda_chunk(
         initial_state,
         chunk_size=chunk_size,
         output_chunk_states=output_chunk_states,
+        validate=validate,
     )
 
 

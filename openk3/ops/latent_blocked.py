@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.varlen import check_cache_room, check_lengths, check_past_lengths
+
 # Query tokens and keys per tile: QUERY_TOKENS * H rows by KEY_BLOCK keys (1 MiB of fp32 scores
 # for H = 4, one core's L2), measured best on the 1-thread CPU (256 query tokens: 0.95x the time of
 # 128 over prefixes of 2K-22K keys, 21 interleaved rounds, AMD EPYC).
@@ -206,15 +208,14 @@ def latent_attention_blocked(
             f"q_latent, q_rope, latent, k_rope: expected [B,T,H,C], [B,T,H,R], [B,S,C], [B,S,R]; got "
             f"{tuple(q_latent.shape)}, {tuple(q_rope.shape)}, {tuple(latent.shape)}, {tuple(k_rope.shape)}"
         )
-    if past_lengths.shape != (B,):
-        raise ValueError(f"past_lengths: expected shape [B={B}], got {tuple(past_lengths.shape)}")
-    lens = [T] * B if lengths is None else [int(x) for x in lengths]
-    past = [int(x) for x in past_lengths]
-    if any(n > 0 and p + n > S for p, n in zip(past, lens)):
-        raise ValueError(
-            f"past_lengths + lengths exceed the cache length S={S}: "
-            f"{[p + n for p, n in zip(past, lens)]}"
-        )
+    # The tiles are planned on the host from every row's (past, new) counts, so the value
+    # checks cost nothing extra here and always run.
+    check_past_lengths(past_lengths, B)
+    if lengths is not None:
+        check_lengths(lengths, B, T)
+    check_cache_room(past_lengths, lengths, T, S)
+    lens = [T] * B if lengths is None else lengths.tolist()
+    past = past_lengths.tolist()
     out = q_latent.new_zeros(B, T, H, C)
     for b in range(B):
         p, n = past[b], lens[b]

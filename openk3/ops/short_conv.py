@@ -42,8 +42,11 @@ def _check_activation(activation: str | None) -> None:
         raise ValueError(f"activation={activation!r}: must be None or 'silu'")
 
 
-def _check_args(x, weight, tail, lengths, activation) -> tuple[int, int, int, torch.Tensor]:
-    """Validate the :func:`short_conv` arguments; return (B, T, C, fp32 weight [C, W])."""
+def _check_args(
+    x, weight, tail, lengths, activation, validate: bool = True
+) -> tuple[int, int, int, torch.Tensor]:
+    """Validate the :func:`short_conv` arguments (the values of ``lengths`` only when
+    ``validate``); return (B, T, C, fp32 weight [C, W])."""
     if x.dim() != 3:
         raise ValueError(f"x: expected [B, T, C], got shape {tuple(x.shape)}")
     B, T, C = x.shape
@@ -53,7 +56,7 @@ def _check_args(x, weight, tail, lengths, activation) -> tuple[int, int, int, to
     if tail is not None and tuple(tail.shape) != (B, C, W - 1):
         raise ValueError(f"tail: expected [B={B}, C={C}, W-1={W - 1}], got {tuple(tail.shape)}")
     if lengths is not None:
-        check_lengths(lengths, B, T)
+        check_lengths(lengths, B, T, values=validate)
     return B, T, C, w
 
 
@@ -122,6 +125,8 @@ def short_conv(
     tail: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     activation: str | None = None,
+    *,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv over a whole (right-padded) sequence, continuing from ``tail``.
 
@@ -133,6 +138,8 @@ def short_conv(
             None = all T valid. Padding never reaches a valid output (the conv is causal) and is
             excluded from the returned tail.
         activation: None or ``"silu"``, applied in fp32 before the cast back.
+        validate: check the values of ``lengths`` (a host read); False when the caller has (the
+            KDA layer). Shapes are always checked.
     Returns:
         (y, new_tail): y [B, T, C] in ``x.dtype`` (values at padded positions are unspecified);
         new_tail [B, C, W-1] in ``x.dtype``: the last W-1 *valid* inputs of the stream
@@ -142,7 +149,7 @@ def short_conv(
         ValueError: wrong rank/shape of x, weight, tail or lengths, lengths outside [0, T], or an
             unknown activation.
     """
-    B, T, C, w = _check_args(x, weight, tail, lengths, activation)
+    B, T, C, w = _check_args(x, weight, tail, lengths, activation, validate)
     W = w.shape[1]
     xf = x.float()
     tail_cl = None if tail is None else tail.float().transpose(1, 2)  # [B, W-1, C]

@@ -1,5 +1,6 @@
 """Variable-length batches, shared by every token mixer and its reference: the one ``lengths``
-check, ``cu_seqlens`` validation, and packing / unpacking of documents.
+check (and those of ``past_lengths`` and the cache room), ``cu_seqlens`` validation, and packing /
+unpacking of documents.
 
 Shape legend: B batch rows, T tokens per row, N packed documents, L longest document, ``*`` any
 trailing dims.
@@ -16,15 +17,65 @@ from typing import Callable
 import torch
 
 
-def check_lengths(lengths: torch.Tensor, batch: int, total: int, name: str = "lengths") -> None:
+def check_lengths(
+    lengths: torch.Tensor, batch: int, total: int, name: str = "lengths", *, values: bool = True
+) -> None:
     """Validate valid-token counts per row: shape [B], every value in [0, T].
 
+    The one ``lengths`` check of the package: the public entry points (model forward, layers,
+    ops) call it once and hand ``values=False`` (or skip the call) to what they call inside.
+
+    Args:
+        lengths: [B] integer tensor, any device.
+        batch, total: B and T of the call.
+        name: the argument's name in the message.
+        values: also check the range (a device->host read); False checks the shape only.
     Raises:
         ValueError: naming ``name``, the expected shape and range, and the values given.
     """
-    if lengths.shape != (batch,) or bool(((lengths < 0) | (lengths > total)).any()):
+    if lengths.shape != (batch,) or (values and bool(((lengths < 0) | (lengths > total)).any())):
         raise ValueError(
             f"{name}: expected [B={batch}] values in [0, T={total}], got {lengths.tolist()}"
+        )
+
+
+def check_past_lengths(past_lengths: torch.Tensor, batch: int, *, values: bool = True) -> None:
+    """Validate tokens already cached per row: shape [B], every value >= 0.
+
+    Args:
+        past_lengths: [B] integer tensor (``HybridCache.lengths``).
+        batch: B of the call.
+        values: also check the sign (a device->host read); False checks the shape only.
+    Raises:
+        ValueError: naming ``past_lengths``, the expected shape and the values given.
+    """
+    if past_lengths.shape != (batch,) or (values and bool((past_lengths < 0).any())):
+        raise ValueError(
+            f"past_lengths: expected [B={batch}] non-negative values, got {past_lengths.tolist()}"
+        )
+
+
+def check_cache_room(
+    past_lengths: torch.Tensor, lengths: torch.Tensor | None, total: int, capacity: int
+) -> None:
+    """Validate that every row's new tokens fit the cache: ``past_lengths[b] + lengths[b] <=
+    capacity`` for each row with ``lengths[b] > 0`` (a row without new tokens writes and reads
+    nothing). One device->host read.
+
+    Args:
+        past_lengths: [B] tokens cached before this call; lengths: [B] new tokens, None = all
+            ``total``; capacity: positions the cache holds per row (S).
+    Raises:
+        ValueError: ``cache overflow``, naming the row ends and the capacity.
+    """
+    lens = (
+        torch.full_like(past_lengths, total) if lengths is None else lengths.to(past_lengths.device)
+    )
+    ends = past_lengths + lens
+    if bool(((lens > 0) & (ends > capacity)).any()):
+        raise ValueError(
+            f"cache overflow: past_lengths + lengths = {ends.tolist()} exceed the cache length "
+            f"S={capacity}"
         )
 
 
