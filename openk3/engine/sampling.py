@@ -1,12 +1,12 @@
-"""Sampling parameters and the batched sampler: constraint masks, temperature, top-k, top-p, seeded
-per-request draws, top-n logprobs.
+"""Sampling parameters and the batched sampler: constraint masks, temperature, min-p, top-k, top-p,
+seeded per-request draws, top-n logprobs.
 
 Shape legend: N rows sampled this step (one per request), V vocabulary size (model ``vocab_size``),
 W packed mask words (ceil(V' / 32)).
 
-Order of operations per row (as vLLM / transformers): constraint mask -> greedy argmax when
-``temperature == 0`` -> logits / temperature -> top-k -> top-p -> one draw from the row's own
-``torch.Generator``. Logprobs are reported from the **raw** model distribution (log_softmax of the
+Order of operations per row (as vLLM's sampler): constraint mask -> greedy argmax when
+``temperature == 0`` -> logits / temperature -> min-p -> top-k -> top-p -> one draw from the row's
+own ``torch.Generator``. Logprobs are reported from the **raw** model distribution (log_softmax of the
 logits before masks, temperature and truncation), as the OpenAI API reports them.
 """
 
@@ -27,6 +27,8 @@ class SamplingParams:
         temperature: 0.0 = greedy argmax; otherwise logits are divided by it.
         top_p: nucleus mass in (0, 1]; 1.0 = off.
         top_k: keep the k most likely tokens; 0 = off.
+        min_p: in [0, 1]; drop tokens whose probability (after the temperature) is below
+            ``min_p`` times the most likely token's (vLLM's / SGLang's ``min_p``); 0.0 = off.
         seed: seeds this request's own generator (reproducible whatever else is batched).
         stop_token_ids: finish with ``"stop"`` when sampled; the token is counted in
             ``completion_tokens`` but not returned in ``new_token_ids``.
@@ -39,6 +41,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
@@ -58,6 +61,12 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r}: must lie in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
+        if (
+            isinstance(self.min_p, bool)
+            or not isinstance(self.min_p, (int, float))
+            or not 0 <= self.min_p <= 1
+        ):
+            raise ValueError(f"min_p={self.min_p!r}: must be a number in [0, 1] (0 = off)")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r}: must be an integer or None")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
@@ -118,6 +127,24 @@ def constraint_mask(
     if n >= vocab_size:
         return allowed[:vocab_size]
     return torch.cat([allowed, allowed.new_zeros(vocab_size - n)])
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set logits of tokens less likely than ``min_p`` times their row's most likely token to -inf.
+
+    Args:
+        logits: [N, V] fp32 (already divided by the temperature).
+        min_p: [N] fp32 in [0, 1], 0 = off. Token i of a row survives iff
+            ``softmax(logits)[i] >= min_p * max(softmax(logits))`` (so the most likely token, and
+            any tie with it, always survives).
+    Returns:
+        [N, V] new tensor.
+    Source: vLLM's ``min_p`` sampling parameter (its ``MinPLogitsProcessor``), same definition.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    p = min_p.to(device=logits.device, dtype=torch.float32)
+    threshold = probs.amax(dim=-1, keepdim=True) * p[:, None]  # [N, 1]; 0 keeps every token
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(
@@ -212,6 +239,9 @@ def sample(
         sub = (
             x[rand] / torch.tensor([params[i].temperature for i in rand], device=x.device)[:, None]
         )
+        min_p = [float(params[i].min_p) for i in rand]
+        if any(min_p):  # a Python test: no softmax, no device work for rows that leave it off
+            sub = apply_min_p(sub, torch.tensor(min_p, device=x.device))
         sub = apply_top_k_top_p(
             sub,
             torch.tensor([params[i].top_k for i in rand], device=x.device),

@@ -136,6 +136,9 @@ class ChatCompletionRequest(OpenModel):
     reasoning_effort: str | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
+    # openk3 extension (vLLM's / SGLang's min_p; the Kimi platform documents no such field):
+    # typed and bounded here, so a bad value is a 400 naming min_p.
+    min_p: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None
     n: StrictInt | None = None
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
@@ -188,6 +191,8 @@ class ChatRequest(Conversation):
         max_tokens: ``max_completion_tokens`` (else ``max_tokens``); None: the server's default.
         temperature, top_p, n, presence_penalty, frequency_penalty: as sent; K3 accepts only its
             fixed values (:func:`openk3.server.validation.check_sampling`) and samples at them.
+        min_p: an openk3 extension (vLLM's / SGLang's meaning), in [0, 1]; applied on top of
+            the fixed sampling. None (absent) or 0: off.
         reasoning_effort: as sent (the platform refuses ``"none"``, which the renderer reads as
             instant mode).
         named_tool_choice: a ``tool_choice`` object as sent (the renderer reads any object as
@@ -207,6 +212,7 @@ class ChatRequest(Conversation):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    min_p: float | None = None
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -232,8 +238,8 @@ class ChatRequest(Conversation):
 
     def to_sampling_params(self, *, max_tokens: int, stop_token_ids: list[int]) -> Any:
         """The engine's ``SamplingParams`` for this request: K3's fixed sampling (release notes §2:
-        temperature 1.0 with thinking, 0.6 without; top_p 0.95; no top-k), the request's seed, stop
-        strings and logprobs.
+        temperature 1.0 with thinking, 0.6 without; top_p 0.95; no top-k), the request's ``min_p``
+        (the extension; off when absent), seed, stop strings and logprobs.
 
         Args:
             max_tokens: the output budget (the request's, or the server's default capped by the
@@ -247,6 +253,7 @@ class ChatRequest(Conversation):
             temperature=1.0 if self.thinking else 0.6,
             top_p=0.95,
             top_k=0,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop_token_ids=list(stop_token_ids),
             stop=list(self.stop),
@@ -305,6 +312,7 @@ def parse_request(body: Any, wire: type[BaseModel] = ChatCompletionRequest) -> C
         max_tokens=max_tokens if max_tokens is not None else get("max_tokens"),
         temperature=get("temperature"),
         top_p=get("top_p"),
+        min_p=get("min_p"),
         n=get("n"),
         presence_penalty=get("presence_penalty"),
         frequency_penalty=get("frequency_penalty"),

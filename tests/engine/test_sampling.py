@@ -1,4 +1,4 @@
-"""Sampling: top-k / top-p masks vs a plain per-row reference, constraint masks (bool and packed),
+"""Sampling: top-k / top-p masks vs a plain per-row reference, min-p's filtered distribution, constraint masks (bool and packed),
 logprobs vs log_softmax, seeded reproducibility in and out of a batch, and a constraint that
 binds its own request only."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from openk3.engine import Engine, EngineConfig, SamplingParams
-from openk3.engine.sampling import apply_top_k_top_p, constraint_mask, sample, top_logprobs
+from openk3.engine.sampling import apply_min_p, apply_top_k_top_p, constraint_mask, sample, top_logprobs
 from tests.conftest import assert_close
 from tests.engine.common import full_forward_greedy, greedy, prompts_of, run
 
@@ -41,6 +41,43 @@ def test_top_k_top_p_masks_match_reference():
         assert kept == reference_keep(logits[r], int(ks[r]), float(ps[r])), r
         assert_close(out[r][list(kept)], logits[r][list(kept)], atol=0, what="kept logits unchanged")
     assert {10, 11} <= set(torch.isfinite(out[5]).nonzero().flatten().tolist())
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability():
+    probs = torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]] * 3)
+    logits = probs.log()
+    out = apply_min_p(logits, torch.tensor([0.25, 0.0, 1.0]))
+    # row 0: threshold 0.25 * 0.5 = 0.125 keeps tokens 0 and 1, renormalised 0.5 / 0.8, 0.3 / 0.8
+    assert_close(torch.softmax(out[0], 0), torch.tensor([0.625, 0.375, 0, 0, 0]), atol=1e-6,
+                 what="min_p 0.25")
+    assert torch.isinf(out[0, 2:]).all() and torch.equal(out[0, :2], logits[0, :2])
+    assert torch.equal(out[1], logits[1])  # 0 = off: nothing dropped, nothing changed
+    assert torch.isfinite(out[2]).tolist() == [True, False, False, False, False]  # 1: the top only
+    tie = torch.tensor([[1.0, 1.0, 0.0]])
+    assert torch.isfinite(apply_min_p(tie, torch.tensor([1.0]))).tolist() == [[True, True, False]]
+
+
+def test_min_p_in_the_sampler_after_temperature_before_top_p():
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log().repeat(3, 1)
+    params = [SamplingParams(temperature=1.0, min_p=0.6),  # 0.24: tokens 0, 1 (4/7, 3/7)
+              SamplingParams(temperature=0.5, min_p=0.6),  # probs 16:9:4:1 / 30, 0.6 * 16 = 9.6: token 0
+              SamplingParams(temperature=1.0, min_p=0.7, top_p=0.5)]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    counts = torch.zeros(3, 4)
+    for _ in range(2000):
+        counts[torch.arange(3), sample(logits, params, gens)] += 1
+    freq = counts / 2000
+    assert freq[0, 2:].sum() == 0 and abs(freq[0, 0].item() - 4 / 7) < 0.04
+    assert freq[1, 0] == 1
+    # min-p first (vLLM's order): {0, 1} renormalised 4/7, 3/7, whose nucleus at 0.5 is token 0
+    # alone; top-p first would have kept tokens 0 and 1 (0.4 < 0.5).
+    assert freq[2, 0] == 1
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, float("nan"), "0.1", True, None])
+def test_min_p_out_of_range_or_not_a_number_is_refused(value):
+    with pytest.raises(ValueError, match=r"min_p=.*: must be a number in \[0, 1\] \(0 = off\)"):
+        SamplingParams(min_p=value).validate()
 
 
 def test_constraint_mask_formats():

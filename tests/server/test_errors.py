@@ -49,6 +49,21 @@ def test_fixed_sampling_accepts_the_defaults(http, extra):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("value,why", [
+    (1.5, "Input should be less than or equal to 1"), (-0.1, "Input should be greater than or equal to 0"),
+    ("0.1", "Input should be a valid number"), (True, "Input should be a valid number"),
+])
+def test_min_p_out_of_range_or_wrong_type_is_400_naming_it(http, value, why):
+    msg = _error(http.post("/v1/chat/completions", json=dict(BASE, min_p=value)), 400)
+    assert msg == f"Invalid request: min_p: {why}"
+
+
+@pytest.mark.parametrize("value", [0, 0.05, 1])
+def test_min_p_in_range_is_accepted(http, value):
+    r = http.post("/v1/chat/completions", json=dict(BASE, min_p=value))
+    assert r.status_code == 200, r.text
+
+
 def test_instant_mode_temperature(http):
     msg = _error(http.post("/v1/chat/completions", json=dict(BASE, thinking={"type": "disabled"}, temperature=1.0)),
                  400)

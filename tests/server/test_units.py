@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from openk3.server.anthropic import to_chat_request
 from openk3.server.metrics import Metrics
 from openk3.server.protocol import APIError
+from openk3.server.request import parse_request
 from openk3.server.serving import StopFilter
 
 
@@ -100,3 +101,10 @@ def test_metrics_read_engine_stats():
     assert value("openk3_prompt_tokens_total") == 10 and value("openk3_cached_tokens_total") == 4
     broken = Metrics(lambda: 1 / 0).render().decode()  # a failing stats call never breaks a scrape
     assert "openk3_requests_running 0.0" in broken
+
+
+def test_min_p_reaches_the_sampling_params():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    params = parse_request(dict(body, min_p=0.3)).to_sampling_params(max_tokens=4, stop_token_ids=[1])
+    assert params.min_p == 0.3 and params.top_p == 0.95  # on top of the fixed sampling
+    assert parse_request(body).to_sampling_params(max_tokens=4, stop_token_ids=[1]).min_p == 0.0
