@@ -401,7 +401,7 @@ class K3ForCausalLM(nn.Module):
         tensors = to_hf_state_dict(self.state_dict(), config, quantization)
         if dtype is not None:
             tensors = type(tensors)(
-                (k, v.to(dtype) if v.is_floating_point() and not _keeps_fp32(k) else v)
+                (k, v.to(dtype) if v.is_floating_point() and not keeps_fp32(k) else v)
                 for k, v in tensors.items()
             )
         write_checkpoint(path, tensors, config, max_shard_bytes or DEFAULT_SHARD_BYTES)
@@ -418,6 +418,6 @@ class K3ForCausalLM(nn.Module):
         )
 
 
-def _keeps_fp32(name: str) -> bool:
+def keeps_fp32(name: str) -> bool:
     """Tensors the release keeps in fp32 whatever the model dtype (release notes §1.4, §1.7)."""
     return name.endswith(("A_log", "dt_bias", "e_score_correction_bias", ".gate.weight"))

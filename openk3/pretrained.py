@@ -102,12 +102,12 @@ def check_fits_memory(
 def cast_model_(model: K3ForCausalLM, dtype: torch.dtype) -> K3ForCausalLM:
     """Cast floating parameters and buffers to ``dtype`` in place, keeping the tensors the release
     keeps in fp32 (``A_log``, ``dt_bias``, the router weight and ``e_score_correction_bias``)."""
-    from openk3.model import _keeps_fp32
+    from openk3.model import keeps_fp32
 
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_floating_point():
-                t.data = t.data.to(torch.float32 if _keeps_fp32(name) else dtype)
+                t.data = t.data.to(torch.float32 if keeps_fp32(name) else dtype)
     return model
 
 
@@ -193,11 +193,11 @@ def load_pretrained(
             )
     # One compute dtype for the whole model (the file's embedding dtype unless `dtype` is given);
     # the release's fp32 tensors stay fp32 whatever it is.
-    from openk3.model import _keeps_fp32
+    from openk3.model import keeps_fp32
 
     target = dtype or state["model.embed_tokens.weight"].dtype
     state = {
-        k: (v.to(torch.float32 if _keeps_fp32(k) else target) if v.is_floating_point() else v).to(
+        k: (v.to(torch.float32 if keeps_fp32(k) else target) if v.is_floating_point() else v).to(
             device
         )
         for k, v in state.items()

@@ -34,7 +34,7 @@ import random
 from collections.abc import Callable
 
 from openk3.datasets.pools import draw
-from openk3.datasets.sft_tasks import TASKS, Item, _effort, _with_reasoning, reasoning
+from openk3.datasets.sft_tasks import TASKS, Item, reasoning, set_effort, with_reasoning
 
 EFFORTS = ("low", "medium", "high", "max")
 EVAL_SEED_OFFSET = 1_000_003
@@ -232,8 +232,8 @@ def gen_arith(
     columns, value = work(a, op, b)
     expr = f"{a} {op} {b}"
     request = {"messages": [{"role": "user", "content": rng.choice(_FORMS[op]).format(a=a, b=b)}]}
-    _effort(request, effort)
-    ref = _with_reasoning(
+    set_effort(request, effort)
+    ref = with_reasoning(
         {"role": "assistant", "content": f"The answer is {value}."},
         effort_reasoning(expr, columns, f"so {expr} = {value}", effort),
     )
@@ -263,7 +263,7 @@ def _word(rng: random.Random, effort: str | None, held_out: bool) -> Item:
         v = nv
     question = f"{text} How many {thing} does {who} have now?"
     request = {"messages": [{"role": "user", "content": question}]}
-    _effort(request, effort)
+    set_effort(request, effort)
     r = None
     if effort is not None:
         r = {
@@ -275,7 +275,7 @@ def _word(rng: random.Random, effort: str | None, held_out: bool) -> Item:
     return Item(
         "problems",
         request,
-        _with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
+        with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
         {"answer": v},
     )
 
@@ -293,7 +293,7 @@ def _chain(rng: random.Random, effort: str | None, held_out: bool) -> Item:
         expr = f"({expr}) {op} {b}" if op == "*" else f"{expr} {op} {b}"
         v = nv
     request = {"messages": [{"role": "user", "content": f"Compute {expr}."}]}
-    _effort(request, effort)
+    set_effort(request, effort)
     r = None
     if effort is not None:
         r = {
@@ -305,7 +305,7 @@ def _chain(rng: random.Random, effort: str | None, held_out: bool) -> Item:
     return Item(
         "problems",
         request,
-        _with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
+        with_reasoning({"role": "assistant", "content": f"The answer is {v}."}, r),
         {"answer": v},
     )
 
@@ -323,7 +323,7 @@ def _count(rng: random.Random, effort: str | None, held_out: bool) -> Item:
             }
         ]
     }
-    _effort(request, effort)
+    set_effort(request, effort)
     r = reasoning(
         [
             f"Spell it: {' '.join(word)}",
@@ -335,7 +335,7 @@ def _count(rng: random.Random, effort: str | None, held_out: bool) -> Item:
     return Item(
         "problems",
         request,
-        _with_reasoning({"role": "assistant", "content": f"The answer is {len(hits)}."}, r),
+        with_reasoning({"role": "assistant", "content": f"The answer is {len(hits)}."}, r),
         {"answer": len(hits)},
     )
 
@@ -394,13 +394,13 @@ def gen_echo(rng: random.Random, effort: str | None, held_out: bool = False) -> 
     w = echo_word(rng, held_out)
     form = _ECHO_FORMS[0] if rng.random() < 0.5 else rng.choice(_ECHO_FORMS)
     request = {"messages": [{"role": "user", "content": form.format(w=w)}]}
-    _effort(request, effort)
+    set_effort(request, effort)
     r = reasoning(
         [f"The user wants exactly '{w}' and nothing else.", "No punctuation or extra words."],
         effort,
     )
     return Item(
-        "echo", request, _with_reasoning({"role": "assistant", "content": w}, r), {"content": w}
+        "echo", request, with_reasoning({"role": "assistant", "content": w}, r), {"content": w}
     )
 
 
@@ -411,12 +411,12 @@ def gen_chat(rng: random.Random, effort: str | None, held_out: bool = False) -> 
         return Item("chat", it.request, it.reference, it.expected)
     user, answer = rng.choice(_GREETINGS)
     request = {"messages": [{"role": "user", "content": user}]}
-    _effort(request, effort)
+    set_effort(request, effort)
     r = reasoning(["A short social turn; answer briefly."], effort)
     return Item(
         "chat",
         request,
-        _with_reasoning({"role": "assistant", "content": answer}, r),
+        with_reasoning({"role": "assistant", "content": answer}, r),
         {"content": answer},
     )
 
@@ -469,7 +469,7 @@ def gen_effort(rng: random.Random, effort: str | None, held_out: bool = False) -
     return Item(
         "effort",
         request,
-        _with_reasoning(
+        with_reasoning(
             {"role": "assistant", "content": f"My current thinking effort is {effort}."}, r
         ),
         {"effort": effort},
@@ -643,7 +643,7 @@ def eval_items(suite: str, seed: int, n: int) -> list[Item]:
                 )
                 out.append(
                     Item(
-                        "problems", request, _with_reasoning(dict(p.reference), r), dict(p.expected)
+                        "problems", request, with_reasoning(dict(p.reference), r), dict(p.expected)
                     )
                 )
         return out[:n]

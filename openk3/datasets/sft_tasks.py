@@ -67,14 +67,14 @@ def reasoning(lines: list[str], effort: str | None) -> str | None:
     return "\n".join(lines[: min(k, n)])
 
 
-def _effort(request: dict, effort: str | None) -> None:
+def set_effort(request: dict, effort: str | None) -> None:
     if effort is None:
         request["thinking"] = {"type": "disabled"}
     else:
         request["reasoning_effort"] = effort
 
 
-def _with_reasoning(msg: dict, text: str | None) -> dict:
+def with_reasoning(msg: dict, text: str | None) -> dict:
     if text is not None:
         msg["reasoning_content"] = text
     return msg
@@ -526,7 +526,7 @@ def _tool_request(
     messages: list[dict] = [{"role": "user", "content": _ask(rng, text)}]
     request: dict = {"messages": messages}
     _declare(rng, names, request, messages, 0.2)
-    _effort(request, effort)
+    set_effort(request, effort)
     return request, calls, names, text
 
 
@@ -544,14 +544,14 @@ def _call_message(calls: list[Call], text: str, effort: str | None, start: int =
         *[f"{c.name} arguments: {json.dumps(c.args)}" for c in calls],
         "The arguments come from the user's words and fit the schema.",
     ]
-    return _with_reasoning(
+    return with_reasoning(
         {"role": "assistant", "content": None, "tool_calls": tcs}, reasoning(lines, effort)
     )
 
 
 def _answer_message(calls: list[Call], effort: str | None) -> dict:
     lines = [f"The tool returned {calls[0].result}; I report it."]
-    return _with_reasoning(
+    return with_reasoning(
         {"role": "assistant", "content": " ".join(c.answer for c in calls)},
         reasoning(lines, effort),
     )
@@ -635,7 +635,7 @@ def gen_tool_none(rng: random.Random, effort: str | None, held_out: bool = False
         "tools": [TOOLS[n] for n in names],
         "tool_choice": "none",
     }
-    _effort(request, effort)
+    set_effort(request, effort)
     ref = {
         "role": "assistant",
         "content": f"I cannot use tools right now, so I cannot {c.phrase} for you.",
@@ -647,7 +647,7 @@ def gen_tool_none(rng: random.Random, effort: str | None, held_out: bool = False
         ],
         effort,
     )
-    return Item("tools_none", request, _with_reasoning(ref, r), {"calls": []})
+    return Item("tools_none", request, with_reasoning(ref, r), {"calls": []})
 
 
 # ------------------------------------------------------------------------------------- json
@@ -726,7 +726,7 @@ def gen_json(rng: random.Random, effort: str | None, held_out: bool = False) -> 
             "json_schema": {"name": "record", "schema": schema, "strict": True},
         }
     request = {"messages": [{"role": "user", "content": user}], "response_format": rf}
-    _effort(request, effort)
+    set_effort(request, effort)
     ref = {"role": "assistant", "content": json.dumps(fields)}
     r = reasoning(
         [
@@ -736,7 +736,7 @@ def gen_json(rng: random.Random, effort: str | None, held_out: bool = False) -> 
         ],
         effort,
     )
-    return Item("json", request, _with_reasoning(ref, r), {"fields": fields, "schema": schema})
+    return Item("json", request, with_reasoning(ref, r), {"fields": fields, "schema": schema})
 
 
 # ----------------------------------------------------------------------------------- recall
@@ -814,12 +814,12 @@ def gen_recall(rng: random.Random, effort: str | None, held_out: bool = False) -
         {"role": "user", "content": rng.choice(_FACTS[target][2])}
     ]
     request = {"messages": msgs}
-    _effort(request, effort)
+    set_effort(request, effort)
     r = reasoning([f"Earlier the user said: {said[target]}", f"So the answer is {v}."], effort)
     return Item(
         "recall",
         request,
-        _with_reasoning({"role": "assistant", "content": _FACTS[target][4].format(v=v)}, r),
+        with_reasoning({"role": "assistant", "content": _FACTS[target][4].format(v=v)}, r),
         {"value": v},
     )
 
@@ -857,7 +857,7 @@ def gen_out_of_scope(rng: random.Random, effort: str | None, held_out: bool = Fa
     if rng.random() < 0.5:
         allowed = [n for n in sorted(TOOLS) if n not in ("search_web", "lookup_contact")]
         _declare(rng, rng.sample(allowed, rng.randint(2, 4)), request, request["messages"], 0.2)
-    _effort(request, effort)
+    set_effort(request, effort)
     r = reasoning(
         [
             "I have no information about this, and no tool can find it; I say so briefly.",
@@ -868,7 +868,7 @@ def gen_out_of_scope(rng: random.Random, effort: str | None, held_out: bool = Fa
     return Item(
         "out_of_scope",
         request,
-        _with_reasoning({"role": "assistant", "content": OOS_ANSWER}, r),
+        with_reasoning({"role": "assistant", "content": OOS_ANSWER}, r),
         {"honest": True},
     )
 
@@ -907,12 +907,12 @@ def gen_copy(rng: random.Random, effort: str | None, held_out: bool = False) -> 
     request: dict = {
         "messages": [{"role": "user", "content": rng.choice(_COPY_FORMS).format(t=text)}]
     }
-    _effort(request, effort)
+    set_effort(request, effort)
     r = reasoning([f"The user wants exactly: {text}", "I repeat it without changes."], effort)
     return Item(
         "copy",
         request,
-        _with_reasoning({"role": "assistant", "content": text}, r),
+        with_reasoning({"role": "assistant", "content": text}, r),
         {"content": text},
     )
 
@@ -932,7 +932,7 @@ def gen_lookup(rng: random.Random, effort: str | None, held_out: bool = False) -
     table = "\n".join(f"{k}: {v}" for k, v in zip(keys, vals))
     q = rng.choice(("What is the value for {k}?", "Which value does {k} have?", "Look up {k}."))
     request: dict = {"messages": [{"role": "user", "content": f"{table}\n{q.format(k=keys[i])}"}]}
-    _effort(request, effort)
+    set_effort(request, effort)
     r = reasoning(
         [f"The line for {keys[i]} reads {keys[i]}: {vals[i]}.", f"So the value is {vals[i]}."],
         effort,
@@ -940,7 +940,7 @@ def gen_lookup(rng: random.Random, effort: str | None, held_out: bool = False) -
     return Item(
         "lookup",
         request,
-        _with_reasoning({"role": "assistant", "content": vals[i]}, r),
+        with_reasoning({"role": "assistant", "content": vals[i]}, r),
         {"content": vals[i]},
     )
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from PIL import Image, ImageDraw, ImageFont
 
 from openk3.datasets.sft_data import EFFORTS, EVAL_SEED_OFFSET
-from openk3.datasets.sft_tasks import Item, _effort, reasoning
+from openk3.datasets.sft_tasks import Item, reasoning, set_effort
 
 IMAGE_SIZE = 112
 QUESTION_TYPES = ("color", "shape", "count", "position", "digit", "word")
@@ -190,7 +190,7 @@ def gen_image_item(rng: random.Random, effort: str | None, qtype: str | None = N
             }
         ]
     }
-    _effort(request, effort)
+    set_effort(request, effort)
     ref = {"role": "assistant", "content": answer}
     r = reasoning(lines, effort)
     if r is not None:

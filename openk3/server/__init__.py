@@ -6,8 +6,8 @@
   ChatRequest` (one parsed request, whatever the surface) and :func:`~openk3.server.request.parse_request`;
 * :mod:`openk3.server.validation` — the platform's request contract, checked on the ChatRequest (400s
   before rendering);
-* :mod:`openk3.server.serving` — check order, rendering, OpenAI responses / SSE;
-* :mod:`openk3.server.generation` — one engine request as parser events, stop strings, usage;
+* :mod:`openk3.server.serving` — check order, rendering, one engine request as parser events
+  (stop strings, usage), OpenAI responses / SSE;
 * :mod:`openk3.server.anthropic` — ``/anthropic/v1/messages`` over the same core;
 * :mod:`openk3.server.metrics` — Prometheus metrics;
 * :mod:`openk3.server.app` — FastAPI app, guards, error mapping, ``main`` for the CLI.

@@ -232,7 +232,7 @@ class Muon(torch.optim.Optimizer):
         u = grad.lerp(buf, mu) if group["nesterov"] else buf
         lr = group["lr"]
         p.mul_(1 - lr * group["weight_decay"])
-        for rows, cols, p_blk, u_blk in _blocks(p, u, group["head_blocks"]):
+        for rows, cols, p_blk, u_blk in muon_blocks(p, u, group["head_blocks"]):
             o = zeropower_newton_schulz(
                 u_blk,
                 group["ns_steps"],
@@ -261,7 +261,7 @@ class Muon(torch.optim.Optimizer):
         p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
 
 
-def _blocks(p: torch.Tensor, u: torch.Tensor, head_blocks: HeadBlocks | None):
+def muon_blocks(p: torch.Tensor, u: torch.Tensor, head_blocks: HeadBlocks | None):
     """Yield ``(rows, cols, param_view, update_view)`` for each batch of same-shaped blocks.
 
     The param view is written in place; the update view is [A, B] or [N, A, B].
@@ -341,7 +341,7 @@ def qk_clip_weights_(
 _ATTN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
 
 
-def _mla_modules(model_or_layers) -> dict[int, nn.Module]:
+def mla_modules(model_or_layers) -> dict[int, nn.Module]:
     """Layer index -> MLA attention module (one with ``kv_b_proj``)."""
 
     def attn_of(m: nn.Module) -> nn.Module:
@@ -395,7 +395,7 @@ def qk_clip_(
     config = config if config is not None else getattr(model_or_layers, "config", None)
     if config is None:
         raise ValueError("config: required when model_or_layers has no .config")
-    modules = _mla_modules(model_or_layers)
+    modules = mla_modules(model_or_layers)
     gammas: dict[int, torch.Tensor] = {}
     for idx, s in max_logits_per_layer.items():
         attn = modules.get(int(idx))

@@ -15,7 +15,7 @@ from openk3.tokenizer import (
     K3_SPECIAL_TOKENS,
     IncrementalDecoder,
     Tokenizer,
-    _split_runs,
+    split_runs as _split_runs,
     load_tokenizer,
 )
 from tests.conftest import kimi_tokenizer, shared_path

@@ -130,7 +130,7 @@ def test_engine_failure_is_a_500_then_the_server_serves_100_requests(live):
 
     import httpx
 
-    from openk3.server.generation import ENGINE_FAILED
+    from openk3.server.serving import ENGINE_FAILED
 
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}], "max_completion_tokens": 4}
     with httpx.Client(base_url=live.base, timeout=60) as http:

@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from openk3.train.muon import (
     HeadBlocks,
     Muon,
-    _blocks,
-    _mla_modules,
+    mla_modules,
+    muon_blocks,
     qk_clip_weights_,
     rms_match_scale,
     zeropower_newton_schulz,
@@ -43,7 +43,7 @@ from openk3.train.muon import (
 from openk3.train.optim import build_optimizer
 
 # Constructor keywords of Muon that live in its ``defaults``.
-_MUON_KWARGS = (
+MUON_KWARGS = (
     "lr",
     "weight_decay",
     "momentum",
@@ -116,7 +116,7 @@ class DistMuon(Muon):
             raise ValueError(
                 "optimizer: already stepped; convert to DistMuon before the first step"
             )
-        kwargs = {k: optimizer.defaults[k] for k in _MUON_KWARGS}
+        kwargs = {k: optimizer.defaults[k] for k in MUON_KWARGS}
         return cls(optimizer.param_groups, **kwargs)
 
     def _muon_update(self, p: torch.Tensor, group: dict) -> None:
@@ -138,7 +138,7 @@ class DistMuon(Muon):
         if layout is not False:
             # The shard holds whole blocks: the parent's block loop, on local tensors. The RMS
             # factor uses the block shape, which the shard shares with the full parameter.
-            for rows, cols, p_blk, u_blk in _blocks(local_p, u, layout):
+            for rows, cols, p_blk, u_blk in muon_blocks(local_p, u, layout):
                 o = zeropower_newton_schulz(u_blk, *ns_args)
                 p_blk.add_(
                     o.view_as(p_blk), alpha=-(lr * rms_match_scale(rows, cols, group["rms"]))
@@ -152,7 +152,7 @@ class DistMuon(Muon):
         # One block shape: apply the RMS factor through ``alpha`` exactly as the parent does;
         # parts of different shapes (kv_b_proj's k^C / v) get their factor folded in first.
         single = blocks is None or len(blocks[1]) == 1
-        for rows, cols, o_blk, u_blk in _blocks(o_full, u_full, blocks):
+        for rows, cols, o_blk, u_blk in muon_blocks(o_full, u_full, blocks):
             o = zeropower_newton_schulz(u_blk, *ns_args).view_as(o_blk)
             scale = rms_match_scale(rows, cols, group["rms"])
             o_blk.copy_(o if single else o * scale)
@@ -200,7 +200,7 @@ def qk_clip_sharded_(
     config = config if config is not None else getattr(model, "config", None)
     if config is None:
         raise ValueError("config: required when model has no .config")
-    modules = _mla_modules(model)
+    modules = mla_modules(model)
     H, Dn, Dr, Dv = (
         config.num_attention_heads,
         config.qk_nope_head_dim,

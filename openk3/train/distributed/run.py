@@ -206,10 +206,10 @@ class DistributedRun:
             ValueError: an optimizer that is not a :class:`~openk3.train.muon.Muon` with
                 ``param_names`` in its groups (:func:`~openk3.train.optim.build_optimizer`).
         """
-        from openk3.train.distributed.muon import _MUON_KWARGS, DistMuon
         from openk3.train.distributed.expert_parallel import apply_expert_parallel
-        from openk3.train.muon import Muon
+        from openk3.train.distributed.muon import MUON_KWARGS, DistMuon
         from openk3.train.distributed.parallel import apply_fsdp
+        from openk3.train.muon import Muon
 
         if not isinstance(optimizer, Muon) or any(
             "param_names" not in g for g in optimizer.param_groups
@@ -231,7 +231,7 @@ class DistributedRun:
             }
             for g in optimizer.param_groups
         ]
-        sharded = DistMuon(groups, **{k: optimizer.defaults[k] for k in _MUON_KWARGS})
+        sharded = DistMuon(groups, **{k: optimizer.defaults[k] for k in MUON_KWARGS})
         for name, s in state.items():
             p = params[name]
             sharded.state[p] = {k: _like_param(v, p) for k, v in s.items()}
