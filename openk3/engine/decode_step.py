@@ -113,12 +113,21 @@ class StaticDecodeStep:
         # experts) runs eagerly between graphs instead of failing the step. size_asserts off:
         # the guards of a dynamic=False graph already match every input's sizes and strides, and
         # the wrapper's ~100 repeated asserts per call were Python time on every decode step.
+        # cpp_wrapper: the graph's ~50 GEMM calls, ~30 fused kernels and ~180 buffer allocations
+        # and views are sequenced by generated C++ instead of a generated Python function (at
+        # B=1 that Python was ~0.2 ms of a ~2.5 ms step, thread CPU).
         self.forward: Callable = (
-            torch.compile(self._forward, dynamic=False, options={"size_asserts": False})
+            torch.compile(
+                self._forward,
+                dynamic=False,
+                options={"size_asserts": False, "cpp_wrapper": True},
+            )
             if compile
             else self._forward
         )
         self.shapes: set[tuple[int, int]] = set()  # (Bp, MB) buckets run so far
+        # guard keys (see _run) whose graph Dynamo has already chosen with its full guards
+        self.checked: set[tuple] = set()
 
     def _forward(
         self, ids: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, past: torch.Tensor
@@ -148,4 +157,28 @@ class StaticDecodeStep:
         )
         past = torch.tensor([p for _, _, _, p in rows], dtype=torch.long, device=dev)
         self.shapes.add((Bp, MB))
-        return self.forward(ids, slots, tables, past)[:B]
+        return self._run((Bp, MB), ids, slots, tables, past)[:B]
+
+    def _run(self, shape: tuple[int, int], *inputs: torch.Tensor) -> torch.Tensor:
+        """``self.forward(*inputs)``; compiled, Dynamo's guards run in full only on the first call
+        of each (bucket, grad mode, inference mode) key.
+
+        Dynamo checks ~100 guards per call (every parameter's and pool's dtype, sizes and strides,
+        the module tree, global state): ~0.3 ms of thread CPU per decode step here, as much as a
+        fifth of a small model's step. Within one engine what those guards check does not change
+        between steps of a bucket: the model, its parameters and the pools are fixed when the
+        engine is built (their values change in place, which guards do not check anyway), and
+        only the bucket and the autograd mode vary. So after the first call of a key, where a new
+        bucket is compiled, the call runs under ``skip_guard_eval_unsafe``: Dynamo then checks
+        only the guards that tell its compiled graphs apart (the input sizes of the buckets).
+        Replacing a parameter or a pool tensor of a running engine is therefore not supported.
+        """
+        if not self.compiled:
+            return self.forward(*inputs)
+        key = (shape, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if key not in self.checked:
+            out = self.forward(*inputs)
+            self.checked.add(key)
+            return out
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return self.forward(*inputs)

@@ -308,12 +308,13 @@ def layer_views(
         slot_ids: [B] int64, each row's KDA slot.
         tables: [B, MB] int64, each row's MLA block ids (padded with any valid block id).
     Returns:
-        ``SlotKDAState`` for a KDA layer, ``PagedMLACache`` for an MLA layer (views, no copies).
+        ``SlotKDAState`` for a KDA layer, ``PagedMLACache`` for an MLA layer, each over the
+        stacked pools with its layer index (no copies; writes go to the stacked tensors).
     """
     return [
-        SlotKDAState(slots.conv[i], slots.recurrent[i], slot_ids)
+        SlotKDAState(slots.conv, slots.recurrent, slot_ids, layer=i)
         if kind == "kda"
-        else PagedMLACache(blocks.latent[i], blocks.k_rope[i], tables)
+        else PagedMLACache(blocks.latent, blocks.k_rope, tables, layer=i)
         for kind, i in layer_pools
     ]
 

@@ -148,6 +148,48 @@ def test_compiled_decode_step_equals_eager_without_recompiles(kimi_linear_model)
             assert_close(y, x, atol=1e-5, rtol=0, what="compiled decode logits")
 
 
+def _changing_batch_run(eng: Engine, prompts, logits: dict, buckets: list | None = None) -> list:
+    """Greedy decode where the batch shrinks and grows again: three requests, the first finishes
+    after 3 tokens, then a fourth joins; ``buckets`` collects each decode step's (Bp, MB)."""
+    if buckets is not None:
+        run = eng.runner.decode_step._run
+        eng.runner.decode_step._run = lambda shape, *a: (buckets.append(shape), run(shape, *a))[1]
+    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts[:3], (3, 12, 12))]
+    tokens = {rid: [] for rid in ids}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.request_id == ids[0] and out.finished:
+                ids.append(eng.add_request(prompts[3], greedy(9)))
+                tokens[ids[-1]] = []
+    return [tokens[rid] for rid in ids]
+
+
+def test_compiled_decode_step_follows_the_batch_bucket(kimi_linear_model):
+    """After a bucket's first step the compiled step skips Dynamo's full guard check; a batch
+    that shrinks to a new bucket still compiles its own graph, and one that grows back runs the
+    first bucket's graph again: tokens equal the eager engine's, logits within 1e-5 (fp32)."""
+    m = kimi_linear_model
+    prompts = prompts_of((9, 21, 14, 10), seed=14, vocab=m.config.vocab_size)
+    cfg = dict(block_size=8, enable_prefix_cache=False, max_num_seqs=4)
+    ref_logits, got_logits = {}, {}
+    ref = Engine(m, EngineConfig(**cfg), on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()))
+    ref_tokens = _changing_batch_run(ref, prompts, ref_logits)
+    torch._dynamo.reset()
+    eng = Engine(m, EngineConfig(**cfg, compile=True),
+                 on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()))
+    buckets: list = []
+    assert _changing_batch_run(eng, prompts, got_logits, buckets) == ref_tokens
+    rows = [bp for bp, _ in buckets]
+    # 3 rows (bucket 4), 2 rows (bucket 2), then 3 rows again: bucket 4 after bucket 2
+    assert rows[:2] == [4, 4] and 2 in rows and 4 in rows[rows.index(2):], rows
+    assert {k[0] for k in eng.runner.decode_step.checked} == set(buckets)
+    for a, b in zip(ref_logits.values(), got_logits.values()):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_close(y, x, atol=1e-5, rtol=0, what="compiled decode logits")
+
+
 def test_one_switch_chooses_the_decode_step(model, monkeypatch, caplog):
     """``decode_backend``: the override (``use_backend`` > ``OPENK3_DECODE_BACKEND``) wins over
     ``EngineConfig.compile``; a compile request without a compiler falls back to the reference
