@@ -64,7 +64,10 @@ class ChatSession:
             raise ValueError(f"effort: must be one of {EFFORTS}, got {effort!r}")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: must be an int >= 1, got {max_tokens!r}")
-        self.tok, self.effort, self.max_tokens, self.seed = tokenizer, effort, max_tokens, seed
+        self.tok = tokenizer
+        self.effort = effort
+        self.max_tokens = max_tokens
+        self.seed = seed
         self.engine = Engine(
             model,
             EngineConfig(max_num_seqs=1, enable_prefix_cache=True),
@@ -129,7 +132,8 @@ class ChatSession:
                     out.write(ev.text)
             out.flush()
 
-        reason, generated = "stop", 0
+        reason = "stop"
+        generated = 0
         while self.engine.has_unfinished():
             if cancelled() and reason != "abort":
                 self.engine.abort(rid)  # frees its cache now; the next step reports the abort
@@ -139,7 +143,8 @@ class ChatSession:
                     continue
                 show(parser.feed(o.new_token_ids))
                 if o.finished:
-                    reason, generated = o.finish_reason, o.usage.completion_tokens
+                    reason = o.finish_reason
+                    generated = o.usage.completion_tokens
         if reason == "abort":
             out.write("\n")
             out.flush()

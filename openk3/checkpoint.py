@@ -257,7 +257,9 @@ def _expert_stack(
         raise ValueError(
             f"checkpoint has unexpected tensor {_file_name(pre, key, extra[0], file_suffix)}"
         )
-    dense, packed, scale = [], [], []
+    dense = []
+    packed = []
+    scale = []
     for e in range(n):
         part = parts[e]
         if "weight" in part and len(part) > 1:
@@ -384,7 +386,8 @@ def _skip_mtp(
 ) -> dict[str, torch.Tensor]:
     """Drop the MTP layers' tensors (``model.layers.{L}`` .. ``{L+n-1}``, DeepSeek-V3 layout) of a
     config with ``num_nextn_predict_layers = n > 0``, logging how many were skipped."""
-    n, L = config.num_nextn_predict_layers, config.num_hidden_layers
+    n = config.num_nextn_predict_layers
+    L = config.num_hidden_layers
     if n <= 0:
         return tensors
     kept = {}

@@ -283,7 +283,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(decoder.feed(out.new_token_ids))
             sys.stdout.flush()
             if out.finished:
-                usage, reason = out.usage, out.finish_reason
+                usage = out.usage
+                reason = out.finish_reason
     sys.stdout.write(decoder.flush() + "\n")
     if usage is not None:
         print(

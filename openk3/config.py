@@ -370,7 +370,8 @@ class K3Config:
             if raw is not None and _layer_types_of(raw, self.num_hidden_layers) == self.layer_types:
                 lin.update(copy.deepcopy(raw))  # the file's own lists, same meaning
             else:
-                lin["kda_layers"], lin["full_attn_layers"] = kda, full
+                lin["kda_layers"] = kda
+                lin["full_attn_layers"] = full
             d[_LA] = dict(sorted(lin.items()))
         if "layer_types" in layout:
             d["layer_types"] = list(self.layer_types)
@@ -602,7 +603,8 @@ def _read_fields(t: dict[str, Any], fields: tuple[Field, ...], where: str) -> tu
                     f"{f.attr} disagree"
                 )
         if not found:
-            kwargs[f.attr], source[f.attr] = f.absent, ((), MISSING)
+            kwargs[f.attr] = f.absent
+            source[f.attr] = ((), MISSING)
             continue
         raw = found[0][1]
         value = _meaning(f, raw)

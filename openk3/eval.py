@@ -111,7 +111,8 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 
 def rate(flags: list[bool]) -> dict:
     """``{"k", "n", "rate", "ci95": [lo, hi]}`` of a list of per-item outcomes."""
-    k, n = sum(bool(f) for f in flags), len(flags)
+    k = sum(bool(f) for f in flags)
+    n = len(flags)
     lo, hi = wilson(k, n)
     return {"k": k, "n": n, "rate": k / n if n else math.nan, "ci95": [lo, hi]}
 
@@ -125,7 +126,8 @@ def _last_int(text: str | None) -> int | None:
 def score_arith(item: Item, msg: dict) -> dict:
     """``correct`` (the content's last integer is the value), ``consistent`` (it equals the
     reasoning's last integer), ``reasoning_chars``."""
-    got, reached = _last_int(msg.get("content")), _last_int(msg.get("reasoning_content"))
+    got = _last_int(msg.get("content"))
+    reached = _last_int(msg.get("reasoning_content"))
     return {
         "correct": got == item.expected["answer"],
         "consistent": got is not None and got == reached,
@@ -405,7 +407,8 @@ class InProcessModel:
         self.model.eval()
         self.image_config = image_config_for(self.model, path)  # None: text-only model
         self.supports_images = self.image_config is not None
-        self.max_tokens, self.max_num_seqs = max_tokens, max_num_seqs
+        self.max_tokens = max_tokens
+        self.max_num_seqs = max_num_seqs
         self._engine = None
 
     def _constraint(self, request: dict, prompt: Any):
@@ -451,14 +454,16 @@ class InProcessModel:
                 temperature=0.0,
                 stop_token_ids=list(self.tokenizer.stop_token_ids),
             )
-            ids, mm = prompt.token_ids, None
+            ids = prompt.token_ids
+            mm = None
             if prompt.image_slots:  # the server's path: decode, preprocess, expand the slots
                 from openk3.server.images import expand_images
 
                 if not self.supports_images:
                     raise ValueError("model: a text-only model cannot take image input")
                 expanded = expand_images(prompt, self.tokenizer, self.image_config, pixels=True)
-                ids, mm = expanded.token_ids, expanded.mm_inputs
+                ids = expanded.token_ids
+                mm = expanded.mm_inputs
             engine.add_request(
                 ids, params, self._constraint(req, prompt), request_id=str(i), mm_inputs=mm
             )
@@ -541,12 +546,10 @@ class ServerModel:
         timeout: float = 1800.0,
         concurrency: int = 8,
     ):
-        self.url, self.api_key, self.max_tokens, self.timeout = (
-            url.rstrip("/"),
-            api_key,
-            max_tokens,
-            timeout,
-        )
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.max_tokens = max_tokens
+        self.timeout = timeout
         self.concurrency = max(1, int(concurrency))
         models = self._get("/v1/models")["data"]
         self.model = model or models[0]["id"]
@@ -730,7 +733,8 @@ def check_targets(table: dict) -> list[dict]:
         ("long_arithmetic", "arithmetic", ("correct_add", "correct_sub", "correct_mul")),
     ):
         for metric in metrics:
-            a, b = _metric(table, long, metric), _metric(table, short, metric)
+            a = _metric(table, long, metric)
+            b = _metric(table, short, metric)
             if a is not None and b is not None:
                 out.append(
                     {

@@ -58,7 +58,8 @@ def count_parameters(config: K3Config) -> dict:
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     by: dict[str, dict[str, int]] = {c: {"total": 0, "active": 0} for c in COMPONENTS}
-    k, E = config.num_experts_per_tok, config.n_routed_experts
+    k = config.num_experts_per_tok
+    E = config.n_routed_experts
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     for name, t in tensors:
         comp = _component(name)

@@ -151,7 +151,8 @@ def configure_threads(requested: int | None = None, *, stream: TextIO | None = s
     if requested is not None:
         if not isinstance(requested, int) or requested < 1:
             raise ValueError(f"--threads: must be an integer >= 1, got {requested!r}")
-        n, why = requested, "--threads"
+        n = requested
+        why = "--threads"
     else:
         n, why = default_threads()
     torch.set_num_threads(n)

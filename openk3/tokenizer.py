@@ -136,10 +136,12 @@ def encode_pieces(text: str) -> Iterable[str]:
 def iter_encode(encode: Any, text: str) -> Iterable[list[int]]:
     """``encode(piece)`` for each of :func:`encode_pieces`, in order; a piece equal to the one
     before it (a long run cut into equal pieces) reuses its ids instead of being encoded again."""
-    prev, prev_ids = None, None
+    prev = None
+    prev_ids = None
     for piece in encode_pieces(text):
         if piece != prev:
-            prev, prev_ids = piece, encode(piece)
+            prev = piece
+            prev_ids = encode(piece)
         yield prev_ids
 
 
@@ -151,7 +153,8 @@ def byte_level_alphabet() -> dict[str, int]:
         *range(ord("¡"), ord("¬") + 1),
         *range(ord("®"), ord("ÿ") + 1),
     ]
-    char_to_byte, extra = {}, 0
+    char_to_byte = {}
+    extra = 0
     for b in range(256):
         if b in keep:
             char_to_byte[chr(b)] = b
@@ -167,11 +170,13 @@ def last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes,
     a pre-token equal to it, which ``ignore_merges`` reproduces)."""
     parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
-        best, at = rank, -1
+        best = rank
+        at = -1
         for i in range(len(parts) - 1):
             r = ranks.get(parts[i] + parts[i + 1], rank)
             if r < best:
-                best, at = r, i
+                best = r
+                at = i
         if at < 0:
             return None
         parts[at : at + 2] = [parts[at] + parts[at + 1]]
@@ -724,7 +729,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             added[int(k)] = content
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{cfg_file}: cannot load: {e}") from None
-    ranks, spec = d / "tiktoken.model", d / "tokenizer.json"
+    ranks = d / "tiktoken.model"
+    spec = d / "tokenizer.json"
     if ranks.exists():
         if not cfg_file.exists():
             raise ValueError(

@@ -29,7 +29,8 @@ import types
 import typing
 from typing import Any
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
 _NONE = type(None)
 
 

@@ -58,7 +58,8 @@ QUICK = {
 @torch.no_grad()
 def full_forward_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Argmax decoding by re-running the whole sequence without a cache (independent reference)."""
-    seq, out = list(prompt), []
+    seq = list(prompt)
+    out = []
     for _ in range(n):
         tok = int(model(torch.tensor([seq])).logits[0, -1].argmax())
         out.append(tok)
@@ -85,7 +86,9 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     shared = {k: v for k, v in with_ar.state_dict().items() if k in plain.state_dict()}
     plain.load_state_dict(shared, strict=True)
     extra = sum(t.numel() for k, t in with_ar.state_dict().items() if k not in shared)
-    P, N, Bmax = p["prompt_len"], p["new_tokens"], p["batch"]
+    P = p["prompt_len"]
+    N = p["new_tokens"]
+    Bmax = p["batch"]
     models = {"attn_res": with_ar, "plain": plain}
     result: dict = {
         "benchmark": "attn-res",

@@ -82,7 +82,8 @@ def run(
     reps = reps or p["reps"]
     cfg = k3_config(p["hidden"], p["layers"])
     model = build_model(cfg, seed=0).eval().to(device=device, dtype=dtype)
-    n, N = p["n_requests"], p["new_tokens"]
+    n = p["n_requests"]
+    N = p["new_tokens"]
     lens = [p["prompt_lens"][i % len(p["prompt_lens"])] for i in range(n)]
     prompts = [random_prompts(1, L, cfg.vocab_size, seed=40 + i)[0] for i, L in enumerate(lens)]
     params = SamplingParams(max_tokens=N, temperature=0.0)
@@ -121,7 +122,8 @@ def run(
                 return plan
 
             def step(orig=engine.step):
-                f0, t0 = timer.total, time.perf_counter()
+                f0 = timer.total
+                t0 = time.perf_counter()
                 outs = orig()
                 rows, pure = plans[-1]
                 log.append(
@@ -135,7 +137,8 @@ def run(
                 )
                 return outs
 
-            engine.step, engine.scheduler.schedule = step, schedule
+            engine.step = step
+            engine.scheduler.schedule = schedule
             try:
                 traces, wall = drive(engine, [(pr, params) for pr in prompts])
             finally:
@@ -185,7 +188,8 @@ def run(
             "share_of_total_time": sum(s - f for s, f in rows) / sum(s for s, _ in rows),
         }
 
-    ov_all, ov_dec = overhead(steps["all"]), overhead(steps["decode_full"])
+    ov_all = overhead(steps["all"])
+    ov_dec = overhead(steps["decode_full"])
     share = ov_dec.get("share_of_total_time", ov_all.get("share_of_total_time"))
     return {
         "benchmark": "batching",

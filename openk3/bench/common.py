@@ -91,7 +91,8 @@ def target(measured: float | None, op: str, bound: float, what: str) -> dict:
 # ----------------------------------------------------------------------------- environment
 def environment() -> dict:
     """Versions, CPU model and flags, threads and load average (recorded with every result)."""
-    cpu, flags = platform.processor() or platform.machine(), []
+    cpu = platform.processor() or platform.machine()
+    flags = []
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             text = f.read()
@@ -294,7 +295,8 @@ def drive(
             tr.tokens += o.new_token_ids
             tr.times += [now] * len(o.new_token_ids)
             if o.finished:
-                tr.usage, tr.finish_reason = o.usage, o.finish_reason
+                tr.usage = o.usage
+                tr.finish_reason = o.finish_reason
         i += 1
     return [traces[r] for r in ids], time.perf_counter() - t0
 

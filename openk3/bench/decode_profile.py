@@ -260,7 +260,8 @@ def _eager_vs_compiled(model, B: int, P: int, W: int, reps: int, vocab: int) -> 
     for i in range(reps):
         toks = {}
         for name in names[i % 3 :] + names[: i % 3]:
-            t, c = time.perf_counter(), time.thread_time()
+            t = time.perf_counter()
+            c = time.thread_time()
             if name == "floor":
                 run_products(products)
             else:

@@ -63,7 +63,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     reps = reps or p["reps"]
     B, H, K = p["B"], p["H"], p["K"]
     scale = K**-0.5
-    rows, targets = {}, {}
+    rows = {}
+    targets = {}
     for T in p["T"]:
         q, k, v, g, beta = make_inputs(B, T, H, K, seed=T)
         outs: dict[str, tuple] = {}

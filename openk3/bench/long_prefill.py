@@ -121,11 +121,13 @@ def prefill_flops(config: K3Config, tokens: int, past: int = 0) -> dict:
 def matmul_rate(n: int = MATMUL_N, reps: int = 3) -> tuple[float, float]:
     """fp32 GFLOP/s of an ``n``³ matmul on this process's threads (best of ``reps`` after a warm-up),
     per second of wall time and per second of this process's CPU time (``time.process_time``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
     a @ b
     best = best_cpu = float("inf")
     for _ in range(reps):
-        t, c = time.perf_counter(), time.process_time()
+        t = time.perf_counter()
+        c = time.process_time()
         a @ b
         best, best_cpu = min(best, time.perf_counter() - t), min(best_cpu, time.process_time() - c)
     return 2 * n**3 / best / 1e9, 2 * n**3 / best_cpu / 1e9
@@ -244,9 +246,12 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
 
     def first(eng: Engine, ids: list[int], n: int = 1):
         captured.clear()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
+        c0 = time.process_time()
         rid = eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0))
-        ttft, out, usage = None, [], None
+        ttft = None
+        out = []
+        usage = None
         while eng.has_unfinished():
             for o in eng.step():
                 if o.request_id != rid:
@@ -357,7 +362,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                 return t, cpu_ttft["s"]
 
             def run_peer() -> tuple[float, float]:
-                t0, c0 = time.perf_counter(), time.process_time()
+                t0 = time.perf_counter()
+                c0 = time.process_time()
                 with torch.inference_mode():
                     peer(torch.tensor([ids_peer]), logits_to_keep=1, use_cache=False)
                 return time.perf_counter() - t0, time.process_time() - c0

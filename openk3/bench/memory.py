@@ -47,8 +47,10 @@ def _engine(model, tokens: int):
 def measure(model, tokens: int) -> dict:
     """Planner bytes vs bytes of the pools an engine allocates for one ``tokens``-token sequence."""
     eng, planned = _engine(model, tokens)
-    lay, L = eng.cache.layout, eng.cache.layout.block_size
-    blocks, slots = eng.cache.blocks, eng.cache.slots
+    lay = eng.cache.layout
+    L = eng.cache.layout.block_size
+    blocks = eng.cache.blocks
+    slots = eng.cache.slots
     check(
         blocks.num_blocks * L >= tokens and slots.n >= 1,
         f"T={tokens}: the planner's budget gives {blocks.num_blocks} blocks x {L} and {slots.n} slots",
@@ -74,14 +76,16 @@ def measure(model, tokens: int) -> dict:
 def _sweep(model, all_mla, Ts) -> dict:
     rows = {}
     for T in Ts:
-        h, a = measure(model, T), measure(all_mla, T)
+        h = measure(model, T)
+        a = measure(all_mla, T)
         rows[f"T={T}"] = {
             "hybrid": h,
             "all_mla": a,
             "hybrid_over_all_mla": h["measured_bytes"] / a["measured_bytes"],
         }
     h0 = rows[f"T={Ts[0]}"]
-    S, a_tok = h0["hybrid"]["kda_slot_bytes"], h0["hybrid"]["mla_bytes_per_token"]
+    S = h0["hybrid"]["kda_slot_bytes"]
+    a_tok = h0["hybrid"]["mla_bytes_per_token"]
     b_tok = h0["all_mla"]["mla_bytes_per_token"]
     return {
         "by_T": rows,
@@ -119,7 +123,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     )
     while not any(o.new_token_ids for o in eng.step()):  # chunked prefill: until the first token
         pass
-    used_blocks, used_slots = eng.cache.blocks.num_used, eng.cache.slots.num_used
+    used_blocks = eng.cache.blocks.num_used
+    used_slots = eng.cache.slots.num_used
     lay = eng.cache.layout
     real = used_slots * lay.slot_bytes + used_blocks * lay.block_bytes
     planned = lay.slot_bytes + -(-n // lay.block_size) * lay.block_bytes

@@ -102,7 +102,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
             on_logits=keep,
         )
 
-    cached, plain = make(True), make(False)
+    cached = make(True)
+    plain = make(False)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     P, S = p["prefix_len"], p["suffix_len"]
     state = {"rep": 0, "prefix": None}
@@ -136,7 +137,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     # benchmark keeps the order cold, hit in every round instead of alternating it.
     meas = {"cold": {"ttft_s": []}, "hit": {"ttft_s": []}}
     for i in range(1 + reps):
-        c, h = run_cold(), run_hit()
+        c = run_cold()
+        h = run_hit()
         if i >= 1:
             meas["cold"]["ttft_s"].append(c["ttft_s"])
             meas["hit"]["ttft_s"].append(h["ttft_s"])
@@ -150,7 +152,9 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
     # ------------------------------------------------------------------ multi-turn session
     def session(engine: Engine) -> tuple[list[list[int]], list, float]:
         prompt = random_prompts(1, p["first_len"], V, seed=7)[0]
-        outs, usages, t = [], [], 0.0
+        outs = []
+        usages = []
+        t = 0.0
         for turn in range(p["turns"]):
             (tr,), dt = drive(
                 engine, [(prompt, SamplingParams(max_tokens=p["gen_len"], temperature=0.0))]

@@ -182,7 +182,10 @@ class _Server:
 def _stream_server(client, body: dict) -> dict:
     """One streamed request; event times are relative to sending it."""
     t0 = time.perf_counter()
-    first_text, last, text, usage = None, None, [], None
+    first_text = None
+    last = None
+    text = []
+    usage = None
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:  # read the body only then: reading it drains the stream
             check(False, f"server answered {resp.status_code}: {resp.read()[:500]!r}")
@@ -205,7 +208,8 @@ def _stream_server(client, body: dict) -> dict:
                 if first_text is None:
                     first_text = now
             if choice.get("finish_reason") is not None:
-                last, usage = now, choice.get("usage") or ev.get("usage")
+                last = now
+                usage = choice.get("usage") or ev.get("usage")
     return {"first_text": first_text, "final": last, "text": "".join(text), "usage": usage}
 
 
@@ -215,7 +219,8 @@ def _concurrent_streams(client, n: int, rounds: int, new_tokens: int) -> dict:
     round's wall time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    per_stream, aggregate = [], []
+    per_stream = []
+    aggregate = []
     for r in range(rounds):
         bodies = [
             {
@@ -247,7 +252,9 @@ def _concurrent_streams(client, n: int, rounds: int, new_tokens: int) -> dict:
 
 async def _in_process(aeng, ids: list[int], params, constraint=None) -> dict:
     t0 = time.perf_counter()
-    times, tokens, n_out = [], [], 0
+    times = []
+    tokens = []
+    n_out = 0
     async for out in aeng.generate(ids, params, constraint):
         now = time.perf_counter() - t0
         n_out += 1
@@ -268,7 +275,8 @@ def _parsed_text(tokenizer, prep, tokens: list[int]) -> tuple[str, int | None]:
         tool_index_start=prep.tool_index_start,
         tools_enabled=prep.tools_enabled,
     )
-    text, first = [], None
+    text = []
+    first = None
     for i, t in enumerate(tokens):
         for ev in parser.feed([t]):
             if isinstance(ev, (ReasoningDelta, ContentDelta)) and ev.text:
@@ -354,7 +362,8 @@ def run(
                                     aeng, prep.prompt.token_ids, prep.params, prep.constraint
                                 )
                             )
-                    s, e = res["server"], res["in_process"]
+                    s = res["server"]
+                    e = res["in_process"]
                     text, k = _parsed_text(serving.tokenizer, prep, e["tokens"])
                     n_completion = e["usage"].completion_tokens
                     check(
@@ -369,7 +378,8 @@ def run(
                     if i == 0 or k is None:
                         continue
                     # engine outputs from the one holding token k (inclusive) to the end
-                    idx, seen = 0, 0
+                    idx = 0
+                    seen = 0
                     for j, (_, toks) in enumerate(e["times"]):
                         if seen + len(toks) > k:
                             idx = j

@@ -191,7 +191,8 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
                     streamer=s,
                 )
             got["transformers"] = out[:, P:].tolist()
-            first, last = s.times[1], s.times[-1]
+            first = s.times[1]
+            last = s.times[-1]
             return {"ttft_s": first - t0, "decode_s": last - first}
 
         def run_ours() -> dict:

@@ -289,7 +289,9 @@ class OutputParser:
         out: list[Event] = []
         if not self._ended:
             self._decoder.reset()  # an incomplete trailing character is not a complete part
-            self._tag, self._call, self._arg = None, None, None
+            self._tag = None
+            self._call = None
+            self._arg = None
             out.append(MessageEnd(self.finish_reason))
         return out
 
@@ -328,10 +330,12 @@ class OutputParser:
             if self._tag is None:
                 self._flush_text(out)
             # an unterminated earlier tag is malformed: dropped, never shown as text
-            self._tag, self._tag_is_close = bytearray(), tid == ids.close
+            self._tag = bytearray()
+            self._tag_is_close = tid == ids.close
         elif tid == ids.sep:
             if self._tag is not None:
-                raw, self._tag = self._tag, None
+                raw = self._tag
+                self._tag = None
                 self._on_tag(self._tag_is_close, raw, out)
         else:
             data = self._token_bytes(tid)
@@ -381,7 +385,8 @@ class OutputParser:
 
     def _on_tag(self, is_close: bool, raw: bytes, out: list[Event]) -> None:
         m = _TAG.match(raw.decode("utf-8", errors="replace"))
-        name, rest = m.group(1), m.group(2)
+        name = m.group(1)
+        rest = m.group(2)
         attrs = {k: unescape_attr(v) for k, v in _ATTR.findall(rest)}
         if is_close:
             self._on_close(name, out)
@@ -396,11 +401,13 @@ class OutputParser:
             return  # a repeated opener at the start of the think channel is ignored
         if name == "response":
             if mode in ("think", "between"):
-                self._mode, self._seen_response = "response", True
+                self._mode = "response"
+                self._seen_response = True
             return
         if name == "tools":
             if mode in ("think", "response", "between"):
-                self._mode, self._seen_tools = "tools", True
+                self._mode = "tools"
+                self._seen_tools = True
             return
         if name == "call":
             if mode in ("call", "arg", "json"):
@@ -444,7 +451,8 @@ class OutputParser:
         (out if self._stream_args else call.held).append(event)
 
     def _start_call(self, name: str, out: list[Event]) -> None:
-        self._mode, self._arg = "call", None
+        self._mode = "call"
+        self._arg = None
         if not name:
             self._call = _Call(index=None)  # spec §11.3: a call without a name is dropped
             return
@@ -488,7 +496,8 @@ class OutputParser:
         if self._mode not in ("arg", "json"):
             return
         self._flush_text(out)
-        arg, self._arg = self._arg, None
+        arg = self._arg
+        self._arg = None
         if arg is None or not arg.active or self._mode == "json":
             return
         if arg.is_string:
@@ -498,7 +507,8 @@ class OutputParser:
 
     def _complete_call(self, out: list[Event]) -> None:
         self._end_arg(out)
-        call, self._call = self._call, None
+        call = self._call
+        self._call = None
         self._mode = "tools"
         if call is None or call.index is None:
             return

@@ -314,7 +314,8 @@ def _conversation(
         elif isinstance(m, DynamicTools):
             _tool_declare(b, m.tools, dynamic=True, where=f"messages[{m.index}].tools")
         elif isinstance(m, AssistantMessage):
-            calls, counter = m.calls, 0
+            calls = m.calls
+            counter = 0
             out.history_tool_calls += len(m.calls)
             b.message_open("assistant", m.name)
             if prompt_history and m.calls and not m.parts:
@@ -494,7 +495,8 @@ def render(
             whose tool cannot be resolved, values that are not JSON-serialisable), naming the field.
     """
     r = _render(conversation, tokenizer, add_generation_prompt, training=False)
-    b, o = r.builder, r.options
+    b = r.builder
+    o = r.options
     return Prompt(
         token_ids=b.ids,
         text=b.text_value,

@@ -519,7 +519,8 @@ def _response_schema(rf: dict, strict: bool = False) -> Any:
             where = f"response_format.json_schema.{key}" if key else "response_format.json_schema"
             schema = wrapper[key] if key else wrapper
         else:
-            where, schema = "response_format.json_schema", wrapper
+            where = "response_format.json_schema"
+            schema = wrapper
         check_json(schema, where)
         return schema
     if wrapper is None:
@@ -596,7 +597,8 @@ def parse_options(request: dict, messages: list[Message], strict: bool = False) 
         raise _fail("tool_choice", f"unsupported value {choice!r} (auto, none, required)")
 
     rf = request.get("response_format")
-    rf_type, schema = None, None
+    rf_type = None
+    schema = None
     if rf is not None:
         if not isinstance(rf, dict):
             raise _fail("response_format", f"must be an object, got {type(rf).__name__}")

@@ -64,7 +64,8 @@ def next_index_after(call_ids: Iterable[Any]) -> int:
     index seen + 1), so that a new id can never equal an id already issued,
     even when the history ids were not consecutive.
     """
-    count, top = 0, -1
+    count = 0
+    top = -1
     for call_id in call_ids:
         count += 1
         parsed = parse_tool_call_id(call_id)

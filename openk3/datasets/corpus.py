@@ -129,7 +129,8 @@ def _strip_boilerplate(
     common = {p for p, n in seen.items() if n >= min_docs}
     if not common:
         return docs, 0
-    removed, out = 0, []
+    removed = 0
+    out = []
     for key, text, raw in docs:
         paras = text.split("\n\n")
         keep = [p for p in paras if p.strip() not in common]
@@ -219,7 +220,8 @@ def build_corpus(
             seen_hashes.add(h)
             good.append((key, text, raw))
         if src.max_bytes is not None and sum(len(t.encode()) for _, t, _ in good) > src.max_bytes:
-            total, chosen = 0, set()
+            total = 0
+            chosen = set()
             for key, text, _ in sorted(good, key=lambda d: _unit_hash(d[0])):
                 n = len(text.encode())
                 if total + n <= src.max_bytes:

@@ -856,7 +856,8 @@ def _build(name: str) -> tuple[str, ...]:
     elif name == "topic":
         vals = [f"{a} {n}" for a, n in itertools.product(_ADJ, _NOUN)] + list(_NOUN)
     elif name == "email":
-        firsts, lasts = pool("first_name"), pool("surname")
+        firsts = pool("first_name")
+        lasts = pool("surname")
         rng = random.Random(14)
         vals = [
             f"{rng.choice(firsts).lower()}.{rng.choice(lasts).lower()}@{rng.choice(_DOMAINS)}"

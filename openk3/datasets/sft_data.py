@@ -82,11 +82,14 @@ def _digits(n: int) -> list[int]:
 def column_add(a: int, b: int) -> list[str]:
     """Column addition of ``a, b >= 0``: one line per position, the carry written out, the top
     position writing its whole sum (``tens: 9 + 8 + 1 = 18, write 18``)."""
-    da, db = _digits(a), _digits(b)
+    da = _digits(a)
+    db = _digits(b)
     n = max(len(da), len(db))
-    lines, carry = [], 0
+    lines = []
+    carry = 0
     for i in range(n):
-        x, y = (da[i] if i < len(da) else 0), (db[i] if i < len(db) else 0)
+        x = da[i] if i < len(da) else 0
+        y = db[i] if i < len(db) else 0
         s = x + y + carry
         expr = f"{x} + {y}" + (f" + {carry}" if carry else "")
         if i == n - 1:
@@ -102,10 +105,13 @@ def column_add(a: int, b: int) -> list[str]:
 
 def column_sub(a: int, b: int) -> list[str]:
     """Column subtraction of ``a >= b >= 0`` with borrows written out."""
-    da, db = _digits(a), _digits(b)
-    lines, borrow = [], 0
+    da = _digits(a)
+    db = _digits(b)
+    lines = []
+    borrow = 0
     for i in range(len(da)):
-        x, y = da[i], (db[i] if i < len(db) else 0)
+        x = da[i]
+        y = db[i] if i < len(db) else 0
         head = f"{x} - {borrow} - {y}" if borrow else f"{x} - {y}"
         if x - borrow >= y:
             lines.append(f"{_POS[i]}: {head} = {x - borrow - y}")
@@ -122,7 +128,8 @@ def column_mul(a: int, d: int) -> list[str]:
     """Column multiplication of ``a >= 0`` by a digit ``d``: each digit times ``d`` plus the carry,
     the top position writing its whole product."""
     da = _digits(a)
-    lines, carry = [], 0
+    lines = []
+    carry = 0
     for i, x in enumerate(da):
         p = x * d
         s = p + carry
@@ -210,7 +217,8 @@ def operands(rng: random.Random, op: str, *, wide: bool = False) -> tuple[int, i
     if op in "+-":
         hi = 999 if wide else 99
         return rng.randint(0, hi), rng.randint(0, hi)
-    big, d = rng.randint(10, 999 if wide else 99), rng.randint(2, 9)
+    big = rng.randint(10, 999 if wide else 99)
+    d = rng.randint(2, 9)
     return (big, d) if rng.random() < 0.5 else (d, big)
 
 
@@ -247,7 +255,9 @@ def _word(rng: random.Random, effort: str | None, held_out: bool) -> Item:
         ("apples", "books", "coins", "stickers", "marbles", "pencils", "stamps", "cards")
     )
     v = rng.randint(3, 99)
-    text, cols, steps = f"{who} has {v} {thing}.", [], []
+    text = f"{who} has {v} {thing}."
+    cols = []
+    steps = []
     for _ in range(rng.randint(1, 2)):
         if v == 0 or rng.random() < 0.5:
             b = rng.randint(1, 99)
@@ -283,7 +293,10 @@ def _word(rng: random.Random, effort: str | None, held_out: bool) -> Item:
 def _chain(rng: random.Random, effort: str | None, held_out: bool) -> Item:
     """``a op b op c`` left to right, each step worked in columns."""
     a = rng.randint(0, 99)
-    expr, v, cols, steps = str(a), a, [], []
+    expr = str(a)
+    v = a
+    cols = []
+    steps = []
     for _ in range(2):
         op = rng.choice("+-*") if v < 1000 else rng.choice("+-")
         b = rng.randint(2, 9) if op == "*" else rng.randint(0, min(99, v) if op == "-" else 99)
@@ -492,7 +505,8 @@ def gen_partial(rng: random.Random, effort: str | None, held_out: bool = False) 
 
 def gen_multi_turn(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
     """Two problem turns; the first assistant turn (with its reasoning) stays in the history."""
-    first, second = gen_problem(rng, effort, held_out), gen_problem(rng, effort, held_out)
+    first = gen_problem(rng, effort, held_out)
+    second = gen_problem(rng, effort, held_out)
     msgs = first.request["messages"] + [first.reference] + second.request["messages"]
     return Item(
         "multi_turn", dict(second.request, messages=msgs), second.reference, second.expected
@@ -589,7 +603,8 @@ def sft_items(
     else:
         normalise_mixture(mixture, "mixture", base={k: 0.0 for k in MIXTURE})  # validation only
     rng = random.Random(seed)
-    suites, weights = list(mixture), list(mixture.values())
+    suites = list(mixture)
+    weights = list(mixture.values())
     out: list[Item] = []
     while len(out) < n:
         item = _draw(rng, rng.choices(suites, weights)[0], thinking_off)

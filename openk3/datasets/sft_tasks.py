@@ -326,7 +326,8 @@ def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
             [t],
         )
     if name == "calculator":
-        a, b = rng.randint(2, 9999), rng.randint(2, 999)
+        a = rng.randint(2, 9999)
+        b = rng.randint(2, 999)
         op = rng.choice("+-*")
         val = a + b if op == "+" else a - b if op == "-" else a * b
         expr = f"{a} {op} {b}"
@@ -339,11 +340,13 @@ def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
             [str(val)],
         )
     if name == "book_flight":
-        o, d = draw(rng, "city", h), draw(rng, "city", h)
+        o = draw(rng, "city", h)
+        d = draw(rng, "city", h)
         while d == o:
             d = draw(rng, "city", h)
         date = draw_date(rng)
-        ref, price = _code(rng, "BK"), rng.randint(40, 2500)
+        ref = _code(rng, "BK")
+        price = rng.randint(40, 2500)
         phrase = rng.choice(
             ["book a flight from {o} to {d} on {t}", "get me a flight from {o} to {d} on {t}"]
         )
@@ -356,7 +359,8 @@ def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
             [ref],
         )
     if name == "create_event":
-        title, date = draw(rng, "title", h), draw_date(rng)
+        title = draw(rng, "title", h)
+        date = draw_date(rng)
         t = rng.choice([None, draw_time(rng)])
         args = (
             {"title": title, "date": date}
@@ -425,7 +429,8 @@ def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
             [out],
         )
     if name == "get_directions":
-        o, d = draw(rng, "city", h), draw(rng, "city", h)
+        o = draw(rng, "city", h)
+        d = draw(rng, "city", h)
         while d == o:
             d = draw(rng, "city", h)
         mode = rng.choice([None, *MODES])
@@ -434,7 +439,8 @@ def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
             if mode is None
             else {"origin": o, "destination": d, "mode": mode}
         )
-        km, mins = rng.randint(1, 3000), rng.randint(5, 3000)
+        km = rng.randint(1, 3000)
+        mins = rng.randint(5, 3000)
         return Call(
             name,
             f"get directions from {o} to {d}" + (f" by {mode}" if mode else ""),
@@ -444,8 +450,10 @@ def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
             [str(km)],
         )
     if name == "order_food":
-        dish, q = rng.choice(pool("dish")), rng.randint(1, 20)
-        oid, eta = _code(rng, "ord"), rng.randint(10, 90)
+        dish = rng.choice(pool("dish"))
+        q = rng.randint(1, 20)
+        oid = _code(rng, "ord")
+        eta = rng.randint(10, 90)
         return Call(
             name,
             f"order {q} {dish}",
@@ -466,10 +474,10 @@ def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
             [str(pos)],
         )
     if name == "create_reminder":
-        text, date = (
-            f"{rng.choice(('call', 'pay', 'buy', 'visit', 'email'))} {draw(rng, 'first_name', h)}",
-            draw_date(rng),
+        text = (
+            f"{rng.choice(('call', 'pay', 'buy', 'visit', 'email'))} {draw(rng, 'first_name', h)}"
         )
+        date = draw_date(rng)
         rid = _code(rng, "rem")
         return Call(
             name,
@@ -696,7 +704,8 @@ def gen_json(rng: random.Random, effort: str | None, held_out: bool = False) -> 
     clauses = []
     for key in rng.sample(_JSON_KEYS, rng.randint(1, 3)):
         v, prop, clause = _field(rng, key, held_out)
-        fields[key], props[key] = v, prop
+        fields[key] = v
+        props[key] = prop
         clauses.append(clause)
     facts = f"{name} " + (
         clauses[0] if len(clauses) == 1 else ", ".join(clauses[:-1]) + " and " + clauses[-1]

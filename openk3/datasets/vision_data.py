@@ -84,7 +84,8 @@ def draw_scene(rng: random.Random, qtype: str) -> tuple[Image.Image, str, str, l
     img = Image.new("RGB", (s, s), rng.choice(BACKGROUNDS))
     d = ImageDraw.Draw(img)
     if qtype in ("color", "shape"):
-        kind, colour = rng.choice(SHAPES), rng.choice(sorted(COLORS))
+        kind = rng.choice(SHAPES)
+        colour = rng.choice(sorted(COLORS))
         r = rng.uniform(16, 30)
         _draw_shape(
             d, kind, rng.uniform(r + 4, s - r - 4), rng.uniform(r + 4, s - r - 4), r, COLORS[colour]
@@ -98,7 +99,8 @@ def draw_scene(rng: random.Random, qtype: str) -> tuple[Image.Image, str, str, l
         kinds = []
         for c in cells:
             r = rng.uniform(9, 18)
-            x0, y0 = (c % 2) * s / 2, (c // 2) * s / 2
+            x0 = (c % 2) * s / 2
+            y0 = (c // 2) * s / 2
             kind = rng.choice(SHAPES)
             kinds.append(kind)
             _draw_shape(
@@ -119,17 +121,21 @@ def draw_scene(rng: random.Random, qtype: str) -> tuple[Image.Image, str, str, l
             ],
         )
     if qtype == "position":
-        kind, colour = rng.choice(SHAPES), rng.choice(sorted(COLORS))
+        kind = rng.choice(SHAPES)
+        colour = rng.choice(sorted(COLORS))
         r = rng.uniform(12, 20)
-        near, far = rng.uniform(r + 4, s / 2 - r - 6), rng.uniform(r + 4, s - r - 4)
+        near = rng.uniform(r + 4, s / 2 - r - 6)
+        far = rng.uniform(r + 4, s - r - 4)
         first = rng.random() < 0.5  # left / top
         main = near if first else s - near
         if rng.random() < 0.5:
             _draw_shape(d, kind, main, far, r, COLORS[colour])
-            q, answer = "Is the shape on the left or the right?", "left" if first else "right"
+            q = "Is the shape on the left or the right?"
+            answer = "left" if first else "right"
         else:
             _draw_shape(d, kind, far, main, r, COLORS[colour])
-            q, answer = "Is the shape at the top or the bottom?", "top" if first else "bottom"
+            q = "Is the shape at the top or the bottom?"
+            answer = "top" if first else "bottom"
         return (
             img,
             q,
@@ -142,7 +148,8 @@ def draw_scene(rng: random.Random, qtype: str) -> tuple[Image.Image, str, str, l
         font = ImageFont.load_default(size=size)
         cname, colour = _text_colour(rng)
         x0, y0, x1, y1 = d.textbbox((0, 0), answer, font=font)
-        w, h = x1 - x0, y1 - y0
+        w = x1 - x0
+        h = y1 - y0
         x = rng.uniform(2, max(2.0, s - w - 2)) - x0
         y = rng.uniform(2, max(2.0, s - h - 2)) - y0
         d.text((x, y), answer, fill=colour, font=font)

@@ -205,7 +205,8 @@ class CacheManager:
         """Pool accounting against the requests that may hold resources (empty when consistent):
         block references, reservations and slots equal theirs, every block is free, cached or
         referenced. O(blocks + requests)."""
-        b, problems = self.blocks, []
+        b = self.blocks
+        problems = []
         refs = sum(len(r.blocks) for r in live)
         if sum(b.refcount) != refs:
             problems.append(f"MLA block references {sum(b.refcount)} != {refs} held by requests")
@@ -221,7 +222,10 @@ class CacheManager:
 
     def stats(self) -> dict:
         """Pool occupancy, prefix-cache counters per pool and the memory layout."""
-        b, s, n, lay = self.blocks, self.slots, self.snapshots, self.layout
+        b = self.blocks
+        s = self.slots
+        n = self.snapshots
+        lay = self.layout
         return {
             "mla_blocks": {
                 "total": b.num_blocks,

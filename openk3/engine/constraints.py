@@ -380,7 +380,8 @@ def make_constraint(
         chosen = [t for t in tool_list if t.name == name]
         if not chosen:
             raise ValueError(f"tool_choice.function.name: {name!r} is not one of the tools")
-        tool_list, tool_choice = chosen, "required"
+        tool_list = chosen
+        tool_choice = "required"
     if tool_choice not in ("auto", "none", "required"):
         raise ValueError(
             f"tool_choice: must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}"

@@ -105,9 +105,11 @@ class StaticDecodeStep:
         compile: bool,
     ) -> None:
         self.model = model
-        self.blocks, self.slots = blocks, slots
+        self.blocks = blocks
+        self.slots = slots
         self.layer_pools = layer_pools
-        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.max_batch = max_batch
+        self.max_blocks = max_blocks
         self.compiled = compile
         # fullgraph=False: code compile cannot trace (e.g. a native kernel of packed MXFP4
         # experts) runs eagerly between graphs instead of failing the step. size_asserts off:

@@ -231,7 +231,8 @@ class Engine:
         mc = model.config
         self.model_config = mc
         w = model.lm_head.weight
-        self.device, self.dtype = w.device, w.dtype
+        self.device = w.device
+        self.dtype = w.dtype
         self.vocab_size = mc.vocab_size
         self.detokenize = detokenize
         self.on_logits = on_logits
@@ -286,7 +287,8 @@ class Engine:
         Raises:
             ValueError: more than the model declares (naming both numbers).
         """
-        cfg, mc = self.config, self.model_config
+        cfg = self.config
+        mc = self.model_config
         if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={cfg.max_model_len}: exceeds the model's context "
@@ -321,7 +323,8 @@ class Engine:
         return want
 
     def _default_cache_memory(self, frac: float) -> int:
-        cfg, mc = self.config, self.model.config
+        cfg = self.config
+        mc = self.model.config
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.8)  # the rest is for activations of the forward passes
@@ -460,7 +463,8 @@ class Engine:
         if req is None:
             return
         self._release(req)
-        req.finished, req.finish_reason = True, "abort"
+        req.finished = True
+        req.finish_reason = "abort"
         self._pending.append(RequestOutput(request_id, [], True, "abort", self._usage(req)))
 
     def abort_all(self) -> None:
@@ -486,7 +490,8 @@ class Engine:
         up to ``encoder_step_flops`` of vision-tower work (:meth:`_encode`); a tower exception
         fails only its request.
         """
-        outputs, self._pending = self._pending, []
+        outputs = self._pending
+        self._pending = []
         plan = self.scheduler.schedule()
         rows: list[tuple[Request, torch.Tensor]] = []
         if plan.decode:
@@ -534,7 +539,10 @@ class Engine:
             self._encoding.remove(r)
         self.scheduler.remove(r)
         self.cache.release(r)
-        r.images, r.image_features, r.tower_job, r.to_encode = [], None, None, []
+        r.images = []
+        r.image_features = None
+        r.tower_job = None
+        r.to_encode = []
 
     def _fail(self, reqs: list[Request], exc: BaseException) -> list[RequestOutput]:
         """Finish ``reqs`` with ``finish_reason="error"`` after ``exc`` was raised while computing
@@ -552,7 +560,8 @@ class Engine:
                 continue
             self._release(r)
             self._requests.pop(r.request_id, None)
-            r.finished, r.finish_reason = True, "error"
+            r.finished = True
+            r.finish_reason = "error"
             out.append(RequestOutput(r.request_id, [], True, "error", self._usage(r), error=msg))
         return out
 
@@ -561,7 +570,8 @@ class Engine:
         queued and running request fails with ``finish_reason="error"`` and releases its resources;
         pending outputs are returned first. Raises RuntimeError if the pools still disagree with
         the (now empty) request set afterwards (:meth:`check_consistency`)."""
-        outputs, self._pending = self._pending, []
+        outputs = self._pending
+        self._pending = []
         outputs += self._fail(list(self._requests.values()), exc)
         problems = self.check_consistency()
         if problems:
@@ -592,7 +602,8 @@ class Engine:
         """Run tower pieces for the head of the encoding queue until ``encoder_step_flops`` are
         spent; a request whose images are all encoded moves to the scheduler's queue. A tower
         exception fails that request alone (:meth:`_fail`)."""
-        spent, outputs = 0, []
+        spent = 0
+        outputs = []
         while self._encoding and spent < self.encoder_step_flops:
             r = self._encoding[0]
             try:
@@ -636,7 +647,8 @@ class Engine:
             try:
                 if self.on_logits is not None:
                     self.on_logits(r.request_id, x)
-                m, dead = None, False
+                m = None
+                dead = False
                 if r.constraint is not None:
                     m = constraint_mask(r.constraint.allowed_tokens(), self.vocab_size, self.device)
                     if not bool(m.any()):
@@ -677,7 +689,8 @@ class Engine:
             return self._finish(r, [], "stop", tok, None)
         r.output.append(tok)
         r.tokens.append(tok)
-        new, lps = [tok], ([lp] if lp is not None else None)
+        new = [tok]
+        lps = [lp] if lp is not None else None
         stop = self._stop_string(r)
         if stop is not None:
             return self._finish(r, new, "stop", stop, lps)
@@ -707,7 +720,9 @@ class Engine:
             )  # a follow-up turn that extends this conversation resumes there
         self._release(r)
         self._requests.pop(r.request_id, None)
-        r.finished, r.finish_reason, r.stop_reason = True, reason, stop_reason
+        r.finished = True
+        r.finish_reason = reason
+        r.stop_reason = stop_reason
         return RequestOutput(r.request_id, new, True, reason, self._usage(r), lps, stop_reason)
 
     def _usage(self, r: Request) -> Usage:

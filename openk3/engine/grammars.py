@@ -200,13 +200,17 @@ def _pattern_terminal(pattern: Any) -> str:
     """Regex terminal for a JSON Schema ``pattern``: search semantics unless anchored by ``^``/``$``."""
     if not isinstance(pattern, str):
         raise ValueError(f"pattern: must be a string, got {pattern!r}")
-    body, head, tail = pattern, "(?s:.*)", "(?s:.*)"
+    body = pattern
+    head = "(?s:.*)"
+    tail = "(?s:.*)"
     if body.startswith("^"):
-        body, head = body[1:], ""
+        body = body[1:]
+        head = ""
     if body.endswith("$"):
         stem = body[:-1]
         if (len(stem) - len(stem.rstrip("\\"))) % 2 == 0:  # an escaped `\$` is a literal dollar
-            body, tail = stem, ""
+            body = stem
+            tail = ""
     return "/" + head + "(?:" + regex_to_lark(body, "dw") + ")" + tail + "/"
 
 
@@ -243,7 +247,8 @@ def raw_string_terminal(schema: Any, root: Any, depth: int = 0) -> str | None:
         parts.append("/" + "|".join(f"(?:{regex_literal(s)})" for s in strings) + "/")
     if "pattern" in schema:
         parts.append(_pattern_terminal(schema["pattern"]))
-    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    lo = schema.get("minLength", 0)
+    hi = schema.get("maxLength")
     if lo or hi is not None:
         if hi is not None and hi < lo:
             return None
@@ -452,7 +457,8 @@ class GrammarBuilder:
     ) -> str:
         """Rule name for ``<|open|>tools<|sep|> CALL+ <|close|>tools<|sep|>`` with calls 1..max_calls;
         argument JSON is compiled with `json_options`."""
-        saved, self.json_options = self.json_options, json_options
+        saved = self.json_options
+        self.json_options = json_options
         bodies = [self.call_bodies(t, json_block) for t in tools]
         self.json_options = saved
         calls = []

@@ -310,7 +310,9 @@ class SchemaNotEnforceable(ValueError):
     """A strict schema uses keywords the grammar cannot enforce (``keywords``) or fails to compile."""
 
     def __init__(self, where: str, keywords: list[str], error: str):
-        self.where, self.keywords, self.error = where, keywords, error
+        self.where = where
+        self.keywords = keywords
+        self.error = error
         if keywords:
             named = ", ".join(json.dumps(k) for k in keywords)
             msg = (

@@ -82,7 +82,8 @@ def extend_keys(
     gives the extra key material of positions ``[start, end)`` (image requests)."""
     while (len(keys) + 1) * block_size <= len(tokens):
         i = len(keys)
-        a, b = i * block_size, (i + 1) * block_size
+        a = i * block_size
+        b = (i + 1) * block_size
         keys.append(chain_key(keys[-1] if keys else ROOT, tokens[a:b], salt(a, b) if salt else b""))
 
 
@@ -129,8 +130,10 @@ class PrefixCache:
                 f"snapshot_interval={snapshot_interval}: must be a positive multiple of "
                 f"block_size={block_size}"
             )
-        self.blocks, self.snapshots = blocks, snapshots
-        self.block_size, self.interval = block_size, snapshot_interval
+        self.blocks = blocks
+        self.snapshots = snapshots
+        self.block_size = block_size
+        self.interval = snapshot_interval
         self.enabled = enabled and snapshots.n > 0
         self.counters = {
             "mla_queries": 0,
@@ -155,7 +158,8 @@ class PrefixCache:
         """
         if not self.enabled:
             return PrefixHit()
-        L, n = self.block_size, len(tokens)
+        L = self.block_size
+        n = len(tokens)
         matched: list[int] = []
         for key in keys:
             b = self.blocks.lookup(key)
@@ -167,7 +171,8 @@ class PrefixCache:
             parent = keys[k - 1] if k else ROOT
             tails = self.snapshots.tails_after(parent)
             for r in sorted(set(tails.values()), reverse=True):
-                a, b = k * L, k * L + r
+                a = k * L
+                b = k * L + r
                 key = tail_key(parent, tokens[a:b], salt(a, b) if salt else b"") if b <= n else None
                 if key in tails:
                     snap = self.snapshots.get(key)

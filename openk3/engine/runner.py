@@ -58,7 +58,8 @@ class ModelRunner:
         encoder_step_flops: int,
     ) -> None:
         self.model = model
-        self.blocks, self.slots = blocks, slots
+        self.blocks = blocks
+        self.slots = slots
         self.device = model.lm_head.weight.device
         self.encoder_step_flops = encoder_step_flops
         counts = {"kda": 0, "mla": 0}
@@ -147,10 +148,12 @@ class ModelRunner:
             return None
         embeds = self.model.model.embed_tokens(ids)
         for row, p in hits:
-            s, e = p.start, p.end
+            s = p.start
+            e = p.end
             feats = self.features(p.request)
             for im, f in zip(p.request.images, feats):
-                a, b = max(s, im.positions.start), min(e, im.positions.stop)
+                a = max(s, im.positions.start)
+                b = min(e, im.positions.stop)
                 if a < b:
                     off = im.positions.start
                     embeds[row, a - s : b - s] = f[a - off : b - off].to(embeds.dtype)

@@ -69,8 +69,10 @@ def length_groups(lengths: list[int], forward_cost: int) -> list[list[int]]:
         for i in range(j):
             cost = best[i] + forward_cost + (cuts[j - 1] - starts[i]) * lengths[order[starts[i]]]
             if cost < best[j]:
-                best[j], prev[j] = cost, i
-    groups, j = [], len(cuts)
+                best[j] = cost
+                prev[j] = i
+    groups = []
+    j = len(cuts)
     while j:
         i = prev[j]
         groups.append(order[starts[i] : cuts[j - 1]])
@@ -135,7 +137,8 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
     def _pieces(self, req: Request, n: int) -> list[Piece]:
         """Split ``req``'s next ``n`` tokens at snapshot boundaries (when the prefix cache is on)."""
-        start, end = req.num_computed, req.num_computed + n
+        start = req.num_computed
+        end = req.num_computed + n
         step = self.cache.snapshot_interval
         if step is None:
             return [Piece(req, start, end)]

@@ -43,7 +43,8 @@ def pseudo_query(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.
     Raises:
         ValueError: the two do not both hold D values.
     """
-    n, w = norm_weight.reshape(-1), proj_weight.reshape(-1)
+    n = norm_weight.reshape(-1)
+    w = proj_weight.reshape(-1)
     if n.shape != w.shape:
         raise ValueError(
             f"proj_weight: expected {n.numel()} values like norm_weight, got shape {tuple(proj_weight.shape)}"
@@ -136,7 +137,8 @@ def merge_partial(
     p = partial.float()
     zp = rms_norm(p, None, eps) @ query.float()
     mm = torch.maximum(m, zp)
-    wb, wp = torch.exp(m - mm), torch.exp(zp - mm)
+    wb = torch.exp(m - mm)
+    wp = torch.exp(zp - mm)
     h = (wb[..., None] * u + wp[..., None] * p) / (wb * s + wp)[..., None]
     return h.to(partial.dtype)
 

@@ -209,7 +209,8 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         tails = conv0.unbind(1) if conv0 is not None else (None, None, None)
-        mixed, new_tails = [], []
+        mixed = []
+        new_tails = []
         for proj, conv, tail in zip(
             (self.q_proj, self.k_proj, self.v_proj),
             (self.q_conv1d, self.k_conv1d, self.v_conv1d),
@@ -267,7 +268,8 @@ class KimiDeltaAttention(nn.Module):
         conv0 = rec0 = None
         if cache is not None:
             # Read once: a pooled state (SlotKDAState) gathers on every access.
-            conv0, rec0 = cache.conv, cache.recurrent
+            conv0 = cache.conv
+            rec0 = cache.recurrent
             self._check_state(conv0, rec0, B)
         # The one lengths check of this call (or none: the caller's, validate=False); the short
         # conv and KDA below trust it.
@@ -286,7 +288,8 @@ class KimiDeltaAttention(nn.Module):
             mixed, new_tail = self._mixed_separate(x, conv0, lengths, mode)
         else:
             mixed, new_tail = self._mixed_fused(x, conv0, lengths)
-        q, k = l2_normalize(mixed[0]), l2_normalize(mixed[1])
+        q = l2_normalize(mixed[0])
+        k = l2_normalize(mixed[1])
         v = fp32(mixed[2])
 
         z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)

@@ -46,7 +46,8 @@ def situ_glu(
     Returns:
         [*, I] in ``gate.dtype``.
     """
-    g, u = _upcast(gate), _upcast(up)
+    g = _upcast(gate)
+    u = _upcast(up)
     capped_up = u if beta2 is None else beta2 * torch.tanh(u / beta2)
     out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * capped_up
     return cast(out, gate.dtype)
@@ -85,7 +86,8 @@ def glu_activation(config: K3Config) -> GluActivation:
     if config.hidden_act == "gelu_pytorch_tanh":
         return functools.partial(geglu, approximate="tanh")
     if config.hidden_act == "situ":
-        b1, b2 = config.activation_situ_beta, config.activation_situ_linear_beta
+        b1 = config.activation_situ_beta
+        b2 = config.activation_situ_linear_beta
         for name, b in (("activation_situ_beta", b1), ("activation_situ_linear_beta", b2)):
             if b is None and name == "activation_situ_linear_beta":
                 continue

@@ -201,7 +201,9 @@ class Experts(nn.Module):
 
     def __init__(self, config: K3Config) -> None:
         super().__init__()
-        e, f, l = config.n_routed_experts, config.moe_intermediate_size, config.moe_latent_size
+        e = config.n_routed_experts
+        f = config.moe_intermediate_size
+        l = config.moe_latent_size
         self.initializer_range = config.initializer_range
         self.act = glu_activation(config)
         self.w1 = nn.Parameter(torch.empty(e, f, l))
@@ -276,7 +278,8 @@ class LatentMoE(nn.Module):
         self.experts = Experts(config)
         self.is_latent = config.routed_expert_hidden_size is not None
         if self.is_latent:
-            d, l = config.hidden_size, config.routed_expert_hidden_size
+            d = config.hidden_size
+            l = config.routed_expert_hidden_size
             self.routed_expert_down_proj = nn.Linear(d, l, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(l, eps=config.rms_norm_eps)

@@ -76,7 +76,8 @@ def use_backend(op: str, name: str | None) -> Iterator[None]:
     if name is not None:
         check_backend(op, name)
     _check_op(op)
-    previous, _forced[op] = _forced[op], name
+    previous = _forced[op]
+    _forced[op] = name
     try:
         yield
     finally:

@@ -127,7 +127,8 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
             .movedim(-1, -3)
         )
         pairs = inv.view(*lead, nb, 2, s, s)
-        i11, i22 = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        i11 = pairs[..., 0, :, :]
+        i22 = pairs[..., 1, :, :]
         x21 = -(i22 @ a21 @ i11)
         inv = torch.cat(
             [torch.cat([i11, torch.zeros_like(i11)], -1), torch.cat([x21, i22], -1)], -2

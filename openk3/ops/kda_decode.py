@@ -58,7 +58,8 @@ def kda_decode_step(
     window = torch.cat([fp32(conv_tail), fp32(qkv).unsqueeze(-1)], dim=-1)  # [B, 3, P, W]
     mixed = F.silu((window * fp32(conv_weight)).sum(-1))  # [B, 3, P]
     qk = l2_normalize(mixed[:, :2].view(B, 2, H, K))
-    q, k = qk[:, 0], qk[:, 1]
+    q = qk[:, 0]
+    k = qk[:, 1]
     v = mixed[:, 2].view(B, H, K)
     if gate_lower_bound is not None:
         g = kda_gate_lower_bound(z, A_log, dt_bias, gate_lower_bound)

@@ -121,7 +121,8 @@ def _recurrent_rows(
         q, k, v, g, beta, scale, initial_state, lengths, chunk_size, validate
     )
     T = q.shape[1]
-    outs, snaps = [], []
+    outs = []
+    snaps = []
     for t in range(T):
         S = S * g[:, t].exp()[..., None]  # decay: [B, H, K, V]
         u = beta[:, t, :, None] * (
@@ -237,10 +238,14 @@ def _chunk_rows(
     q, k, v, g = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)) for t in (q * scale, k, v, g))
     beta = F.pad(beta.transpose(1, 2), (0, pad))
     eye = torch.eye(C, dtype=torch.float32, device=q.device)
-    outs, snaps = [], []
+    outs = []
+    snaps = []
     for c in range(NC):
         sl = slice(c * C, (c + 1) * C)
-        qc, kc, vc, bc = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl, None]
+        qc = q[:, :, sl]
+        kc = k[:, :, sl]
+        vc = v[:, :, sl]
+        bc = beta[:, :, sl, None]
         G = g[:, :, sl].cumsum(-2)  # in-chunk cumulative log-decay, [B, H, C, K]
         A_kk = bc * _decayed_scores(kc, kc, G, strict=True)  # strictly lower
         # W = (I + A_kk)^-1 Diag(beta) (Gamma*K), U = (I + A_kk)^-1 Diag(beta) V, by forward substitution.
@@ -321,14 +326,16 @@ def kda_decode_step(
     Source: architecture.md §3.2, §3.5."""
     B, _, P = qkv.shape
     H, K = z.shape[1:]
-    outs, tails = [], []
+    outs = []
+    tails = []
     for j in range(3):
         y, tail = short_conv_reference(
             qkv[:, j, None], conv_weight[j], conv_tail[:, j], activation="silu"
         )
         outs.append(y.float().view(B, 1, H, K))
         tails.append(tail)
-    q, k = l2_normalize(outs[0]), l2_normalize(outs[1])
+    q = l2_normalize(outs[0])
+    k = l2_normalize(outs[1])
     if gate_lower_bound is not None:
         g = kda_gate_lower_bound(z[:, None], A_log, dt_bias, gate_lower_bound)
     else:

@@ -69,7 +69,9 @@ def kda_state_pass_reference(W, U, A, Q, Kt, D, S0, every: int | None = None):
         ValueError: inconsistent shapes, or ``every`` not dividing N.
     """
     every = _check(W, U, A, Q, Kt, D, S0, every)
-    S, outs, states = S0, [], []
+    S = S0
+    outs = []
+    states = []
     for i, (Wi, Ui, Ai, Qi, Ki, Di) in enumerate(zip(*(t.unbind(2) for t in (W, U, A, Q, Kt, D)))):
         v_new = Ui - Wi @ S
         outs.append(Qi @ S + Ai @ v_new)
@@ -134,7 +136,8 @@ class _StatePass(torch.autograd.Function):
     def forward(ctx, W, U, A, Q, Kt, D, S0, every):
         N = W.shape[2]
         S = S0
-        starts, vs = [], []
+        starts = []
+        vs = []
         for i in range(N):  # the loop carries S only; all other products are batched below
             starts.append(S)
             v_new = _bmm_add(U[:, :, i], W[:, :, i], S, alpha=-1.0)
@@ -155,16 +158,19 @@ class _StatePass(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dO, dStates):
         W, A, Q, Kt, D, S_saved, v_all = ctx.saved_tensors
-        N, every = W.shape[2], ctx.every
+        N = W.shape[2]
+        every = ctx.every
         S_in = _rebuild_states(S_saved, Kt, D, v_all)
         if dO is None:
             dO = torch.zeros_like(v_all)
         # State-independent parts of dv_i and dS_i, for all chunks at once.
         At_dO = A.transpose(-1, -2) @ dO  # [B, H, N, C, V]
         Qt_dO = Q.transpose(-1, -2) @ dO  # [B, H, N, K, V]
-        Kt_T, W_T = Kt.transpose(-1, -2), W.transpose(-1, -2)
+        Kt_T = Kt.transpose(-1, -2)
+        W_T = W.transpose(-1, -2)
         dS = torch.zeros_like(S_in[:, :, 0])
-        dv_list, dS_after = [None] * N, [None] * N
+        dv_list = [None] * N
+        dS_after = [None] * N
         for i in range(N - 1, -1, -1):
             if dStates is not None and (i + 1) % every == 0:
                 dS = dS + dStates[:, :, (i + 1) // every - 1]

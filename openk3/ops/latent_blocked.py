@@ -145,7 +145,8 @@ def _tile_online(
     that exceeds it by more than BOUND_MARGIN. ``qx`` [r, C+R+1] holds the base-2 queries (its
     last column is overwritten), ``keys`` [keys, C+R+1] row-major with a ones column. Returns
     (acc [r, C], den [r])."""
-    r, D = qx.shape[0], qx.shape[1] - 1
+    r = qx.shape[0]
+    D = qx.shape[1] - 1
     nd = r // heads
     qx = qx.clone()
     m = qx[:, :D] @ keys[0, :D]
@@ -218,7 +219,8 @@ def latent_attention_blocked(
     past = past_lengths.tolist()
     out = q_latent.new_zeros(B, T, H, C)
     for b in range(B):
-        p, n = past[b], lens[b]
+        p = past[b]
+        n = lens[b]
         if n <= 0:
             continue
         f32 = torch.float32

@@ -306,7 +306,8 @@ def _build() -> ctypes.CDLL:
             else:
                 raise OSError("building the MXFP4 CPU kernel failed:\n" + "\n".join(errors))
     lib = ctypes.CDLL(target)
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    p = ctypes.c_void_p
+    i64 = ctypes.c_int64
     lib.openk3_mxfp4_grouped_gemm.argtypes = [p, p, i64, p, p, i64, i64, p, i64, i64]
     lib.openk3_mxfp4_grouped_gemm.restype = ctypes.c_int
     lib.openk3_mxfp4_dequant.argtypes = [p, p, i64, i64, p, i64]

@@ -112,7 +112,9 @@ class MXFP4Weight(nn.Module):
             raise ValueError(
                 f"in_features={in_features}: must be a positive multiple of {MX_BLOCK}"
             )
-        e, o, k = num_experts, out_features, in_features
+        e = num_experts
+        o = out_features
+        k = in_features
         self.register_buffer("weight_packed", torch.zeros(e, o, k // 2, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.zeros(e, o, k // MX_BLOCK, dtype=torch.uint8))
 
@@ -140,7 +142,8 @@ class MXFP4Weight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The exact dense stack [E, O, K] in ``dtype`` (native decoder on CPU when available)."""
-        p, s = self.weight_packed, self.weight_scale
+        p = self.weight_packed
+        s = self.weight_scale
         if p.device.type == "cpu" and mxfp4_cpu.available():
             e, o, k = self.shape
             dense = mxfp4_cpu.dequantize(

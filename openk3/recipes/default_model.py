@@ -205,7 +205,8 @@ def corpus_data(run: RunConfig, split: str):
 
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
-    x, tok = settings(run), _tokenizer(run)
+    x = settings(run)
+    tok = _tokenizer(run)
     store = DocumentStore.from_corpus(
         x.corpus_dir, tok, "train" if split == "train" else "val", cache_dir=x.cache_dir
     )
@@ -266,7 +267,8 @@ def sft_data(run: RunConfig, split: str):
 
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
-    x, tok = settings(run), _tokenizer(run)
+    x = settings(run)
+    tok = _tokenizer(run)
     if split == "eval":
         convs = [
             it.conversation() for s in EVAL_SUITES for it in eval_items(s, 0, x.sft_eval_items)
@@ -305,7 +307,8 @@ def pretrain_data(run: RunConfig, split: str):
 
     x = settings(run)
     data = corpus_data(run, split)
-    p_sft, p_ind = x.pretrain_sft_share, x.pretrain_induction_share
+    p_sft = x.pretrain_sft_share
+    p_ind = x.pretrain_induction_share
     if split == "eval":
         return data
     tok = _tokenizer(run)
@@ -359,7 +362,8 @@ def pretrain_data(run: RunConfig, split: str):
 def model_for_tokenizer(run: RunConfig):
     """The run's model config with the tokenizer's vocabulary size and special ids (a small corpus
     can give fewer BPE tokens than asked) and ``model_overrides`` applied."""
-    x, tok = settings(run), _tokenizer(run)
+    x = settings(run)
+    tok = _tokenizer(run)
     cfg = run.model_config()
     cfg = cfg.replace(
         vocab_size=tok.vocab_size,

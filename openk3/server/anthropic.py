@@ -176,7 +176,8 @@ def _messages(req: dict, thinking_on: bool) -> list[Message]:
     turns = req.get("messages") or []
     for i, m in enumerate(turns):
         where = f"messages[{i}]"
-        role, content = m.get("role"), m.get("content")
+        role = m.get("role")
+        content = m.get("content")
         if (
             role == "system"
         ):  # a system turn inside messages (Claude Code sends one): K3 allows it anywhere
@@ -214,7 +215,10 @@ def _messages(req: dict, thinking_on: bool) -> list[Message]:
             if blocks:
                 add(TextMessage(0, "user", None, parts))
             continue
-        text, reasoning, calls, saw_thinking = [], [], [], False
+        text = []
+        reasoning = []
+        calls = []
+        saw_thinking = False
         for j, b in enumerate(content):
             kind = b.get("type")
             if kind == "text":
@@ -266,7 +270,8 @@ def to_chat_request(req: dict, thinking_on: bool = True) -> ChatRequest:
                 f"tools[{j}].type: unsupported tool type {t.get('type')!r}; only client tools "
                 "(name, description, input_schema) are supported"
             )
-    choice, parallel = "auto", None
+    choice = "auto"
+    parallel = None
     tc = req.get("tool_choice")
     if tc:
         kind = tc.get("type")
@@ -550,7 +555,8 @@ def partial_input(text: str) -> dict:
             scalar = False
             best = (i, "".join(reversed(stack)))
         if ch == '"':
-            in_str, key = True, bool(stack) and stack[-1] == "}" and _expects_key(text, i)
+            in_str = True
+            key = bool(stack) and stack[-1] == "}" and _expects_key(text, i)
         elif ch in "{[":
             stack.append("}" if ch == "{" else "]")
             best = (i + 1, "".join(reversed(stack)))
@@ -585,7 +591,10 @@ async def complete(serving: ChatServing, prep: Prepared, gen: Generation) -> dic
     Raises:
         APIError: 503 if the engine aborted the request, 500 if the engine failed it.
     """
-    reasoning, text, blocks, partial = [], [], {}, {}
+    reasoning = []
+    text = []
+    blocks = {}
+    partial = {}
     fin: Finished | None = None
     async for ev in gen.events():
         if isinstance(ev, ReasoningDelta):
@@ -655,7 +664,9 @@ async def sse(serving: ChatServing, prep: Prepared, gen: Generation) -> AsyncIte
         },
     )
     yield _event("ping", {"type": "ping"})
-    index, open_kind, thought = -1, None, []
+    index = -1
+    open_kind = None
+    thought = []
 
     def close() -> list[str]:
         nonlocal open_kind

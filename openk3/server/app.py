@@ -162,8 +162,12 @@ class Guard:
         screen: BodyScreen | None = None,
         in_flight: dict | None = None,
     ):
-        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
-        self.log_requests, self.screen = log_requests, screen
+        self.app = app
+        self.api_key = api_key
+        self.max_body = max_body_bytes
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self.screen = screen
         # {"requests": n}: requests not yet fully answered (what SIGTERM / Ctrl-C waits for; the
         # server's connection tasks outlive the last byte of a response for a moment)
         self.in_flight = in_flight if in_flight is not None else {"requests": 0}
@@ -246,7 +250,8 @@ class Guard:
             return await _error_response(path, too_large)(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH") or not takes_body:
             return await self.app(scope, receive, send)
-        chunks, total = [], 0
+        chunks = []
+        total = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -272,7 +277,8 @@ class Guard:
             nonlocal replayed, chunks
             if not replayed:
                 replayed = True
-                body, chunks = b"".join(chunks), None
+                body = b"".join(chunks)
+                chunks = None
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 

@@ -89,7 +89,10 @@ def expand_images(
             f"messages: at most {config.max_images} images per request, got {len(prompt.images)}"
         )
     where = prompt.image_locations
-    datas, sizes, plans, locs = [], [], [], []
+    datas = []
+    sizes = []
+    plans = []
+    locs = []
     for k, part in enumerate(prompt.images):
         loc = where[k] if k < len(where) and where[k] else f"image {k}"
         try:

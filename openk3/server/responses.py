@@ -325,7 +325,8 @@ def _items(body: dict) -> _Conversation:
             text = _reasoning_text(item, where)
             turn.reasoning = (turn.reasoning or "") + text
         elif kind in ("function_call", "custom_tool_call"):
-            name, call_id = item.get("name"), item.get("call_id")
+            name = item.get("name")
+            call_id = item.get("call_id")
             if not isinstance(name, str) or not name:
                 raise bad_request(f"{where}.name: a non-empty string is required")
             if not isinstance(call_id, str) or not call_id:
@@ -340,7 +341,8 @@ def _items(body: dict) -> _Conversation:
             else:
                 if not isinstance(item.get("input"), str):
                     raise bad_request(f"{where}.input: must be a string")
-                args, raw = {CUSTOM_ARGUMENT: item["input"]}, None
+                args = {CUSTOM_ARGUMENT: item["input"]}
+                raw = None
             turn = conv.assistant(where)
             conv.call_origin[(turn.index, len(turn.calls))] = where
             turn.calls.append(ToolCall(name=name, id=call_id, arguments=args, raw_json=raw))
@@ -407,7 +409,9 @@ def _tools(tools: list[dict]) -> tuple[list[dict], set[str], dict[str, str]]:
     back with ``namespace`` set. ``web_search`` is accepted and ignored (Codex declares it by default;
     the model is not told of it); every other hosted tool is a 400 naming it.
     """
-    out, custom, namespaces = [], set(), {}
+    out = []
+    custom = set()
+    namespaces = {}
     for j, t in enumerate(tools):
         if not isinstance(t, dict):
             raise bad_request(f"tools[{j}]: must be a tool object, got {type(t).__name__}")
@@ -418,7 +422,8 @@ def _tools(tools: list[dict]) -> tuple[list[dict], set[str], dict[str, str]]:
             custom.add(t.get("name"))
             out.append(_custom_tool(t, t.get("description") or ""))
         elif kind == "namespace":
-            ns, inner = t.get("name"), t.get("tools")
+            ns = t.get("name")
+            inner = t.get("tools")
             if not isinstance(ns, str) or not ns:
                 raise bad_request(f"tools[{j}].name: a non-empty string is required")
             if not isinstance(inner, list):
@@ -635,7 +640,8 @@ def _usage(usage: dict, reasoning_tokens: int) -> dict:
 
 def _response(prep: Prepared, ctx: dict, status: str, output: list, usage: dict | None) -> dict:
     """The ``response`` object (the request's settings echoed, ``store: false``)."""
-    sent, req = ctx["sent"], ctx["request"]
+    sent = ctx["sent"]
+    req = ctx["request"]
     fmt = {"type": "text"}
     if req.options.response_format == "json_object":
         fmt = {"type": "json_object"}
@@ -758,7 +764,9 @@ async def complete(serving: ChatServing, prep: Prepared, ctx: dict, gen: Generat
     Raises:
         APIError: 503 if the engine aborted the request, 500 if the engine failed it.
     """
-    reasoning, content, calls = [], [], {}
+    reasoning = []
+    content = []
+    calls = {}
     fin: Finished | None = None
     async for ev in gen.events():
         if isinstance(ev, ReasoningDelta):
@@ -805,7 +813,9 @@ async def sse(
         return _event(kind, seq - 1, data)
 
     def close(status: str = "completed") -> list[str]:
-        item, kind, text = state["item"], state["kind"], "".join(state["text"])
+        item = state["item"]
+        kind = state["kind"]
+        text = "".join(state["text"])
         out: list[str] = []
         if item is None:
             return out

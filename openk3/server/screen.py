@@ -55,8 +55,10 @@ MAX_JSON_VALUES = (
     SCREEN_BYTES + 1
 ) // 2  # as many values as SCREEN_BYTES - 1 bytes can hold ("[0,0,...,0]")
 
-CHAT, COUNT = "/v1/chat/completions", "/v1/tokenizers/estimate-token-count"
-ANTHROPIC, ANTHROPIC_COUNT = "/anthropic/v1/messages", "/anthropic/v1/messages/count_tokens"
+CHAT = "/v1/chat/completions"
+COUNT = "/v1/tokenizers/estimate-token-count"
+ANTHROPIC = "/anthropic/v1/messages"
+ANTHROPIC_COUNT = "/anthropic/v1/messages/count_tokens"
 RESPONSES = "/v1/responses"
 SCREENED = (CHAT, COUNT, ANTHROPIC, ANTHROPIC_COUNT, RESPONSES)
 
@@ -249,7 +251,8 @@ def worker_main(argv: list[str] | None = None) -> None:
     trim = _malloc_trim()
     trim()  # the baseline without what loading left freed (the tokenizer's parsed JSON)
     baseline = _rss_bytes()
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdin = sys.stdin.buffer
+    stdout = sys.stdout.buffer
     while True:
         head = stdin.read(8)
         if len(head) < 8:
@@ -287,7 +290,8 @@ class BodyScreen:
     """
 
     def __init__(self, spec: ScreenSpec, threshold: int = SCREEN_BYTES):
-        self.spec, self.threshold = spec, threshold
+        self.spec = spec
+        self.threshold = threshold
         self._proc: Any = None  # asyncio.subprocess.Process
         self._loop: Any = None  # the event loop its pipes belong to
         self._lock: asyncio.Lock | None = None
@@ -348,7 +352,8 @@ class BodyScreen:
         async with self._lock:
             for attempt in range(2):
                 await self.start()
-                proc, p = self._proc, path.encode()
+                proc = self._proc
+                p = path.encode()
                 try:
                     proc.stdin.write(struct.pack("!II", len(p), size) + p)
                     for chunk in chunks:  # the pipe's pace: never more than one chunk buffered here
@@ -407,7 +412,8 @@ class BodyScreen:
 
     async def close(self) -> None:
         """Stop the worker (end of its input; killed if it does not exit within 5 s)."""
-        proc, self._proc = self._proc, None
+        proc = self._proc
+        self._proc = None
         if proc is None or proc.returncode is not None:
             return
         if self._loop is not asyncio.get_running_loop():

@@ -178,7 +178,8 @@ class Generation:
     """
 
     def __init__(self, serving: ChatServing, prep: Prepared):
-        self.s, self.prep = serving, prep
+        self.s = serving
+        self.prep = prep
         self.parser = OutputParser(
             serving.tokenizer,
             start_channel=prep.prompt.channel or "think",
@@ -421,13 +422,11 @@ class ChatServing:
         tokenizer_dir: str | None = None,
     ):
         self.tokenizer_dir = tokenizer_dir
-        self.engine, self.tokenizer, self.model, self.metrics, self.limits = (
-            engine,
-            tokenizer,
-            model,
-            metrics,
-            limits,
-        )
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = model
+        self.metrics = metrics
+        self.limits = limits
         # ``openk3 serve --greedy`` (evaluation only): temperature 0 instead of the platform's fixed sampling.
         self.greedy = greedy
         self.image_config = image_config
@@ -633,7 +632,8 @@ class ChatServing:
         check_logprobs(req)
         prompt = self.render(req)
         check_max_tokens(req)
-        ctx, asked = self.model.context_length, req.max_tokens
+        ctx = self.model.context_length
+        asked = req.max_tokens
 
         def check(n_ids: int, grids: list) -> None:  # runs before any image is decoded
             if n_ids >= ctx or (
@@ -730,7 +730,8 @@ class ChatServing:
                     f"'_' or '-', got {name!r}"
                 )
             if req.schema_strict is False:  # non-strict: any JSON object (api.md §1.6)
-                kind, schema = "json_object", None
+                kind = "json_object"
+                schema = None
             else:
                 try:
                     schema, _ = prepare_schema(schema, req.schema_where, strict=True)
@@ -811,7 +812,9 @@ class ChatServing:
             APIError: 503 if the engine aborted the request (server shutting down), 500 if the
                 engine failed it.
         """
-        reasoning, content, calls = [], [], {}
+        reasoning = []
+        content = []
+        calls = {}
         fin: Finished | None = None
         async for ev in gen.events():
             if isinstance(ev, ReasoningDelta):
@@ -974,7 +977,9 @@ class _ContextBudget:
     renderer adds itself are not counted, so the count is a lower bound of the prompt's length."""
 
     def __init__(self, tokenizer: Any, limit: int):
-        self._tok, self.limit, self.count = tokenizer, limit, 0
+        self._tok = tokenizer
+        self.limit = limit
+        self.count = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tok, name)

@@ -31,7 +31,8 @@ class StopFilter:
         hit = min(((self.buf.find(s), s) for s in self.stops if s in self.buf), default=None)
         pending = len(self.buf) if final else self._open_start()
         if hit is not None and hit[0] <= pending:
-            out, self.buf = self.buf[: hit[0]], ""
+            out = self.buf[: hit[0]]
+            self.buf = ""
             return out, hit[1]
         out, self.buf = self.buf[:pending], self.buf[pending:]
         return out, None

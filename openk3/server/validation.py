@@ -145,7 +145,8 @@ def check_messages(req: Conversation) -> None:
     Raises:
         APIError: 400 naming the message index.
     """
-    thinking, keep = req.options.thinking, req.options.keep
+    thinking = req.options.thinking
+    keep = req.options.keep
     for m in req.messages:
         i = m.index
         if getattr(m, "stray_tools", False):
@@ -253,7 +254,8 @@ def check_tool_history(req: Conversation) -> None:
 
 def _strings(value: Any, keys: bool = True) -> int:
     """Characters of every string in a JSON value (object keys too when ``keys``); iterative."""
-    total, stack = 0, [value]
+    total = 0
+    stack = [value]
     while stack:
         v = stack.pop()
         if isinstance(v, str):

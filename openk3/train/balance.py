@@ -134,8 +134,11 @@ class QuantileBalancer:
             raise ValueError(f"num_bins={num_bins!r}: must be a positive integer")
         if ema is not None and not 0.0 <= ema < 1.0:
             raise ValueError(f"ema={ema!r}: must be None or in [0, 1)")
-        self.num_experts, self.top_k, self.num_bins = num_experts, top_k, num_bins
-        self.ema, self.interpolate = ema, interpolate
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.num_bins = num_bins
+        self.ema = ema
+        self.interpolate = interpolate
         self.counts = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
         self.loads = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self._bias: torch.Tensor | None = None  # the step's bias, fixed at its first observe
@@ -253,7 +256,8 @@ class QuantileBalancer:
             )
         m = int(self.counts[0].sum())
         if m == 0:
-            self.last_stats, self._bias = {}, None
+            self.last_stats = {}
+            self._bias = None
             return bias.detach().float().clone()
         b_hat = self.quantiles()
         new = b_hat - b_hat.mean()

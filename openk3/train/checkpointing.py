@@ -175,7 +175,8 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            fd, self._fd = self._fd, None
+            fd = self._fd
+            self._fd = None
             os.close(fd)  # closing the last descriptor drops the flock
 
     def __enter__(self) -> "RunLock":

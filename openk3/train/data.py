@@ -135,7 +135,9 @@ class DocumentStore:
             raise ValueError(
                 "offsets: must increase strictly from 0 to len(ids) (no empty documents)"
             )
-        self.ids, self.labels, self.offsets = ids, labels, offsets
+        self.ids = ids
+        self.labels = labels
+        self.offsets = offsets
         h = hashlib.sha256()
         for a in (ids, labels, offsets):
             h.update(np.ascontiguousarray(a).tobytes())
@@ -212,7 +214,8 @@ class DocumentStore:
         return self.offsets.size - 1
 
     def __getitem__(self, d: int) -> Document:
-        a, b = int(self.offsets[d]), int(self.offsets[d + 1])
+        a = int(self.offsets[d])
+        b = int(self.offsets[d + 1])
         return Document(self.ids[a:b].astype(np.int64), self.labels[a:b].astype(np.int64))
 
     def doc_length(self, d: int) -> int:
@@ -385,7 +388,10 @@ class PackedLoader:
             bool(split_documents),
         )
         self.loop, self.pad_id = bool(loop), int(pad_id)
-        self.epoch, self.cursor, self.offset, self.batches = 0, 0, 0, 0
+        self.epoch = 0
+        self.cursor = 0
+        self.offset = 0
+        self.batches = 0
         self._order_epoch: int | None = None
         self._order = np.arange(len(store))
 
@@ -453,12 +459,15 @@ class PackedLoader:
     def _fill_row(self, ids: np.ndarray, labels: np.ndarray, starts: list[int], base: int) -> bool:
         """Fill one row in place; append its segment starts (flattened positions). False = the
         stream ended (loop=False) before the row got any token."""
-        T, filled = self.seq_len, 0
+        T = self.seq_len
+        filled = 0
         while filled < T:
             if self.cursor >= len(self.store):
                 if not self.loop:
                     break
-                self.epoch, self.cursor, self.offset = self.epoch + 1, 0, 0
+                self.epoch = self.epoch + 1
+                self.cursor = 0
+                self.offset = 0
             d = int(self._current_order()[self.cursor])
             a = int(self.store.offsets[d]) + self.offset
             remaining = self.store.doc_length(d) - self.offset
@@ -475,7 +484,8 @@ class PackedLoader:
             filled += take
             self.offset += take
             if self.offset == self.store.doc_length(d):
-                self.cursor, self.offset = self.cursor + 1, 0
+                self.cursor = self.cursor + 1
+                self.offset = 0
         if filled < T:
             if filled == 0 and not self.loop and self.cursor >= len(self.store):
                 return False
@@ -511,7 +521,8 @@ class PackedLoader:
         if rows < B:  # end of a single pass: pad whole rows
             for r in range(rows, B):
                 starts.append(r * T)
-                ids[r], labels[r] = self.pad_id, IGNORE_INDEX
+                ids[r] = self.pad_id
+                labels[r] = IGNORE_INDEX
         self.batches += 1
         cu = torch.tensor(starts + [B * T], dtype=torch.long)
         return Batch(torch.from_numpy(ids), torch.from_numpy(labels), cu)

@@ -112,7 +112,9 @@ class Progress:
         stream=None,
         min_interval: float = 5.0,
     ) -> None:
-        self.total, self.initial, self.enabled = total, initial, enabled
+        self.total = total
+        self.initial = initial
+        self.enabled = enabled
         self.stream = stream or sys.stderr
         self.min_interval = min_interval
         self._t0 = time.perf_counter()

@@ -46,7 +46,8 @@ class MixedLoader:
             or not 0.0 <= fraction < 1.0
         ):
             raise ValueError(f"fraction={fraction!r}: must lie in [0, 1)")
-        self.primary, self.secondary = primary, secondary
+        self.primary = primary
+        self.secondary = secondary
         self.fraction, self.seed = float(fraction), int(seed)
         self.batches = 0  # k of the next batch
         self.served_secondary = 0
@@ -120,7 +121,9 @@ class CurriculumLoader:
     def __init__(self, first: DataSource, then: DataSource, steps: int):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps={steps!r}: must be an integer >= 0")
-        self.first, self.then, self.steps = first, then, steps
+        self.first = first
+        self.then = then
+        self.steps = steps
         self.batches = 0
 
     def next_batch(self) -> dict[str, torch.Tensor]:

@@ -252,7 +252,8 @@ class Muon(torch.optim.Optimizer):
         state["step"] += 1
         t = state["step"]
         beta1, beta2 = group["betas"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m = state["exp_avg"]
+        v = state["exp_avg_sq"]
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         lr = group["lr"]

@@ -70,20 +70,22 @@ def classify_parameter(
     hit = _ATTN_WEIGHT.search(name)
     if not per_head or hit is None or "vision" in name:
         return "muon", None
-    idx, proj = int(hit.group(1)), hit.group(2)
+    idx = int(hit.group(1))
+    proj = hit.group(2)
     if idx >= len(config.layer_types):
         return "muon", None  # e.g. an MTP layer beyond num_hidden_layers
     kind = config.layer_types[idx]
-    group, blocks = "muon", None
+    group = "muon"
+    blocks = None
     if kind == KDA and proj in ("q_proj", "k_proj", "v_proj"):
-        group, blocks = "muon_kda_qkv", (config.linear_num_heads, (config.linear_head_dim,))
+        group = "muon_kda_qkv"
+        blocks = (config.linear_num_heads, (config.linear_head_dim,))
     elif kind == MLA and proj in ("q_b_proj", "q_proj"):
-        group, blocks = "muon_mla_q", (config.num_attention_heads, (config.qk_head_dim,))
+        group = "muon_mla_q"
+        blocks = (config.num_attention_heads, (config.qk_head_dim,))
     elif kind == MLA and proj == "kv_b_proj":
-        group, blocks = (
-            "muon_mla_kv",
-            (config.num_attention_heads, (config.qk_nope_head_dim, config.v_head_dim)),
-        )
+        group = "muon_mla_kv"
+        blocks = (config.num_attention_heads, (config.qk_nope_head_dim, config.v_head_dim))
     if blocks is not None and param.shape[0] != blocks[0] * sum(blocks[1]):
         raise ValueError(
             f"{name}: shape {tuple(param.shape)} does not hold {blocks[0]} heads of {sum(blocks[1])} rows "

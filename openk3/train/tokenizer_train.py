@@ -126,7 +126,8 @@ def _corpus_texts(
                     "manifest_sha256": manifest_sha,
                 }
             # A byte cap keeps documents in hash order, so every source is sampled, not the first ones.
-            chosen, total = [], 0
+            chosen = []
+            total = 0
             for d in sorted(docs, key=lambda d: _doc_hash(d["id"])):
                 n = len(d["text"].encode())
                 if total + n <= max_bytes:
@@ -148,7 +149,8 @@ def _corpus_texts(
         if not all(isinstance(t, str) for t in texts):
             raise ValueError("corpus: an iterable corpus must yield str")
         if max_bytes is not None:
-            out, total = [], 0
+            out = []
+            total = 0
             for t in texts:
                 n = len(t.encode())
                 if total + n > max_bytes:

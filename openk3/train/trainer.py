@@ -72,7 +72,9 @@ class NonFiniteError(RuntimeError):
 
     def __init__(self, step: int, what: str, value: float) -> None:
         super().__init__(f"non-finite {what} ({value}) at step {step + 1}")
-        self.step, self.what, self.value = step, what, value
+        self.step = step
+        self.what = what
+        self.value = value
 
 
 class TrainingStopped(RuntimeError):
@@ -81,7 +83,8 @@ class TrainingStopped(RuntimeError):
 
     def __init__(self, message: str, step: int, checkpoint: str | None) -> None:
         super().__init__(message)
-        self.step, self.checkpoint = step, checkpoint
+        self.step = step
+        self.checkpoint = checkpoint
 
 
 @dataclass
@@ -373,7 +376,8 @@ def _update_router_biases(
     Returns:
         ``({layer: max/mean load}, {layer: [E] expert loads})`` of the layers with statistics.
     """
-    per_layer, loads = {}, {}
+    per_layer = {}
+    loads = {}
     if not balancers:
         return per_layer, loads
     ctx.reduce_balancers(list(balancers.values()))
@@ -396,7 +400,8 @@ def evaluate(model: nn.Module, batches) -> dict:
     was_training = model.training
     model.eval()
     device = model.lm_head.weight.device
-    total, n = 0.0, 0
+    total = 0.0
+    n = 0
     try:
         for mb in batches:
             x = _model_inputs(mb, device)
@@ -520,7 +525,8 @@ def train(
         step_cfg = run.step_config()
         train_data = run.data(run, "train")
         ckpts = CheckpointManager(os.path.join(out_dir, "checkpoints"), keep=run.keep_checkpoints)
-        start, ckpt_path = 0, None
+        start = 0
+        ckpt_path = None
         if (
             resume
         ):  # into the plain model, before any sharding (the checkpoint is single-process format)
@@ -535,9 +541,11 @@ def train(
             else NullLog()
         )
         last: dict = {}
-        tokens_done, t0 = 0, time.perf_counter()
+        tokens_done = 0
+        t0 = time.perf_counter()
         bar = Progress(total=end, initial=start, enabled=progress and ctx.is_writer)
-        step, saved_step = start, (start if ckpt_path else None)
+        step = start
+        saved_step = start if ckpt_path else None
         with _StopFlag() as stop:
             try:
                 stop_sig = ctx.agree_signal(stop.signum)
@@ -589,10 +597,10 @@ def train(
                         saved_step = step
                     stop_sig = ctx.agree_signal(stop.signum)
                 if stop_sig is not None and saved_step != step:
-                    ckpt_path, saved_step = (
-                        ctx.save(ckpts, step, model, optimizer, balancers, train_data, run, last),
-                        step,
+                    ckpt_path = ctx.save(
+                        ckpts, step, model, optimizer, balancers, train_data, run, last
                     )
+                    saved_step = step
             finally:
                 bar.close()
                 log.close()

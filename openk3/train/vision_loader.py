@@ -132,8 +132,11 @@ class ImageSFTLoader:
             int(seed),
             bool(shuffle),
         )
-        self.pad_id, self.image_config = int(pad_id), image_config or DEFAULT_CONFIG
-        self.epoch, self.cursor, self.batches = 0, 0, 0
+        self.pad_id = int(pad_id)
+        self.image_config = image_config or DEFAULT_CONFIG
+        self.epoch = 0
+        self.cursor = 0
+        self.batches = 0
         self._order_epoch: int | None = None
         self._order = np.arange(len(docs))
         h = hashlib.sha256()
@@ -197,10 +200,13 @@ class ImageSFTLoader:
 
     def next_doc_indices(self) -> list[int]:
         """Advance over one row's documents and return their indices (in row order)."""
-        T, filled, out = self.seq_len, 0, []
+        T = self.seq_len
+        filled = 0
+        out = []
         while True:
             if self.cursor >= len(self.docs):
-                self.epoch, self.cursor = self.epoch + 1, 0
+                self.epoch = self.epoch + 1
+                self.cursor = 0
             d = int(self._current_order()[self.cursor])
             n = len(self.docs[d].ids)
             if filled + n > T:
@@ -218,7 +224,9 @@ class ImageSFTLoader:
         T = self.seq_len
         ids = np.full(T, self.pad_id, dtype=np.int64)
         labels = np.full(T, IGNORE_INDEX, dtype=np.int64)
-        starts, pos, images = [], 0, []
+        starts = []
+        pos = 0
+        images = []
         for d in self.next_doc_indices():
             doc = self.docs[d]
             starts.append(pos)

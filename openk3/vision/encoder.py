@@ -124,8 +124,10 @@ def apply_rope_2d(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         [L, H, K] in ``x.dtype``.
     """
     xf = x.float()
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1 = xf[..., 0::2]
+    x2 = xf[..., 1::2]
+    cos = angles.cos()[:, None, :]
+    sin = angles.sin()[:, None, :]
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
     return out.flatten(-2).to(x.dtype)
 
@@ -143,7 +145,9 @@ def segment_attention_reference(
     scale = q.shape[-1] ** -0.5
     outs = []
     for s, e in bounds:
-        qs, ks, vs = q[s:e].float(), k[s:e].float(), v[s:e].float()
+        qs = q[s:e].float()
+        ks = k[s:e].float()
+        vs = v[s:e].float()
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vs))
     return torch.cat(outs).flatten(-2).to(q.dtype)
@@ -195,7 +199,8 @@ def temporal_pool_merge(
     """
     kh, kw = kernel
     d = x.shape[-1]
-    out, pos = [], 0
+    out = []
+    pos = 0
     for i, (t, h, w) in enumerate(grids):
         if h % kh or w % kw:
             raise ValueError(
@@ -288,7 +293,8 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        d, a = config.vt_hidden_size, config.qkv_hidden_size
+        d = config.vt_hidden_size
+        a = config.qkv_hidden_size
         self.num_heads = config.vt_num_attention_heads
         self.head_dim = config.head_dim
         self.norm0 = RMSNorm(d, eps=VIT_NORM_EPS)
@@ -342,7 +348,8 @@ class Encoder(nn.Module):
         angles = torch.cat(
             [rope_2d_angles(h, w, self.head_dim).repeat(t, 1) for t, h, w in grids]
         ).to(x.device)
-        bounds, pos = [], 0
+        bounds = []
+        pos = 0
         for t, h, w in grids:
             bounds.append((pos, pos + t * h * w))
             pos += t * h * w
@@ -431,14 +438,13 @@ def tower_activation_bytes(
         grids: the images' (t, h, w) grids, or a packed patch count L (one image).
         itemsize: bytes per element of the tower's dtype.
     """
-    p, d, a, i = (
-        config.patch_size,
-        config.vt_hidden_size,
-        config.qkv_hidden_size,
-        config.vt_intermediate_size,
-    )
+    p = config.patch_size
+    d = config.vt_hidden_size
+    a = config.qkv_hidden_size
+    i = config.vt_intermediate_size
     kh, kw = config.merge_kernel_size
-    m, e = config.merged_hidden_size, config.text_hidden_size
+    m = config.merged_hidden_size
+    e = config.text_hidden_size
     sizes = (
         [(int(grids), int(grids))]
         if isinstance(grids, int)
@@ -527,8 +533,11 @@ def _pieces(tower, pixel_values, grid, pos, angles, projector, piece_flops):
     cfg = tower.config
     t, h, w = grid
     L = t * h * w
-    d, a, i = cfg.vt_hidden_size, cfg.qkv_hidden_size, cfg.vt_intermediate_size
-    heads, k_dim = cfg.vt_num_attention_heads, cfg.head_dim
+    d = cfg.vt_hidden_size
+    a = cfg.qkv_hidden_size
+    i = cfg.vt_intermediate_size
+    heads = cfg.vt_num_attention_heads
+    k_dim = cfg.head_dim
 
     def rows_for(per_row: int) -> int:
         # Powers of two from 64 up: measured on CPU, row blocks of these sizes give the same bits as
@@ -549,7 +558,8 @@ def _pieces(tower, pixel_values, grid, pos, angles, projector, piece_flops):
         yield per * (e - s)
     del pos
     q = torch.empty(L, heads, k_dim, dtype=x.dtype, device=x.device)
-    k, v = torch.empty_like(q), torch.empty_like(q)
+    k = torch.empty_like(q)
+    v = torch.empty_like(q)
     qkv_per = 2 * d * 3 * a
     attn_per = 4 * L * a + 2 * a * d + 4 * d * i
     for block in tower.encoder.blocks:

@@ -203,7 +203,9 @@ def navit_resize(
     """
     if width < 1 or height < 1:
         raise ImageError(f"zero-size image {width}x{height}", code="empty")
-    p, m, side = config.patch_size, config.merge_kernel_size, config.patch_limit_on_one_side
+    p = config.patch_size
+    m = config.merge_kernel_size
+    side = config.patch_limit_on_one_side
     # Same float operations, in the same order, as the released processor: int() truncation of
     # W * scale decides the grid, so a different but equivalent expression could differ by one.
     s_total = math.sqrt(config.in_patch_limit / (max(1.0, width // p) * max(1.0, height // p)))
@@ -211,8 +213,10 @@ def navit_resize(
     new_w = min(max(1, int(width * scale)), side * p)
     new_h = min(max(1, int(height * scale)), side * p)
     f = m * p
-    pad_w, pad_h = (f - new_w % f) % f, (f - new_h % f) % f
-    gw, gh = (new_w + pad_w) // p, (new_h + pad_h) // p
+    pad_w = (f - new_w % f) % f
+    pad_h = (f - new_h % f) % f
+    gw = (new_w + pad_w) // p
+    gh = (new_h + pad_h) // p
     return ResizePlan(width, height, new_w, new_h, pad_w, pad_h, gh, gw, (gh // m) * (gw // m))
 
 
@@ -353,10 +357,8 @@ def _background(h: int, w: int, bg: dict[str, Any]) -> np.ndarray:
     pattern = bg.get("pattern", "black")
     if pattern == "chessboard":
         s = int(bg.get("chessboard_square_size", 16))
-        white, gray = (
-            int(bg.get("chessboard_white_value", 255)),
-            int(bg.get("chessboard_gray_value", 200)),
-        )
+        white = int(bg.get("chessboard_white_value", 255))
+        gray = int(bg.get("chessboard_gray_value", 200))
         parity = (np.arange(h)[:, None] // s + np.arange(w)[None, :] // s) % 2
         # The square at the top-left corner is white when chessboard_square_on_top_left is true.
         gray_mask = parity == (1 if bg.get("chessboard_square_on_top_left", True) else 0)

@@ -23,7 +23,8 @@ class PatchMergerV2(nn.Module):
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        m, e = config.merged_hidden_size, config.text_hidden_size
+        m = config.merged_hidden_size
+        e = config.text_hidden_size
         self.proj = nn.Sequential(
             nn.Linear(m, m, bias=False), nn.GELU(), nn.Linear(m, e, bias=False)
         )

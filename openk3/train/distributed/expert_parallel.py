@@ -52,7 +52,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+        ctx.send = send
+        ctx.recv = recv
+        ctx.group = group
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
@@ -70,7 +72,8 @@ class _ExpertGradSync(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w: torch.Tensor, dp_degree: int, replica_group) -> torch.Tensor:
-        ctx.dp_degree, ctx.replica_group = dp_degree, replica_group
+        ctx.dp_degree = dp_degree
+        ctx.replica_group = replica_group
         return w.view_as(w)
 
     @staticmethod
@@ -151,7 +154,9 @@ class AllToAllDispatcher:
             raise ValueError(
                 f"num_experts={num_experts}: not divisible by the expert-parallel size {world}"
             )
-        self.num_experts, self.group, self.world = num_experts, group, world
+        self.num_experts = num_experts
+        self.group = group
+        self.world = world
         self.num_local_experts = num_experts // world
         self.last_send: list[int] = []
         self.last_recv: list[int] = []
@@ -161,7 +166,8 @@ class AllToAllDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """x: [N, L], topk_idx: [N, k] global ids -> (rows [M, L], local expert id [M] int64, handle)."""
         n, k = topk_idx.shape
-        r, el = self.world, self.num_local_experts
+        r = self.world
+        el = self.num_local_experts
         flat = topk_idx.reshape(-1).long()
         order = torch.argsort(flat, stable=True)  # groups rows by expert, hence by owner rank
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
@@ -175,7 +181,8 @@ class AllToAllDispatcher:
         )
         local_ids = torch.arange(el, device=flat.device).repeat(r)
         expert = torch.repeat_interleave(local_ids, recv_counts)
-        self.last_send, self.last_recv = send, recv
+        self.last_send = send
+        self.last_recv = recv
         return rows, expert, DispatchHandle(n, k, order, send, recv)
 
     def combine(
@@ -237,13 +244,15 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(
                 f"n_routed_experts={e}: not divisible by the expert-parallel size {ep_size}"
             )
-        self.mesh, self.ep_dim = mesh, ep_dim
+        self.mesh = mesh
+        self.ep_dim = ep_dim
         self.act = experts.act
         self.qat = getattr(
             experts, "qat", None
         )  # QAT scheme of the source module (model_qat switches it)
         self.initializer_range = experts.initializer_range
-        self.num_experts, self.num_local_experts = e, e // ep_size
+        self.num_experts = e
+        self.num_local_experts = e // ep_size
         self.dp_degree = mesh.size()
         rep_dim = 1 - ep_dim if mesh.ndim == 2 else None
         self.replica_group = (

@@ -65,7 +65,8 @@ def _row_shard(t: DTensor) -> tuple[int, int] | None:
     if len(sharded) != 1 or not isinstance(sharded[0][1], Shard) or sharded[0][1].dim != 0:
         return None
     d = sharded[0][0]
-    size, coord = t.device_mesh.size(d), t.device_mesh.get_local_rank(d)
+    size = t.device_mesh.size(d)
+    coord = t.device_mesh.get_local_rank(d)
     chunk = -(-t.shape[0] // size)  # torch.chunk rows per rank
     return min(coord * chunk, t.shape[0]), t.to_local().shape[0]
 

@@ -87,7 +87,9 @@ class SingleProcess:
     """One process: the model is used as built, a step is ``grad_accum`` micro-batches, this
     process writes everything. ``run.ep_size`` is ignored. EP=1 gives the same numbers."""
 
-    world, rank, is_writer = 1, 0, True
+    world = 1
+    rank = 0
+    is_writer = True
 
     def __init__(self, run=None) -> None:
         self.device = run.device if run is not None else "cpu"
@@ -267,7 +269,8 @@ class DistributedRun:
     def nonfinite_loss_on_any_rank(self) -> float | None:
         """The non-finite loss to report if any rank had one this step (this rank's value, or NaN
         for another rank's), else None; resets for the next step. Collective (MAX all-reduce)."""
-        bad, self._bad_loss = self._bad_loss, None
+        bad = self._bad_loss
+        self._bad_loss = None
         flag = torch.tensor([0.0 if bad is None else 1.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not bool(flag.item()):
