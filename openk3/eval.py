@@ -447,7 +447,8 @@ class InProcessModel:
             )
         engine = self._engine
         parsers = {}
-        for i, req in enumerate(requests):
+
+        def add(i: int, req: dict) -> None:
             prompt = encode_request(req, self.tokenizer)
             params = SamplingParams(
                 max_tokens=self.max_tokens,
@@ -473,11 +474,24 @@ class InProcessModel:
                 tool_index_start=prompt.history_tool_calls,
                 tools_enabled=prompt.tool_choice != "none",
             )
-        while engine.has_unfinished():
+
+        # Requests go in as slots free up, at most ``2 * max_num_seqs`` in flight: a suite may hold
+        # more items than the engine's waiting queue takes (300 arithmetic items at --n 100 against
+        # max_waiting 256 raised EngineOverloaded), and a short queue keeps the prefix cache warm.
+        window = 2 * self.max_num_seqs
+        next_i = 0
+        in_flight = 0
+        while next_i < len(requests) or engine.has_unfinished():
+            while next_i < len(requests) and in_flight < window:
+                add(next_i, requests[next_i])
+                next_i += 1
+                in_flight += 1
             for out in engine.step():
                 parsers[out.request_id].feed(out.new_token_ids)
-                if out.finished and progress is not None:
-                    progress(1)
+                if out.finished:
+                    in_flight -= 1
+                    if progress is not None:
+                        progress(1)
         messages = []
         for i in range(len(requests)):
             p = parsers[str(i)]

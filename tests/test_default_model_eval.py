@@ -169,6 +169,17 @@ def test_in_process_eval_on_a_random_checkpoint(tiny_checkpoint):
         assert 0.0 <= x["rate"] <= 1.0 and x["n"] == 2
 
 
+def test_in_process_eval_takes_more_requests_than_the_engine_queue(tiny_checkpoint):
+    """A suite larger than the engine's waiting queue (300 arithmetic items at --n 100 against
+    max_waiting 256) is fed as slots free up instead of raising EngineOverloaded."""
+    torch.set_num_threads(1)
+    model = InProcessModel(str(tiny_checkpoint), max_tokens=1, max_num_seqs=4)
+    requests = [{"messages": [{"role": "user", "content": f"Say '{i}' and nothing else."}]} for i in range(300)]
+    answers = model.chat(requests)
+    assert len(answers) == 300 and all(a["role"] == "assistant" for a in answers)
+    assert model._engine.config.max_waiting < 300  # the case the window exists for
+
+
 def test_cli_eval_writes_the_table(tiny_checkpoint, tmp_path, capsys):
     from openk3.cli import main
 
