@@ -3,7 +3,7 @@
 One stage after the text model (``default-model``, whose pretraining / SFT stay text-only)::
 
     openk3 train --recipe default-model-vision --out runs/vision \\
-        --set extra='{"text_ckpt": "runs/default-model/checkpoints/step-0002800"}'
+        --set extra='{"text_ckpt": "runs/default-model/checkpoints/step-0004000"}'
 
 The shipped ``openk3-tiny`` is this command's run with the defaults below (1200 steps x 1024
 tokens, half image rows and half text SFT rows; 12 min on the 2-core machine at ~0.6 s/step).
@@ -191,12 +191,12 @@ def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
     ckpt = x.text_ckpt
     if not ckpt:
         raise ValueError(
-            "extra.text_ckpt: required (a text SFT checkpoint, e.g. runs/default-model/checkpoints/step-0002800)"
+            "extra.text_ckpt: required (a text SFT checkpoint, e.g. runs/default-model/checkpoints/step-0004000)"
         )
     if not isinstance(ckpt, str) or not os.path.isfile(os.path.join(ckpt, "config.json")):
         raise ValueError(
             f"extra.text_ckpt={ckpt!r}: not a checkpoint directory (no config.json); give a text SFT "
-            f"checkpoint such as runs/default-model/checkpoints/step-0002800"
+            f"checkpoint such as runs/default-model/checkpoints/step-0004000"
         )
     print(
         f"[default-model-vision] vision stage from {x.text_ckpt} with {run.qat or 'no'} QAT",
