@@ -352,6 +352,18 @@ def _tool_run(b: _Builder, run: list[ToolResult], calls: list[ToolCall], counter
         b.parts(r.parts)
         b.end_message()
 
+    named = [r for r in run if r.by_name]
+    if named:  # results named by themselves follow the ones that answer calls, in run order
+        counter = (
+            _tool_run(b, [r for r in run if not r.by_name], calls, counter)
+            if len(named) < len(run)
+            else counter
+        )
+        for r in named:
+            counter += 1
+            emit(r, r.fallback_name, counter)
+        return counter
+
     if all(r.id is not None and str(r.id) in call_ids for r in run):
         done: set[str] = set()
         for c in calls:

@@ -117,6 +117,10 @@ class ToolResult:
     parts: Parts
     id_key: str = "tool_call_id"  # the key ``id`` came from (``tool_call_id`` or ``id``)
     stray_tools: bool = False
+    # A result that answers no call and is named by ``fallback_name`` alone (a Responses
+    # ``function_call_output`` without ``call_id``, which Codex sends for context it injects):
+    # rendered after the run's other results, never matched against the calls.
+    by_name: bool = False
 
 
 @dataclass

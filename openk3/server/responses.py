@@ -348,12 +348,20 @@ def _items(body: dict) -> _Conversation:
             turn.calls.append(ToolCall(name=name, id=call_id, arguments=args, raw_json=raw))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
+            output = _output_text(item.get("output"), f"{where}.output")
+            if call_id is None and isinstance(item.get("name"), str) and item["name"]:
+                # Codex sends context it injects (e.g. its goal's objective) as an output that
+                # answers no call, named instead: {"type": "function_call_output", "name":
+                # "goal_objective", "namespace": "agent", "output": "..."}. Rendered as a tool
+                # result of that name after the run's answers.
+                conv.add(ToolResult(0, None, item["name"], output, by_name=True), where)
+                continue
             if not isinstance(call_id, str) or not call_id:
-                raise bad_request(f"{where}.call_id: a non-empty string is required")
-            conv.add(
-                ToolResult(0, call_id, None, _output_text(item.get("output"), f"{where}.output")),
-                where,
-            )
+                raise bad_request(
+                    f"{where}.call_id: a non-empty string is required (or, for an output "
+                    "that answers no call, a non-empty name)"
+                )
+            conv.add(ToolResult(0, call_id, None, output), where)
         elif kind == "item_reference":
             raise bad_request(
                 f"{where}: item_reference needs stored responses; this server is stateless "

@@ -163,7 +163,7 @@ def check_messages(req: Conversation) -> None:
             raise bad_request(
                 f"messages[{i}].content: content must not be empty for {_role(m)} messages"
             )
-        if isinstance(m, ToolResult) and (m.id_key != "tool_call_id" or not m.id):
+        if isinstance(m, ToolResult) and not m.by_name and (m.id_key != "tool_call_id" or not m.id):
             raise bad_request(f"messages[{i}].tool_call_id: required for tool messages")
         if isinstance(m, AssistantMessage) and thinking and not m.partial:
             if m.reasoning is not None:

@@ -108,3 +108,37 @@ def test_min_p_reaches_the_sampling_params():
     params = parse_request(dict(body, min_p=0.3)).to_sampling_params(max_tokens=4, stop_token_ids=[1])
     assert params.min_p == 0.3 and params.top_p == 0.95  # on top of the fixed sampling
     assert parse_request(body).to_sampling_params(max_tokens=4, stop_token_ids=[1]).min_p == 0.0
+
+
+def test_responses_output_without_call_id_is_a_named_tool_result(tokenizer):
+    """Codex sends context it injects as a ``function_call_output`` that answers no call and
+    carries ``name`` (and ``namespace``) instead of ``call_id``: it renders as a tool result of
+    that name after the run's answers; with neither ``call_id`` nor ``name`` it stays a 400."""
+    from openk3.chat_format import encode_request, render
+    from openk3.server.protocol import APIError
+    from openk3.server.responses import parse_request
+
+    tool = {"type": "function", "name": "make_goal", "parameters": {"type": "object"}}
+    call = {"type": "function_call", "name": "make_goal", "arguments": '{"objective": "tidy"}',
+            "call_id": "functions.make_goal:0"}
+    answer = {"type": "function_call_output", "call_id": "functions.make_goal:0", "output": "created"}
+    named = {"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent",
+             "output": "tidy"}
+    body = {"model": "m", "tools": [tool], "input": [{"role": "user", "content": "Set a goal: tidy"},
+                                                     {"type": "reasoning", "summary": [], "content": []},
+                                                     call, answer, named]}
+    got, _ = parse_request(body)
+    chat = {"messages": [
+        {"role": "user", "content": "Set a goal: tidy"},
+        {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": [
+            {"id": "functions.make_goal:0", "type": "function",
+             "function": {"name": "make_goal", "arguments": '{"objective": "tidy"}'}}]},
+        {"role": "tool", "tool_call_id": "functions.make_goal:0", "content": "created"},
+        {"role": "tool", "name": "goal_objective", "content": "tidy"}],
+        "tools": [{"type": "function", "function": {"name": "make_goal", "parameters": {"type": "object"}}}]}
+    prompt = render(got, tokenizer)
+    assert prompt == encode_request(chat, tokenizer)
+    text = tokenizer.decode(prompt.token_ids)
+    assert text.index('tool="make_goal" index="1"') < text.index('tool="goal_objective" index="2"')
+    with pytest.raises(APIError, match=r"input\[1\]\.call_id: a non-empty string is required"):
+        parse_request({"model": "m", "input": [call, {"type": "function_call_output", "output": "x"}]})
