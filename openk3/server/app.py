@@ -65,7 +65,7 @@ from openk3.server.protocol import (
     first_error,
 )
 from openk3.server.request import ChatCompletionRequest, TokenCountRequest
-from openk3.server.screen import BodyScreen, ScreenSpec, invalid_json_message
+from openk3.server.screen import BodyScreen, ScreenSpec, invalid_json_message, long_integer_message
 from openk3.server.serving import ChatServing, Generation, ModelInfo
 from openk3.server.validation import Limits
 
@@ -428,6 +428,10 @@ def create_app(
             exc.__cause__, RecursionError
         ):  # FastAPI's body parse: json.loads recursed too deep
             message = "Invalid request: body: JSON nested too deeply to parse"
+        elif isinstance(exc.__cause__, ValueError) and "integer string conversion" in str(
+            exc.__cause__
+        ):  # FastAPI's body parse: an integer longer than Python parses
+            message = long_integer_message(await request.body())
         return _error_response(
             request.url.path, APIError(status, message, headers=getattr(exc, "headers", None))
         )

@@ -95,6 +95,22 @@ def invalid_json_message(detail: str, pos: Any) -> str:
     return f"Invalid request: body: invalid JSON ({detail}{at})"
 
 
+# A JSON integer longer than Python parses (``sys.get_int_max_str_digits()``, 4,300 by default):
+# json.loads raises ValueError on it, before any field check could name it.
+_LONG_INT = re.compile(
+    rb'(?:"((?:[^"\\]|\\.)*)"\s*:\s*)?-?\d{%d,}' % (sys.get_int_max_str_digits() + 1)
+)
+
+
+def long_integer_message(raw: bytes) -> str:
+    """The 400 message for a body holding an integer of more digits than Python parses, naming
+    the object key it is the value of (``body`` when it is an array element):
+    ``Invalid request: max_tokens: an integer of more than 4300 digits``."""
+    m = _LONG_INT.search(raw)
+    key = m.group(1).decode("utf-8", "replace") if m and m.group(1) is not None else "body"
+    return f"Invalid request: {key}: an integer of more than {sys.get_int_max_str_digits()} digits"
+
+
 def parsed_as_json(content_type: str | None) -> bool:
     """Whether FastAPI (strict content type, its default) parses a body with this
     ``Content-Type`` as JSON: ``application/json`` or ``application/*+json``, not a missing one."""
@@ -205,6 +221,8 @@ def screen(
         return 400, "Invalid request: body: JSON nested too deeply to parse"
     except UnicodeDecodeError as e:
         return 400, invalid_json_message(str(e), None)
+    except ValueError:  # an integer longer than Python parses
+        return 400, long_integer_message(raw)
     try:
         _check(serving, path, body)
     except APIError as e:

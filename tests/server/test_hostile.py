@@ -382,6 +382,15 @@ def test_small_hostile_fields_are_400s_naming_the_field(live):
                                                        "an integer of about 430"), r.text  # 4,300 or 4,301 digits
         r = http.post("/anthropic/v1/messages", content=f'{{"model": "{MODEL}", "messages": {user}, "max_tokens": {huge}}}')
         assert r.status_code == 400 and "an integer of about 430" in r.json()["error"]["message"], r.text
+        # Longer than Python parses: json.loads itself fails, and the 400 still names the key.
+        longer = "9" * 5000
+        for path, body in (("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {user}, "max_tokens": {longer}}}'),
+                           ("/anthropic/v1/messages", f'{{"model": "{MODEL}", "messages": {user}, "max_tokens": -{longer}}}'),
+                           ("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": {user}, "seed": [{longer}]}}')):
+            r = http.post(path, content=body)
+            want = "max_tokens" if "max_tokens" in body else "body"
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == f"Invalid request: {want}: an integer of more than 4300 digits", r.text
         block = {"type": "tool_result", "tool_use_id": "t0", "content": [{"type": "image", "source": "abc"}]}
         r = http.post("/anthropic/v1/messages", json={"model": MODEL, "max_tokens": 4,
                                                        "messages": [{"role": "user", "content": [block]}]})

@@ -126,6 +126,9 @@ def test_screen_verdicts_are_the_servers_own_answers(tokenizer):
     deep = b"[" * 100_000 + b"]" * 100_000
     assert screen("/v1/chat/completions", deep, worker, spec) == (
         400, "Invalid request: body: JSON nested too deeply to parse")
+    long_int = b'{"model": "m", "messages": [], "user": "' + b"u" * 300_000 + b'", "max_tokens": ' + b"7" * 5000 + b"}"
+    assert screen("/v1/chat/completions", long_int, worker, spec) == (
+        400, "Invalid request: max_tokens: an integer of more than 4300 digits")
 
 
 def test_the_worker_refuses_in_tokens_and_stops_at_the_context(tokenizer, monkeypatch):
