@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from openk3.config import K3Config
 from openk3.model import K3ForCausalLM, K3Output

@@ -229,7 +229,6 @@ def run(quick: bool = False, reps: int | None = None, **overrides) -> dict:
         request = claude_code_like_request(scale=p["scale"] / 1000, n_tools=p["tools"])
     ids1 = _prompt_ids(tok, request)
     n1 = len(ids1)
-    greedy1 = SamplingParams(max_tokens=1, temperature=0.0)
     captured: dict[str, torch.Tensor] = {}
 
     def engine(m, **kw) -> Engine:

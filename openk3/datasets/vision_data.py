@@ -31,7 +31,6 @@ import base64
 import hashlib
 import io
 import random
-from dataclasses import dataclass
 
 from PIL import Image, ImageDraw, ImageFont
 
