@@ -344,7 +344,9 @@ def _conversation(
 def _tool_run(b: _Builder, run: list[ToolResult], calls: list[ToolCall], counter: int) -> int:
     """Render a maximal run of tool results against the latest assistant's calls (§4.4): resolved
     (every result's id names a call) in call order, otherwise in the given order (the template's
-    fallback; the server refuses such a history before it gets here)."""
+    fallback; the server refuses such a history before it gets here). Results marked ``by_name``
+    (a Responses output that answers no call) come after the others, named by ``fallback_name``.
+    Returns the counter after the run."""
     call_ids = {str(c.id) for c in calls if c.id is not None}
 
     def emit(r: ToolResult, name: str, index: int) -> None:
@@ -354,11 +356,9 @@ def _tool_run(b: _Builder, run: list[ToolResult], calls: list[ToolCall], counter
 
     named = [r for r in run if r.by_name]
     if named:  # results named by themselves follow the ones that answer calls, in run order
-        counter = (
-            _tool_run(b, [r for r in run if not r.by_name], calls, counter)
-            if len(named) < len(run)
-            else counter
-        )
+        answers = [r for r in run if not r.by_name]
+        if answers:
+            counter = _tool_run(b, answers, calls, counter)
         for r in named:
             counter += 1
             emit(r, r.fallback_name, counter)
