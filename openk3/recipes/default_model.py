@@ -86,6 +86,10 @@ class DefaultModelSettings(RecipeSettings):
         sft_replay: share of SFT train rows that are corpus rows, in [0, 1).
         long_share (in [0, 1)), long_seq_len (>= 1), long_items (>= 1, seed ``sft_seed`` + 100):
             long harness-prompt SFT rows.
+        mid_steps (>= 0; 0 skips the stage), mid_lr, mid_facts_share (in [0, 1)),
+            mid_facts_items (>= 1, seed ``sft_seed`` + 400): stage 3b, mid-training from the
+            pretrained weights on the pretraining mixture with ``mid_facts_share`` of the rows
+            column-fact drill documents (:mod:`openk3.datasets.column_facts`).
     Raises (construction):
         ValueError: a value of the wrong type or out of range, naming ``extra.<field>``.
     """
@@ -123,6 +127,10 @@ class DefaultModelSettings(RecipeSettings):
     long_share: float = 0.0
     long_seq_len: int = 8192
     long_items: int = 1000
+    mid_steps: int = 0
+    mid_lr: float = 3e-3
+    mid_facts_share: float = 0.6
+    mid_facts_items: int = 4000
 
     def __post_init__(self) -> None:
         if self.sft_mixture is not None:  # its own messages name the task and share
@@ -138,6 +146,7 @@ class DefaultModelSettings(RecipeSettings):
             "pretrain_induction_share",
             "pretrain_copy_share",
             "long_share",
+            "mid_facts_share",
         ):
             check_fraction(self, name)
         if self.pretrain_sft_share + self.pretrain_induction_share >= 1:
@@ -151,7 +160,12 @@ class DefaultModelSettings(RecipeSettings):
                 f"{OWNER}.pretrain_decay_fraction={self.pretrain_decay_fraction!r}: must be a number in "
                 f"[0, 1]"
             )
-        for name in ("pretrain_steps", "pretrain_copy_steps", "pretrain_copy_narrow_steps"):
+        for name in (
+            "pretrain_steps",
+            "pretrain_copy_steps",
+            "pretrain_copy_narrow_steps",
+            "mid_steps",
+        ):
             check_at_least(self, name, 0)
         check_at_least(self, "pretrain_copy_narrow_ids", 2)
         for name in (
@@ -160,6 +174,7 @@ class DefaultModelSettings(RecipeSettings):
             "sft_items",
             "induction_items",
             "pretrain_copy_items",
+            "mid_facts_items",
         ):
             check_at_least(self, name, 1)
         for name in ("pretrain_copy_span", "pretrain_copy_narrow_span"):
@@ -290,27 +305,20 @@ def sft_data(run: RunConfig, split: str):
     return data
 
 
-def pretrain_data(run: RunConfig, split: str):
-    """Pretraining data: the corpus (:func:`corpus_data`) with ``pretrain_sft_share`` of the train
-    rows SFT conversations (another data seed, ``sft_seed`` + 50) and ``pretrain_induction_share``
-    induction documents (:mod:`openk3.datasets.induction`, seed ``sft_seed`` + 200, every token a
-    target), so the skills' formats and the copying they need are trained from the first steps.
-    Before the mixture, a copy curriculum of random-span documents only
-    (:func:`~openk3.datasets.induction.span_store`), in which copying is the only way to lower the
-    loss: ``pretrain_copy_narrow_steps`` batches of spans over the first
-    ``pretrain_copy_narrow_ids`` ordinary ids (seed ``sft_seed`` + 301; where the circuit forms),
-    then ``pretrain_copy_steps`` batches over every ordinary id (seed ``sft_seed`` + 300; where it
-    carries over to the whole vocabulary)."""
+def pretrain_mixture(run: RunConfig):
+    """Pretraining's train mixture (after its copy curriculum): the corpus train split with
+    ``pretrain_sft_share`` of the rows SFT conversations (data seed ``sft_seed`` + 50),
+    ``pretrain_induction_share`` induction documents (:mod:`openk3.datasets.induction`, seed
+    ``sft_seed`` + 200) and ``pretrain_copy_share`` random-span copy documents (seed ``sft_seed``
+    + 302), every token of the synthetic documents a target."""
     from openk3.train.data import PackedLoader
     from openk3.datasets.induction import induction_store, span_store
-    from openk3.train.mixed_data import CurriculumLoader, MixedLoader
+    from openk3.train.mixed_data import MixedLoader
 
     x = settings(run)
-    data = corpus_data(run, split)
+    data = corpus_data(run, "train")
     p_sft = x.pretrain_sft_share
     p_ind = x.pretrain_induction_share
-    if split == "eval":
-        return data
     tok = _tokenizer(run)
     if p_sft > 0:
         data = MixedLoader(
@@ -334,6 +342,55 @@ def pretrain_data(run: RunConfig, split: str):
             x.pretrain_copy_share,
             seed=run.seed + 4,
         )
+    return data
+
+
+def mid_data(run: RunConfig, split: str):
+    """Mid-training data (stage 3b): :func:`pretrain_mixture` with ``mid_facts_share`` of the rows
+    column-fact drill documents (:func:`~openk3.datasets.column_facts.column_facts_store`, seed
+    ``sft_seed`` + 400, interleaving seed ``seed`` + 5); the corpus val split for "eval"."""
+    from openk3.train.data import PackedLoader
+    from openk3.datasets.column_facts import column_facts_store
+    from openk3.train.mixed_data import MixedLoader
+
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
+    if split == "eval":
+        return corpus_data(run, split)
+    x = settings(run)
+    facts = column_facts_store(x.sft_seed + 400, x.mid_facts_items, _tokenizer(run))
+    pad = run.model_config().pad_token_id
+    return MixedLoader(
+        pretrain_mixture(run),
+        PackedLoader(facts, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad),
+        x.mid_facts_share,
+        seed=run.seed + 5,
+    )
+
+
+def pretrain_data(run: RunConfig, split: str):
+    """Pretraining data: the corpus (:func:`corpus_data`) with ``pretrain_sft_share`` of the train
+    rows SFT conversations (another data seed, ``sft_seed`` + 50) and ``pretrain_induction_share``
+    induction documents (:mod:`openk3.datasets.induction`, seed ``sft_seed`` + 200, every token a
+    target), so the skills' formats and the copying they need are trained from the first steps.
+    Before the mixture, a copy curriculum of random-span documents only
+    (:func:`~openk3.datasets.induction.span_store`), in which copying is the only way to lower the
+    loss: ``pretrain_copy_narrow_steps`` batches of spans over the first
+    ``pretrain_copy_narrow_ids`` ordinary ids (seed ``sft_seed`` + 301; where the circuit forms),
+    then ``pretrain_copy_steps`` batches over every ordinary id (seed ``sft_seed`` + 300; where it
+    carries over to the whole vocabulary)."""
+    from openk3.train.data import PackedLoader
+    from openk3.datasets.induction import span_store
+    from openk3.train.mixed_data import CurriculumLoader
+
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: must be 'train' or 'eval'")
+    x = settings(run)
+    if split == "eval":
+        return corpus_data(run, split)
+    data = pretrain_mixture(run)
+    tok = _tokenizer(run)
+    pad = run.model_config().pad_token_id
     if x.pretrain_copy_steps > 0:
         spans = span_store(
             x.sft_seed + 300, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span)
@@ -473,8 +530,48 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
             )
         done.write_text(str(result.checkpoint) + "\n")
     ckpt = done.read_text().strip()
+    if x.mid_steps > 0:
+        ckpt = _mid_train(run, cfg, x, out_dir, ckpt, log)
     log(f"stage 4/4: SFT with {run.qat or 'no'} QAT from {ckpt}")
     return run.replace(model=cfg, init_from=ckpt, prepare=None)
+
+
+def _mid_train(run: RunConfig, cfg, x: DefaultModelSettings, out_dir: str, ckpt: str, log) -> str:
+    """Stage 3b: ``mid_steps`` steps from the pretraining checkpoint ``ckpt`` on :func:`mid_data`
+    (fresh optimizer, peak LR ``mid_lr``, WSD with pretraining's decay fraction) into
+    OUT/mid; a ``DONE`` file marks it finished. Returns its last checkpoint.
+
+    Raises:
+        ValueError: the stage stopped before ``mid_steps`` (a signal): rerun with --resume.
+    """
+    from openk3.train.trainer import train
+
+    mid_dir = os.path.join(out_dir, "mid")
+    done = Path(mid_dir) / "DONE"
+    if not done.is_file():
+        mid = run.replace(
+            name=f"{run.name}-mid",
+            model=cfg,
+            data=mid_data,
+            total_steps=x.mid_steps,
+            seq_len=x.pretrain_seq_len,
+            lr=x.mid_lr,
+            qat=None,
+            init_from=ckpt,
+            prepare=None,
+            eval_every=x.pretrain_eval_every,
+            warmup_steps=None,
+            schedule="wsd",
+            decay_fraction=x.pretrain_decay_fraction,
+        )
+        log(f"stage 3b/4: mid-training {mid.total_steps} steps from {ckpt} into {mid_dir}")
+        result = train(mid, mid_dir, resume=True, progress=True)
+        if result.signal is not None or result.step < mid.total_steps:
+            raise ValueError(
+                f"mid-training stopped at step {result.step}/{mid.total_steps}; rerun with --resume"
+            )
+        done.write_text(str(result.checkpoint) + "\n")
+    return done.read_text().strip()
 
 
 def default_model() -> RunConfig:
@@ -505,7 +602,9 @@ __all__ = [
     "corpus_data",
     "sft_data",
     "long_data",
+    "pretrain_mixture",
     "pretrain_data",
+    "mid_data",
     "model_for_tokenizer",
     "prepare_default_model",
     "default_model",

@@ -53,6 +53,7 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
         "pretrain_steps": 2, "pretrain_seq_len": 64, "pretrain_eval_every": 2, "sft_items": 12,
         "sft_eval_items": 1, "tokenizer_sft_items": 30, "pretrain_sft_share": 0.5, "induction_items": 20,
         "pretrain_copy_narrow_steps": 1, "pretrain_copy_steps": 0, "pretrain_copy_items": 20,
+        "mid_steps": 2, "mid_facts_items": 4,
     }
     run = get_recipe("default-model", total_steps=2, seq_len=256, eval_every=2, eval_batches=1, ckpt_every=1,
                      extra=extra)
@@ -71,10 +72,19 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
     assert (out / "pretrain" / "DONE").is_file()
     pre_state = json.load(open(os.path.join((out / "pretrain" / "DONE").read_text().strip(), "trainer_state.json")))
     assert (pre_state["run"]["schedule"], pre_state["run"]["decay_fraction"]) == ("wsd", 0.2)  # the recipe's default
-    # Resume: the finished stages are reused (pretraining untouched), SFT continues at step 2.
+    # Mid-training (stage 3b) started from the pretraining checkpoint, on its own data and LR.
+    mid = [json.loads(line) for line in open(out / "mid" / "metrics.jsonl")]
+    assert [r["step"] for r in mid if r["kind"] == "train"] == [1, 2]
+    mid_ckpt = (out / "mid" / "DONE").read_text().strip()
+    mid_state = json.load(open(os.path.join(mid_ckpt, "trainer_state.json")))
+    assert mid_state["run"]["init_from"] == (out / "pretrain" / "DONE").read_text().strip()
+    assert (mid_state["run"]["lr"], mid_state["run"]["qat"], mid_state["run"]["total_steps"]) == (3e-3, None, 2)
+    # Resume: the finished stages are reused (pretraining and mid-training untouched), SFT continues at step 2.
     mtime = os.path.getmtime(out / "pretrain" / "metrics.jsonl")
+    mid_mtime = os.path.getmtime(out / "mid" / "metrics.jsonl")
     second = train(run, out, resume=True, progress=False)
     assert second.step == 2 and os.path.getmtime(out / "pretrain" / "metrics.jsonl") == mtime
+    assert os.path.getmtime(out / "mid" / "metrics.jsonl") == mid_mtime
     sft = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in sft if r["kind"] == "train"] == [1, 2]
     assert all(r["loss"] == r["loss"] for r in sft if r["kind"] == "train")  # finite
@@ -83,7 +93,7 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
 
     record = json.load(open(os.path.join(second.checkpoint, STATE_JSON)))
     assert record["run"]["qat"] == "mxfp4" and record["run"]["prepare"] is None
-    assert record["run"]["init_from"] == (out / "pretrain" / "DONE").read_text().strip()
+    assert record["run"]["init_from"] == mid_ckpt
     from openk3.tokenizer import load_tokenizer
 
     assert record["run"]["model"]["vocab_size"] == load_tokenizer(tmp_path / "tok").vocab_size  # from the BPE
@@ -185,3 +195,35 @@ def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
         default_model.settings(run.replace(extra={"pretrain_schedule": "step"}))
     with pytest.raises(ValueError, match="extra.pretrain_decay_fraction=1.5"):
         default_model.settings(run.replace(extra={"pretrain_decay_fraction": 1.5}))
+
+
+def test_mid_training_mixes_column_fact_documents(monkeypatch):
+    from openk3.recipes import default_model
+    from openk3.train.data import DocumentStore, PackedLoader, document_from_ids
+    from openk3.train.tokenizer_train import train_tokenizer
+
+    tok = train_tokenizer([synthetic_document(5, i) for i in range(60)], 700, split_digits=True)
+    monkeypatch.setattr(default_model, "_tokenizer", lambda run: tok)
+    corpus = lambda run, split: PackedLoader(  # noqa: E731
+        DocumentStore.from_documents([document_from_ids([9000 + i % 50 for i in range(400)])] * 4), run.seq_len, 1)
+    monkeypatch.setattr(default_model, "corpus_data", corpus)
+    extra = {"pretrain_induction_share": 0.0, "pretrain_copy_share": 0.0, "mid_facts_share": 0.6,
+             "mid_facts_items": 30}
+    run = get_recipe("default-model", seq_len=256, extra=extra)
+    data = default_model.mid_data(run, "train")
+    rows = [data.next_batch()["input_ids"] for _ in range(60)]
+    facts = [x for x in rows if not bool((x >= 9000).all())]
+    assert 24 < len(facts) < 48  # about 0.6 of the rows
+    text = tok.decode(facts[0][0].tolist())
+    assert " = " in text and ("tens: " in text or "ones: " in text)
+    again = default_model.mid_data(run, "train")
+    assert all(torch.equal(again.next_batch()["input_ids"], x) for x in rows)  # deterministic
+    assert isinstance(default_model.mid_data(run, "eval"), PackedLoader)  # the corpus val split
+    with pytest.raises(ValueError, match="split='dev'"):
+        default_model.mid_data(run, "dev")
+    with pytest.raises(ValueError, match="split='dev'"):
+        default_model.pretrain_data(run, "dev")
+    with pytest.raises(ValueError, match="extra.mid_facts_share=1.0"):
+        default_model.settings(run.replace(extra={"mid_facts_share": 1.0}))
+    with pytest.raises(ValueError, match="extra.mid_steps=-1"):
+        default_model.settings(run.replace(extra={"mid_steps": -1}))
