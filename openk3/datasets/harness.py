@@ -365,10 +365,16 @@ def long_conversations(
             tools = tools[: len(tools) // 2]
         if room < min_tokens:
             continue
-        prose = harness_prose(rng, int(rng.uniform(min_tokens, room) * chars_per_token))
-        wrapped["messages"][0]["content"] = prose
-        if len(render_training(wrapped, tokenizer).token_ids) <= max_tokens:
-            out.append(wrapped)
+        chars = int(rng.uniform(min_tokens, room) * chars_per_token)
+        for _ in range(
+            4
+        ):  # the chars-per-token estimate is a mean: shorten the prose until it fits
+            wrapped["messages"][0]["content"] = harness_prose(rng, chars)
+            used = len(render_training(wrapped, tokenizer).token_ids)
+            if used <= max_tokens:
+                out.append(wrapped)
+                break
+            chars = int(chars * (1 - (used - max_tokens) / max(1, used)) * 0.95)
     return out
 
 

@@ -208,6 +208,7 @@ class Call:
     result: str
     answer: str
     result_values: list[str]
+    question: tuple[str, str] | None = None  # (a question asking for this call, what it wants)
 
 
 def _amount(rng: random.Random) -> int | float:
@@ -222,8 +223,62 @@ def _code(rng: random.Random, prefix: str) -> str:
     return f"{prefix}-{rng.randint(1000, 99999)}"
 
 
+def _question_for(rng: random.Random, call: Call) -> tuple[str, str] | None:
+    """A direct question that asks for ``call`` (``"What is the weather in Paris?"``) and what it
+    wants in the reasoning's words (``"the weather in Paris"``), or None for tools whose requests
+    are naturally commands (timers, emails, bookings, orders, ...).
+
+    Why: users and agent frameworks ask questions ("What is the weather in Paris?"); with only
+    command phrasings in training, the tiny model reads every question as an out-of-scope one
+    (those are all questions) and answers "I don't know" with the tool declared."""
+    a = call.args
+    if call.name == "get_weather":
+        unit = f" in {a['unit']}" if "unit" in a else ""
+        form = rng.choice(
+            (
+                "What is the weather in {c}{u}?",
+                "What's the weather like in {c}{u}?",
+                "How warm is it in {c}{u}?",
+            )
+        )
+        return form.format(c=a["city"], u=unit), f"the weather in {a['city']}{unit}"
+    if call.name == "get_time":
+        return f"What time is it in {a['timezone']}?", f"the time in {a['timezone']}"
+    if call.name == "convert_currency":
+        x = _num(a["amount"])
+        return (
+            f"How much is {x} {a['from_currency']} in {a['to_currency']}?",
+            f"{x} {a['from_currency']} in {a['to_currency']}",
+        )
+    if call.name == "lookup_contact":
+        return f"What is the phone number of {a['name']}?", f"the phone number of {a['name']}"
+    if call.name == "get_stock_price":
+        form = rng.choice(("What is the stock price of {s}?", "How is {s} trading?"))
+        return form.format(s=a["symbol"]), f"the stock price of {a['symbol']}"
+    if call.name == "translate_text":
+        return (
+            f"How do you say '{a['text']}' in {a['target_language']}?",
+            f"'{a['text']}' in {a['target_language']}",
+        )
+    if call.name == "get_directions":
+        mode = f" by {a['mode']}" if "mode" in a else ""
+        return (
+            f"How do I get from {a['origin']} to {a['destination']}{mode}?",
+            f"directions from {a['origin']} to {a['destination']}{mode}",
+        )
+    return None
+
+
 def _call_for(rng: random.Random, name: str, held_out: bool = False) -> Call:
-    """A :class:`Call` of tool ``name`` with arguments from the pools' training or held-out part."""
+    """A :class:`Call` of tool ``name`` with arguments from the pools' training or held-out part,
+    with a question form (:func:`_question_for`) where the tool has one."""
+    call = _command_call(rng, name, held_out)
+    call.question = _question_for(rng, call)
+    return call
+
+
+def _command_call(rng: random.Random, name: str, held_out: bool = False) -> Call:
+    """A :class:`Call` of tool ``name`` phrased as a command (``phrase``: a verb phrase)."""
     h = held_out
     if name == "get_weather":
         city = draw(rng, "city", h)
@@ -501,6 +556,8 @@ _ASK = (
     "{P}.",
 )  # every phrase is a verb phrase
 _JOIN = (" and ", ", and also ", " and then ", ", then ")
+# Share of one-call requests asked as a direct question where the tool has one (_question_for).
+QUESTION_SHARE = 0.4
 
 
 def _ask(rng: random.Random, text: str) -> str:
@@ -531,7 +588,10 @@ def _tool_request(
     text = calls[0].phrase
     for c in calls[1:]:
         text += rng.choice(_JOIN) + c.phrase
-    messages: list[dict] = [{"role": "user", "content": _ask(rng, text)}]
+    content = _ask(rng, text)
+    if n_calls == 1 and calls[0].question is not None and rng.random() < QUESTION_SHARE:
+        content, text = calls[0].question
+    messages: list[dict] = [{"role": "user", "content": content}]
     request: dict = {"messages": messages}
     _declare(rng, names, request, messages, 0.2)
     set_effort(request, effort)

@@ -5,13 +5,15 @@ Stages (``openk3 train --recipe default-model --out runs/default-model``)::
     1. corpus      build_corpus(default_sources())          -> extra.corpus_dir   (skipped if built)
     2. tokenizer   train_tokenizer(corpus, 8192)            -> extra.tokenizer_dir (skipped if trained)
     3. pretrain    openk3-tiny on the corpus, next-token     -> OUT/pretrain/checkpoints/step-*
+    3b. mid-train  from the pretrained weights, the mixture with column-fact drill documents
+                   (``mid_steps``; 0 skips it)               -> OUT/mid/checkpoints/step-*
     4. SFT + QAT   init_from the pretrain checkpoint, MXFP4 QAT of the routed experts (as K3),
                    the SFT mixture of :mod:`openk3.datasets.sft_data`  -> OUT/checkpoints/step-*
 
-Stages 1-3 run inside :attr:`RunConfig.prepare <openk3.recipes.RunConfig>`; stage 4 is the
+Stages 1-3b run inside :attr:`RunConfig.prepare <openk3.recipes.RunConfig>`; stage 4 is the
 run config :func:`~openk3.train.trainer.train` executes. Resumable at any point: a finished corpus
-or tokenizer is reused; pretraining always continues from its latest checkpoint (a ``DONE`` file
-marks it finished); SFT continues with ``--resume``. Every size is a field of
+or tokenizer is reused; pretraining and mid-training always continue from their latest checkpoint (a ``DONE``
+file marks each finished); SFT continues with ``--resume``. Every size is a field of
 :class:`DefaultModelSettings` (``RunConfig.settings``), overridable with ``--set
 extra='{"pretrain_steps": 3, ...}'`` or ``--set pretrain_steps=3``.
 
@@ -127,7 +129,7 @@ class DefaultModelSettings(RecipeSettings):
     long_share: float = 0.0
     long_seq_len: int = 8192
     long_items: int = 1000
-    mid_steps: int = 0
+    mid_steps: int = 1500
     mid_lr: float = 3e-3
     mid_facts_share: float = 0.6
     mid_facts_items: int = 4000

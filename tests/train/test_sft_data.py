@@ -197,3 +197,32 @@ def test_copy_and_lookup_tasks():
         key = re.search(r"(?:for|does|up) (.+?)(?: have)?[?.]$", lines[-1]).group(1)
         assert f"{key}: {lk.reference['content']}" in lines
     assert "reasoning_content" not in gen_copy(random.Random(0), None).reference
+
+
+def test_one_call_tool_requests_are_also_asked_as_questions():
+    """A share of one-call requests is a direct question ("What is the weather in Paris?") whose
+    reasoning restates what it wants with the user's values, and whose call copies them."""
+    import random as _random
+
+    from openk3.datasets.sft_tasks import QUESTION_SHARE, gen_tool_call
+
+    rng = _random.Random(11)
+    items = [gen_tool_call(rng, "high", n_calls=1) for _ in range(600)]
+    asked = [it for it in items if it.request["messages"][-1]["content"].endswith("?")
+             and not it.request["messages"][-1]["content"].startswith(("Can you", "Could you"))]
+    assert 0.5 * QUESTION_SHARE * 0.5 < len(asked) / len(items) < QUESTION_SHARE  # tools with a question form
+    names = {it.reference["tool_calls"][0]["function"]["name"] for it in asked}
+    assert names == {"get_weather", "get_time", "convert_currency", "lookup_contact", "get_stock_price",
+                     "translate_text", "get_directions"}
+    for it in asked:
+        q = it.request["messages"][-1]["content"]
+        call = it.reference["tool_calls"][0]["function"]
+        args = json.loads(call["arguments"])
+        first = it.reference["reasoning_content"].split("\n")[0]
+        assert first.startswith("The user wants ") and first.endswith(f"; I will call {call['name']}.")
+        for v in args.values():  # every argument is the user's own value, restated in the reasoning
+            text = json.dumps(v) if isinstance(v, (int, float)) else v
+            assert text in q and text in first, (q, first, args)
+    weather = [it.request["messages"][-1]["content"] for it in asked
+               if it.reference["tool_calls"][0]["function"]["name"] == "get_weather"]
+    assert any(w.startswith("What is the weather in ") for w in weather)
