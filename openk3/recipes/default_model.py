@@ -92,6 +92,8 @@ class DefaultModelSettings(RecipeSettings):
             mid_facts_items (>= 1, seed ``sft_seed`` + 400): stage 3b, mid-training from the
             pretrained weights on the pretraining mixture with ``mid_facts_share`` of the rows
             column-fact drill documents (:mod:`openk3.datasets.column_facts`).
+        sft_facts_share (in [0, 1)): share of SFT train rows that are those drill rows (next-token
+            loss on every token), interleaved with seed ``seed`` + 6.
     Raises (construction):
         ValueError: a value of the wrong type or out of range, naming ``extra.<field>``.
     """
@@ -133,6 +135,7 @@ class DefaultModelSettings(RecipeSettings):
     mid_lr: float = 3e-3
     mid_facts_share: float = 0.6
     mid_facts_items: int = 4000
+    sft_facts_share: float = 0.2
 
     def __post_init__(self) -> None:
         if self.sft_mixture is not None:  # its own messages name the task and share
@@ -149,6 +152,7 @@ class DefaultModelSettings(RecipeSettings):
             "pretrain_copy_share",
             "long_share",
             "mid_facts_share",
+            "sft_facts_share",
         ):
             check_fraction(self, name)
         if self.pretrain_sft_share + self.pretrain_induction_share >= 1:
@@ -275,8 +279,8 @@ def long_data(run: RunConfig, x: DefaultModelSettings, tok):
 def sft_data(run: RunConfig, split: str):
     """SFT data: ``sft_items`` conversations of the mixture (``sft_mixture``, seed ``sft_seed``) for
     "train", with ``long_share`` of the rows long harness-prompt rows (:func:`long_data`) and
-    ``sft_replay`` of them corpus rows (:func:`corpus_data` at this run's ``seq_len``) when > 0;
-    the held-out eval suites' reference conversations for "eval". Whole conversations per row
+    ``sft_replay`` of them corpus rows (:func:`corpus_data` at this run's ``seq_len``) and
+    ``sft_facts_share`` column-fact drill rows when > 0; the held-out eval suites' reference conversations for "eval". Whole conversations per row
     (``split_documents=False``), assistant-only loss."""
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.train.mixed_data import MixedLoader
@@ -304,7 +308,20 @@ def sft_data(run: RunConfig, split: str):
         data = MixedLoader(data, long_data(run, x, tok), x.long_share, seed=run.seed + 1)
     if x.sft_replay > 0:
         data = MixedLoader(data, corpus_data(run, "train"), x.sft_replay, seed=run.seed)
+    if x.sft_facts_share > 0:  # SFT's peak LR overwrites the facts mid-training taught otherwise
+        data = MixedLoader(data, _facts_loader(run, x, tok), x.sft_facts_share, seed=run.seed + 6)
     return data
+
+
+def _facts_loader(run: RunConfig, x: DefaultModelSettings, tok):
+    """Column-fact drill rows (:func:`~openk3.datasets.column_facts.column_facts_store`, seed
+    ``sft_seed`` + 400, ``mid_facts_items`` documents) at the run's ``seq_len``."""
+    from openk3.train.data import PackedLoader
+    from openk3.datasets.column_facts import column_facts_store
+
+    facts = column_facts_store(x.sft_seed + 400, x.mid_facts_items, tok)
+    pad = run.model_config().pad_token_id
+    return PackedLoader(facts, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad)
 
 
 def pretrain_mixture(run: RunConfig):
@@ -351,8 +368,6 @@ def mid_data(run: RunConfig, split: str):
     """Mid-training data (stage 3b): :func:`pretrain_mixture` with ``mid_facts_share`` of the rows
     column-fact drill documents (:func:`~openk3.datasets.column_facts.column_facts_store`, seed
     ``sft_seed`` + 400, interleaving seed ``seed`` + 5); the corpus val split for "eval"."""
-    from openk3.train.data import PackedLoader
-    from openk3.datasets.column_facts import column_facts_store
     from openk3.train.mixed_data import MixedLoader
 
     if split not in ("train", "eval"):
@@ -360,11 +375,9 @@ def mid_data(run: RunConfig, split: str):
     if split == "eval":
         return corpus_data(run, split)
     x = settings(run)
-    facts = column_facts_store(x.sft_seed + 400, x.mid_facts_items, _tokenizer(run))
-    pad = run.model_config().pad_token_id
     return MixedLoader(
         pretrain_mixture(run),
-        PackedLoader(facts, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad),
+        _facts_loader(run, x, _tokenizer(run)),
         x.mid_facts_share,
         seed=run.seed + 5,
     )

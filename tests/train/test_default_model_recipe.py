@@ -223,6 +223,16 @@ def test_mid_training_mixes_column_fact_documents(monkeypatch):
         default_model.mid_data(run, "dev")
     with pytest.raises(ValueError, match="split='dev'"):
         default_model.pretrain_data(run, "dev")
+    sft = default_model.sft_data(run.replace(extra={**extra, "sft_items": 30, "sft_facts_share": 0.5}), "train")
+    rows = [sft.next_batch() for _ in range(40)]
+    text = lambda r: tok.decode([i for i in r["input_ids"][0].tolist() if i < tok.vocab_size])  # noqa: E731
+    pad = run.model_config().pad_token_id
+    # drill rows: column lines, and a target on every real token (SFT rows mask their prompts)
+    drill = [r for r in rows if ("ones: " in text(r) or "tens: " in text(r))
+             and bool((r["labels"][0][r["input_ids"][0] != pad][:-1] != -100).all())]
+    assert 10 < len(drill) < 30  # about half the SFT rows
+    with pytest.raises(ValueError, match="extra.sft_facts_share=1.0"):
+        default_model.settings(run.replace(extra={"sft_facts_share": 1.0}))
     with pytest.raises(ValueError, match="extra.mid_facts_share=1.0"):
         default_model.settings(run.replace(extra={"mid_facts_share": 1.0}))
     with pytest.raises(ValueError, match="extra.mid_steps=-1"):
