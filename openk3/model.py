@@ -201,6 +201,7 @@ class K3Model(nn.Module):
         max_logits: dict | None = None,
         hidden_sink: dict | None = None,
         validate: bool = True,
+        site_queries: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the backbone.
 
@@ -219,6 +220,11 @@ class K3Model(nn.Module):
                 that has validated them once at its own boundary — the engine: token ids checked
                 by ``Engine.add_request`` or sampled from the V logits, ``lengths`` int64 on the
                 model's device with every row >= 1, cache room allocated by the scheduler.
+            site_queries: [2L+1, D] fp32 AttnRes pseudo-queries equal to
+                :meth:`_site_queries` of the current weights, computed by the caller (ignored
+                without AttnRes); None computes them here. The compiled decode step passes
+                its cached copy: recomputed in its graph they cost 2(2L+1) more graph inputs
+                and products every step, ~3 % of a small model's B=1 step.
         Returns:
             [B, T, D] output of the final norm.
         Raises:
@@ -254,7 +260,11 @@ class K3Model(nn.Module):
             x,
             cfg.attn_res_block_size,
             eps=cfg.rms_norm_eps,
-            site_queries=self._site_queries() if cfg.use_attn_res else None,
+            site_queries=(
+                (self._site_queries() if site_queries is None else site_queries)
+                if cfg.use_attn_res
+                else None
+            ),
         )
         for l, layer in enumerate(self.layers):
             entry = cache.layers[l] if cache is not None else None

@@ -33,7 +33,10 @@ def test_vs_transformers_quick():
     for row in r["batches"].values():
         assert row["tokens_identical"] is True
         assert row["openk3"]["decode_tok_per_s"] > 0 and row["transformers"]["decode_tok_per_s"] > 0
-        assert row["gemv_floor"]["products"] > 0
+        assert row["gemv_floor"]["products"] > 0 and row["gemv_floor"]["ms_per_step"] > 0
+        assert row["decode_vs_floor"] == pytest.approx(
+            row["openk3"]["decode_ms_per_step"] / row["gemv_floor"]["ms_per_step"]
+        )
 
 
 def test_prefix_cache_quick():

@@ -127,18 +127,57 @@ class StaticDecodeStep:
             if compile
             else self._forward
         )
+        # AttnRes pseudo-queries, recomputed only when one of their weights changed in place
+        # (a parameter's _version counts its in-place writes: load_state_dict, optimizer steps)
+        backbone = model.model
+        self.query_params: list[torch.Tensor] = (
+            [
+                w
+                for site in [
+                    *(
+                        (l.self_attention_res_norm, l.self_attention_res_proj)
+                        for l in backbone.layers
+                    ),
+                    *((l.mlp_res_norm, l.mlp_res_proj) for l in backbone.layers),
+                    (backbone.output_attn_res_norm, backbone.output_attn_res_proj),
+                ]
+                for w in (site[0].weight, site[1].weight)
+            ]
+            if backbone.config.use_attn_res
+            else []
+        )
+        self._queries: torch.Tensor | None = None
+        self._queries_key: tuple | None = None
         self.shapes: set[tuple[int, int]] = set()  # (Bp, MB) buckets run so far
         # guard keys (see _run) whose graph Dynamo has already chosen with its full guards
         self.checked: set[tuple] = set()
 
     def _forward(
-        self, ids: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, past: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        past: torch.Tensor,
+        queries: torch.Tensor | None,
     ) -> torch.Tensor:
-        """ids [Bp, 1], slots [Bp], tables [Bp, MB], past [Bp] (int64) -> logits [Bp, V] fp32."""
+        """ids [Bp, 1], slots [Bp], tables [Bp, MB], past [Bp] (int64), queries [2L+1, D] fp32
+        AttnRes pseudo-queries or None without AttnRes -> logits [Bp, V] fp32."""
         layers = layer_views(self.layer_pools, self.blocks, self.slots, slots, tables)
         cache = HybridCache(layers=layers, lengths=past.clone())
-        hidden = self.model.model(ids, cache, validate=False)
+        hidden = self.model.model(ids, cache, validate=False, site_queries=queries)
         return self.model.lm_head(hidden[:, -1]).float()
+
+    def site_queries(self) -> torch.Tensor | None:
+        """[2L+1, D] fp32 AttnRes pseudo-queries of the current weights (None without AttnRes),
+        computed once and again only after an in-place change of one of their weights."""
+        if not self.query_params:
+            return None
+        key = tuple((id(w), w._version) for w in self.query_params)
+        if key != self._queries_key:
+            with torch.no_grad():
+                self._queries = self.model.model._site_queries()
+            self._queries_key = key
+        return self._queries
 
     def __call__(self, rows: list[tuple[list[int], int, list[int], int]]) -> torch.Tensor:
         """Decode one token for each row (token ids so far, KDA slot, block ids, cached length),
@@ -159,7 +198,7 @@ class StaticDecodeStep:
         )
         past = torch.tensor([p for _, _, _, p in rows], dtype=torch.long, device=dev)
         self.shapes.add((Bp, MB))
-        return self._run((Bp, MB), ids, slots, tables, past)[:B]
+        return self._run((Bp, MB), ids, slots, tables, past, self.site_queries())[:B]
 
     def _run(self, shape: tuple[int, int], *inputs: torch.Tensor) -> torch.Tensor:
         """``self.forward(*inputs)``; compiled, Dynamo's guards run in full only on the first call

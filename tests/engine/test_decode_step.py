@@ -228,3 +228,21 @@ def test_this_machine_can_compile():
     from openk3.engine.decode_step import compiler_missing
 
     assert compiler_missing(torch.device("cpu")) is None
+
+
+def test_site_queries_follow_in_place_weight_changes(model):
+    """The decode step's cached AttnRes pseudo-queries are the model's own, are reused while the
+    weights stay, and are recomputed after an in-place write to one of them."""
+    m = perturb(build_model(model.config, seed=3), 1.0).eval()  # AttnRes projections start at 0
+    assert m.config.use_attn_res
+    step = StaticDecodeStep(m, None, None, [], max_batch=1, max_blocks=1, compile=False)
+    first = step.site_queries()
+    assert torch.equal(first, m.model._site_queries())
+    assert step.site_queries() is first
+    w = m.model.layers[1].mlp_res_norm.weight
+    with torch.no_grad():
+        w.mul_(2.0)
+    again = step.site_queries()
+    assert again is not first
+    assert torch.equal(again, m.model._site_queries())
+    assert not torch.allclose(again[3], first[3])  # row 2l+1 = layer 1's FFN site
