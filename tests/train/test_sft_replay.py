@@ -37,7 +37,7 @@ def recipe(monkeypatch, tok):
     """``extra`` -> the default-model run with a byte-level tokenizer and a synthetic corpus."""
     monkeypatch.setattr(default_model, "_tokenizer", lambda run: tok)
     monkeypatch.setattr(default_model, "corpus_data", lambda run, split: _corpus_loader(run))
-    return lambda **extra: get_recipe("default-model", seq_len=256, extra={"sft_items": 24, **extra})
+    return lambda **extra: get_recipe("default-model", seq_len=256, extra={"sft_items": 24, "sft_facts_share": 0.0, **extra})
 
 
 def _take(source, n):
