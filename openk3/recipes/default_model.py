@@ -472,7 +472,6 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
         ValueError: a bad ``extra`` setting, a corpus source spec not ``NAME:LICENCE:PATH``, or
             a stage failure (from the corpus builder, tokenizer trainer or trainer).
     """
-    from openk3.train.trainer import train
 
     x = settings(run)
     log = lambda line: print(f"[default-model] {line}", file=sys.stderr)
@@ -535,20 +534,38 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
         schedule=x.pretrain_schedule,
         decay_fraction=x.pretrain_decay_fraction,
     )
-    done = Path(pre_dir) / "DONE"
-    if not done.is_file():
-        log(f"stage 3/4: pretraining {pre.total_steps} steps into {pre_dir}")
-        result = train(pre, pre_dir, resume=True, progress=True)
-        if result.signal is not None or result.step < pre.total_steps:
-            raise ValueError(
-                f"pretraining stopped at step {result.step}/{pre.total_steps}; rerun with --resume"
-            )
-        done.write_text(str(result.checkpoint) + "\n")
-    ckpt = done.read_text().strip()
+    ckpt = _run_stage(
+        pre,
+        pre_dir,
+        "pretraining",
+        f"stage 3/4: pretraining {pre.total_steps} steps into {pre_dir}",
+        log,
+    )
     if x.mid_steps > 0:
         ckpt = _mid_train(run, cfg, x, out_dir, ckpt, log)
     log(f"stage 4/4: SFT with {run.qat or 'no'} QAT from {ckpt}")
     return run.replace(model=cfg, init_from=ckpt, prepare=None)
+
+
+def _run_stage(stage: RunConfig, stage_dir: str, what: str, banner: str, log) -> str:
+    """Train ``stage`` into ``stage_dir`` unless its ``DONE`` file exists (resuming a partial run),
+    write ``DONE`` with the last checkpoint's path, and return that path.
+
+    Raises:
+        ValueError: the stage stopped before ``stage.total_steps`` (a signal): rerun with --resume.
+    """
+    from openk3.train.trainer import train
+
+    done = Path(stage_dir) / "DONE"
+    if not done.is_file():
+        log(banner)
+        result = train(stage, stage_dir, resume=True, progress=True)
+        if result.signal is not None or result.step < stage.total_steps:
+            raise ValueError(
+                f"{what} stopped at step {result.step}/{stage.total_steps}; rerun with --resume"
+            )
+        done.write_text(str(result.checkpoint) + "\n")
+    return done.read_text().strip()
 
 
 def _mid_train(run: RunConfig, cfg, x: DefaultModelSettings, out_dir: str, ckpt: str, log) -> str:
@@ -559,34 +576,24 @@ def _mid_train(run: RunConfig, cfg, x: DefaultModelSettings, out_dir: str, ckpt:
     Raises:
         ValueError: the stage stopped before ``mid_steps`` (a signal): rerun with --resume.
     """
-    from openk3.train.trainer import train
-
     mid_dir = os.path.join(out_dir, "mid")
-    done = Path(mid_dir) / "DONE"
-    if not done.is_file():
-        mid = run.replace(
-            name=f"{run.name}-mid",
-            model=cfg,
-            data=mid_data,
-            total_steps=x.mid_steps,
-            seq_len=x.pretrain_seq_len,
-            lr=x.mid_lr,
-            qat=None,
-            init_from=ckpt,
-            prepare=None,
-            eval_every=x.pretrain_eval_every,
-            warmup_steps=None,
-            schedule="wsd",
-            decay_fraction=x.pretrain_decay_fraction,
-        )
-        log(f"stage 3b/4: mid-training {mid.total_steps} steps from {ckpt} into {mid_dir}")
-        result = train(mid, mid_dir, resume=True, progress=True)
-        if result.signal is not None or result.step < mid.total_steps:
-            raise ValueError(
-                f"mid-training stopped at step {result.step}/{mid.total_steps}; rerun with --resume"
-            )
-        done.write_text(str(result.checkpoint) + "\n")
-    return done.read_text().strip()
+    mid = run.replace(
+        name=f"{run.name}-mid",
+        model=cfg,
+        data=mid_data,
+        total_steps=x.mid_steps,
+        seq_len=x.pretrain_seq_len,
+        lr=x.mid_lr,
+        qat=None,
+        init_from=ckpt,
+        prepare=None,
+        eval_every=x.pretrain_eval_every,
+        warmup_steps=None,
+        schedule="wsd",
+        decay_fraction=x.pretrain_decay_fraction,
+    )
+    banner = f"stage 3b/4: mid-training {mid.total_steps} steps from {ckpt} into {mid_dir}"
+    return _run_stage(mid, mid_dir, "mid-training", banner, log)
 
 
 def default_model() -> RunConfig:
