@@ -19,7 +19,9 @@ Layers talk to a cache entry through a small interface, so an engine can keep it
 * KDA (:class:`KDAStateEntry`): ``conv`` / ``recurrent`` (read the incoming state) and
   ``store(conv, recurrent)`` (write the outgoing one). :class:`KDALayerState` owns dense tensors;
   :class:`SlotKDAState` is a view of rows ``slots`` of a per-layer slot pool (gathered on read,
-  scattered on store).
+  scattered on store). Both can also ask for the state at positions inside the call (``marks``:
+  the engine's prefix-cache snapshot points, so that one prefill forward may run past them); the
+  layer hands those over with ``store_marks`` and they are kept on the entry as ``marked``.
 * MLA (:class:`MLACacheEntry`): ``batch_size``, ``capacity``, ``write(rows, cols, latent, k_rope)``
   and ``read(used)``. :class:`MLALayerCache` owns a dense [B, S, *] buffer; :class:`PagedMLACache`
   addresses a paged block pool through per-row block tables (token position p of row b lives in
@@ -53,6 +55,18 @@ class KDAStateEntry(Protocol):
 
     def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Replace the state of the B rows with conv [B, 3, P, W-1] and recurrent [B, H, K, V]."""
+        ...
+
+    @property
+    def marks(self) -> tuple[tuple[int, int], ...]:
+        """M pairs (row b, tokens t): the state of row b after the first t tokens of this call is
+        wanted (0 < t <= the row's tokens, t a multiple of :data:`openk3.ops.kda.CHUNK_SIZE`);
+        empty for none."""
+        ...
+
+    def store_marks(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Keep the states at :attr:`marks`: conv [M, 3, P, W-1], recurrent [M, H, K, V] fp32,
+        in the order of the marks (read back as ``marked``)."""
         ...
 
 
@@ -91,6 +105,8 @@ class KDALayerState:
 
     conv: torch.Tensor
     recurrent: torch.Tensor
+    marks: tuple[tuple[int, int], ...] = ()
+    marked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def zeros(
@@ -113,6 +129,11 @@ class KDALayerState:
         self.conv.copy_(conv)
         self.recurrent.copy_(recurrent)
 
+    def store_marks(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Keep the states at ``marks`` as ``marked`` = (conv [M, 3, P, W-1] in this state's conv
+        dtype, recurrent [M, H, K, V] fp32)."""
+        self.marked = (cast(conv, self.conv.dtype), cast(recurrent, self.recurrent.dtype))
+
 
 @dataclass
 class SlotKDAState:
@@ -126,7 +147,11 @@ class SlotKDAState:
         layer: None for the per-layer pools above; an index when ``conv_pool`` /
             ``recurrent_pool`` are the pools of every KDA layer stacked ([n_kda, N, ...], the
             engine's :class:`~openk3.engine.kv_pool.SlotPool`) and this state is that layer's.
-    ``conv`` / ``recurrent`` return gathered copies [B, ...]; :meth:`store` scatters back.
+        marks: (row, tokens) pairs whose states the call should also hand over
+            (:class:`KDAStateEntry`); marked: after the call, (conv [M, 3, P, W-1],
+            recurrent [M, H, K, V] fp32) at those marks, or None.
+    ``conv`` / ``recurrent`` return gathered copies [B, ...]; :meth:`store` scatters back; the
+    marked states stay on this object (the engine copies them into its snapshot pool).
 
     Why the stacked form: under ``torch.compile`` an in-place write through a view of a graph
     input (``pool[layer].index_copy_``) is functionalized into a rewrite of the whole base
@@ -139,6 +164,8 @@ class SlotKDAState:
     recurrent_pool: torch.Tensor
     slots: torch.Tensor
     layer: int | None = None
+    marks: tuple[tuple[int, int], ...] = ()
+    marked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _of_layer(self, pool: torch.Tensor) -> torch.Tensor:
         return pool if self.layer is None else pool[self.layer]
@@ -164,6 +191,11 @@ class SlotKDAState:
         at = (torch.full_like(self.slots, self.layer), self.slots)
         self.conv_pool.index_put_(at, conv)
         self.recurrent_pool.index_put_(at, recurrent)
+
+    def store_marks(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Keep the states at ``marks`` as ``marked`` = (conv [M, 3, P, W-1] in the pool's conv
+        dtype, recurrent [M, H, K, V] fp32); the pools are not touched."""
+        self.marked = (cast(conv, self.conv_pool.dtype), cast(recurrent, self.recurrent_pool.dtype))
 
 
 @dataclass

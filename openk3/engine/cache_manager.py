@@ -13,7 +13,8 @@ written only here, through the request's life:
 2. :meth:`CacheManager.allocate` — blocks out of that reservation, before the forward that
    writes them (the scheduler allocates a whole step's inside its plan);
 3. :meth:`CacheManager.on_computed` — after a forward: newly full blocks are published, and the
-   KDA state is snapshotted at snapshot points and at the prompt end (with the logits there);
+   KDA state is snapshotted at snapshot points (those the forward ran past from the states it
+   captured there) and at the prompt end (with the logits there);
 4. :meth:`CacheManager.on_finished` — a sequence-end snapshot when the request stopped normally;
 5. :meth:`CacheManager.release` — block references, the unused reservation and the slot go back.
 
@@ -26,9 +27,17 @@ from __future__ import annotations
 import torch
 
 from openk3.config import K3Config
-from openk3.engine.kv_pool import CacheLayout, MLABlockPool, SlotPool, SnapshotPool, cache_layout
+from openk3.engine.kv_pool import (
+    CacheLayout,
+    KDAStatePool,
+    MLABlockPool,
+    SlotPool,
+    SnapshotPool,
+    cache_layout,
+)
 from openk3.engine.prefix_cache import PrefixCache, extend_keys
 from openk3.engine.request import Request
+from openk3.ops.kda import CHUNK_SIZE
 
 
 class CacheManager:
@@ -85,6 +94,13 @@ class CacheManager:
         """Where prefill pieces must stop so the KDA state can be snapshotted (tokens, a multiple
         of L), None when the prefix cache is off."""
         return self.prefix.interval if self.prefix.enabled else None
+
+    @property
+    def state_mark_align(self) -> int:
+        """A forward can hand over the KDA state after t of its tokens when t is a multiple of
+        this (tokens: the KDA chunk kernel's chunk, whose per-chunk states those are); a snapshot
+        point off that grid ends the forward instead."""
+        return CHUNK_SIZE
 
     # ------------------------------------------------------------------ admission
     def blocks_needed(self, req: Request) -> int:
@@ -146,10 +162,17 @@ class CacheManager:
             self._allocate_block(req)
 
     # ------------------------------------------------------------------ publishing
-    def on_computed(self, req: Request, logits: torch.Tensor | None) -> None:
+    def on_computed(
+        self,
+        req: Request,
+        logits: torch.Tensor | None,
+        marked: list[tuple[int, KDAStatePool, int]] = (),
+    ) -> None:
         """After a forward brought ``req`` to ``num_computed`` tokens: publish its newly full
-        blocks and take the snapshot due there (the prompt end, with ``logits`` [V] fp32 of its
-        last token when given; or a multiple of the snapshot interval)."""
+        blocks and take the snapshots due: at each of ``marked`` (position, pool, row), the KDA
+        state the forward captured at a snapshot point it ran past (in increasing position, each
+        a multiple of the snapshot interval), then at ``num_computed`` (the prompt end, with
+        ``logits`` [V] fp32 of its last token when given; or a multiple of the interval)."""
         if not self.prefix.enabled:
             return
         L = self.block_size
@@ -157,6 +180,10 @@ class CacheManager:
         req.published = self.prefix.publish_blocks(
             req.keys, req.blocks, req.num_computed // L, req.published
         )
+        for position, pool, row in marked:
+            self.prefix.save(
+                req.tokens, req.keys, position, pool, row, req.blocks, salt=req.key_salt
+            )
         p = req.num_computed
         if p == len(req.prompt) and logits is not None:
             self.prefix.save(

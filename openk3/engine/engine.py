@@ -509,14 +509,14 @@ class Engine:
                 continue
             try:
                 need = [p.end == len(p.request.tokens) for p in rnd]
-                logits = self.runner.forward(rnd, need)
+                logits, marked = self.runner.forward(rnd, need)
                 for p in rnd:
                     p.request.num_computed = p.end
                 j = 0
-                for p, nd in zip(rnd, need):
+                for p, nd, at in zip(rnd, need, marked):
                     row = logits[j] if nd else None
                     j += nd
-                    self._computed(p.request, row)
+                    self._computed(p.request, row, at)
                     if nd:
                         rows.append((p.request, row))
             except Exception as e:  # noqa: BLE001 - isolated to these requests
@@ -627,15 +627,16 @@ class Engine:
                 outputs += self._fail([r], e)
         return outputs
 
-    def _computed(self, r: Request, logits: torch.Tensor | None) -> None:
+    def _computed(self, r: Request, logits: torch.Tensor | None, marked=()) -> None:
         """After a forward brought ``r`` to ``num_computed``: drop its image inputs once the prompt
-        is done; the cache publishes blocks and takes the snapshots due (:meth:`CacheManager.on_computed`)."""
+        is done; the cache publishes blocks and takes the snapshots due, ``marked`` the states
+        the forward captured at its piece's marks (:meth:`CacheManager.on_computed`)."""
         if r.images and r.num_computed >= len(r.prompt):
             r.images, r.image_features = (
                 [],
                 None,
             )  # prompt done: pixels and features are no longer needed
-        self.cache.on_computed(r, logits)
+        self.cache.on_computed(r, logits, marked)
 
     # ------------------------------------------------------------------ sampling and stopping
     def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:

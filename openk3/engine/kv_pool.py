@@ -247,6 +247,16 @@ class KDAStatePool:
         self.conv = pool_zeros(n_kda, n, 3, P, W - 1, device=device, dtype=dtype)
         self.recurrent = pool_zeros(n_kda, n, H, K, K, device=device, dtype=torch.float32)
 
+    @classmethod
+    def of(cls, conv: torch.Tensor, recurrent: torch.Tensor) -> "KDAStatePool":
+        """A pool over existing tensors conv [NK, N, 3, P, W-1] and recurrent [NK, N, H, K, K]
+        (no copy): the states a forward captured at its marks, as rows to copy from."""
+        pool = cls.__new__(cls)
+        pool.n = conv.shape[1]
+        pool.conv = conv
+        pool.recurrent = recurrent
+        return pool
+
     @property
     def nbytes(self) -> int:
         """Bytes of the pool's tensors."""
@@ -299,6 +309,7 @@ def layer_views(
     slots: SlotPool,
     slot_ids: torch.Tensor,
     tables: torch.Tensor,
+    marks: tuple[tuple[int, int], ...] = (),
 ) -> list:
     """The per-layer cache views of one forward over the pools, in decoder-layer order.
 
@@ -307,12 +318,14 @@ def layer_views(
         blocks, slots: the MLA block pool and the KDA slot pool the views read and write.
         slot_ids: [B] int64, each row's KDA slot.
         tables: [B, MB] int64, each row's MLA block ids (padded with any valid block id).
+        marks: (row, tokens into the forward) pairs at which every KDA layer also hands over its
+            state (:class:`~openk3.cache.SlotKDAState` ``marks``).
     Returns:
         ``SlotKDAState`` for a KDA layer, ``PagedMLACache`` for an MLA layer, each over the
         stacked pools with its layer index (no copies; writes go to the stacked tensors).
     """
     return [
-        SlotKDAState(slots.conv, slots.recurrent, slot_ids, layer=i)
+        SlotKDAState(slots.conv, slots.recurrent, slot_ids, layer=i, marks=marks)
         if kind == "kda"
         else PagedMLACache(blocks.latent, blocks.k_rope, tables, layer=i)
         for kind, i in layer_pools

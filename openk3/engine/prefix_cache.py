@@ -10,14 +10,16 @@ Design (the three granularities of §2.5 item 2, kept apart):
   full block whose latents are computed is immutable and is published under its key; requests with
   the same prefix reference it (``MLABlockPool`` refcounts), and once unreferenced it stays
   evictable in LRU order until an allocation needs it.
-* **Snapshot points.** A KDA state can only be resumed where one was saved, so the scheduler stops
-  prefill chunks at every multiple of ``snapshot_interval`` (a multiple of L; vLLM's "align" mode)
-  and the engine copies the request's slot into the snapshot pool there. Two more points are
-  always saved: the prompt end (with the logits of the last prompt token, so an identical prompt
-  is served without any forward) and the end of a finished sequence (multi-turn reuse). We chose
-  splitting the prefill call over capturing ``kda_chunk(output_chunk_states=True)`` inside the
-  layer: it needs no layer API for per-row chunk states and conv tails, works for any L, and is
-  exact by construction (a chunk boundary is a call boundary).
+* **Snapshot points.** A KDA state can only be resumed where one was saved, so it is saved at
+  every multiple of ``snapshot_interval`` (a multiple of L; vLLM's "align" mode). A prefill
+  forward that runs past such a point captures the state there (the KDA layers' per-chunk states
+  and conv tails, :class:`~openk3.cache.SlotKDAState` ``marks``) and the engine copies it into the
+  snapshot pool after the forward; where the point is off the KDA chunk grid relative to the
+  forward's start, the scheduler ends the forward there instead and the request's slot is copied.
+  Two more points are always saved: the prompt end (with the logits of the last prompt token, so
+  an identical prompt is served without any forward) and the end of a finished sequence
+  (multi-turn reuse). Capturing instead of always cutting lets forwards be as long as the step
+  budget (fewer per-forward costs) with the snapshot spacing of K3's hashing.
 * **Unaligned points** (prompt ends inside a block): the snapshot entry also stores the latents
   of the ``position % L`` tokens after the last full block, keyed by ``sha256(parent | tail
   tokens)``. A hit copies them into a private block (copy-on-write), so prompts shorter than one
@@ -43,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from openk3.engine.kv_pool import MLABlockPool, SlotPool, Snapshot, SnapshotPool
+from openk3.engine.kv_pool import KDAStatePool, MLABlockPool, SlotPool, Snapshot, SnapshotPool
 
 ROOT = hashlib.sha256(b"openk3 prefix cache v1").digest()
 
@@ -226,17 +228,20 @@ class PrefixCache:
         tokens: list[int],
         keys: list[bytes],
         position: int,
-        slots: SlotPool,
+        slots: KDAStatePool,
         slot: int,
         blocks: list[int],
         logits: torch.Tensor | None = None,
         salt: Salt | None = None,
     ) -> None:
-        """Snapshot a request's state after ``position`` tokens (its slot must hold exactly that).
+        """Snapshot a request's state after ``position`` tokens.
 
         Args:
             tokens: the request's tokens (at least ``position``); keys: chain keys covering
-                ``position // L`` blocks; blocks: its block table; logits: [V] the logits after
+                ``position // L`` blocks; slots, slot: the row holding the KDA state after exactly
+                ``position`` tokens (the request's slot, or a state a forward captured at a mark:
+                any :class:`~openk3.engine.kv_pool.KDAStatePool`); blocks: its block table
+                (MLA tail latents are read from it); logits: [V] the logits after
                 ``position`` (prompt ends), stored with the entry; salt: as for :func:`extend_keys`.
         """
         if not self.enabled or position <= 0:

@@ -86,11 +86,13 @@ class Request:
 class Piece:
     """One row of a batched forward: tokens ``request.tokens[start:end]`` at positions
     ``[start, end)``, resuming from ``start`` computed tokens (``start == request.num_computed``
-    when the forward runs)."""
+    when the forward runs). ``marks``: positions in ``(start, end)`` (increasing) where the
+    forward also captures the KDA state, for the prefix cache's snapshots there."""
 
     request: Request
     start: int
     end: int
+    marks: tuple[int, ...] = ()
 
     @property
     def length(self) -> int:

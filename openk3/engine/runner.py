@@ -22,7 +22,7 @@ import torch
 from openk3.cache import HybridCache
 from openk3.config import KDA
 from openk3.engine.decode_step import StaticDecodeStep, decode_backend
-from openk3.engine.kv_pool import MLABlockPool, SlotPool, layer_views
+from openk3.engine.kv_pool import KDAStatePool, MLABlockPool, SlotPool, layer_views
 from openk3.engine.request import Piece, Request
 from openk3.vision.encoder import encode_in_pieces
 
@@ -81,10 +81,18 @@ class ModelRunner:
             )
 
     # ------------------------------------------------------------------ language model
-    def forward(self, pieces: list[Piece], need: list[bool]) -> torch.Tensor | None:
+    def forward(
+        self, pieces: list[Piece], need: list[bool]
+    ) -> tuple[torch.Tensor | None, list[list[tuple[int, KDAStatePool, int]]]]:
         """One batched forward of ``pieces`` (each request's table must cover ``[0, end)`` and its
-        slot hold the state after ``start`` tokens); returns logits [sum(need), V] fp32 at the last
-        position of the rows flagged in ``need`` (None when none is)."""
+        slot hold the state after ``start`` tokens).
+
+        Returns:
+            (logits [sum(need), V] fp32 at the last position of the rows flagged in ``need``, None
+            when none is; per piece, for each of its ``marks`` in order, ``(position, pool, row)``:
+            the KDA state of every layer after ``position`` tokens is row ``row`` of ``pool``, a
+            :class:`~openk3.engine.kv_pool.KDAStatePool` over the states the forward captured).
+        """
         dev = self.device
         B = len(pieces)
         T = max(p.length for p in pieces)
@@ -101,7 +109,8 @@ class ModelRunner:
             device=dev,
         )
         slots = torch.tensor([p.request.slot for p in pieces], dtype=torch.long, device=dev)
-        layers = layer_views(self.layer_pools, self.blocks, self.slots, slots, tables)
+        marks = tuple((row, m - p.start) for row, p in enumerate(pieces) for m in p.marks)
+        layers = layer_views(self.layer_pools, self.blocks, self.slots, slots, tables, marks)
         past = torch.tensor([p.start for p in pieces], dtype=torch.long, device=dev)
         cache = HybridCache(layers=layers, lengths=past)
         full = all(p.length == T for p in pieces)
@@ -115,12 +124,35 @@ class ModelRunner:
             lengths=None if full else lens,
             validate=False,
         )
+        marked = self._marked(pieces, layers, len(marks))
         rows = [i for i in range(B) if need[i]]
         if not rows:
-            return None
+            return None, marked
         idx = torch.tensor(rows, device=dev)
         h = hidden[idx, lens[idx] - 1]
-        return self.model.lm_head(h).float()
+        return self.model.lm_head(h).float(), marked
+
+    def _marked(
+        self, pieces: list[Piece], layers: list, count: int
+    ) -> list[list[tuple[int, KDAStatePool, int]]]:
+        """The states the KDA layers captured at the pieces' marks, as one
+        :class:`KDAStatePool` of ``count`` rows (in mark order), and per piece its
+        ``(position, pool, row)`` triples (see :meth:`forward`)."""
+        if not count:
+            return [[] for _ in pieces]
+        kda = [layers[i] for i, (kind, _) in enumerate(self.layer_pools) if kind == "kda"]
+        if kda:
+            conv = torch.stack([e.marked[0] for e in kda])
+            recurrent = torch.stack([e.marked[1] for e in kda])
+        else:  # no KDA layer: the state is empty
+            conv = self.slots.conv.new_zeros(0, count, *self.slots.conv.shape[2:])
+            recurrent = self.slots.recurrent.new_zeros(0, count, *self.slots.recurrent.shape[2:])
+        pool = KDAStatePool.of(conv, recurrent)
+        out, row = [], 0
+        for p in pieces:
+            out.append([(m, pool, row + i) for i, m in enumerate(p.marks)])
+            row += len(p.marks)
+        return out
 
     def decode(self, reqs: list[Request]) -> torch.Tensor:
         """The next token of each of ``reqs`` (one token to feed each, tables covering it):
@@ -129,7 +161,7 @@ class ModelRunner:
             return self.decode_step([(r.tokens, r.slot, r.blocks, r.num_computed) for r in reqs])
         return self.forward(
             [Piece(r, r.num_computed, r.num_computed + 1) for r in reqs], [True] * len(reqs)
-        )
+        )[0]
 
     # ------------------------------------------------------------------ images
     def image_embeds(self, pieces: list[Piece], ids: torch.Tensor) -> torch.Tensor | None:

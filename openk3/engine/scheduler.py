@@ -16,9 +16,14 @@ Policy, per step:
    nobody behind it is admitted, so no request can starve; reserved blocks guarantee that a
    running request never runs out of memory, so nothing is ever preempted.
 
-Prefill pieces are split at multiples of ``snapshot_interval`` when the prefix cache is on, so the
-KDA state can be snapshotted there (see :mod:`.prefix_cache`); pieces of one step run as
-"rounds" (round i = the i-th sub-piece of every prefilling request). A round's rows are padded to
+When the prefix cache is on, the KDA state is snapshotted at every multiple of
+``snapshot_interval`` (see :mod:`.prefix_cache`). A piece runs past such a point when the forward
+can capture the state there: the point lies a multiple of the KDA chunk
+(:attr:`CacheManager.state_mark_align`) after the piece's start, and the piece carries it as a
+mark; otherwise the piece is split there. So forwards are as long as the budget allows (fewer,
+larger forwards: 0.906x of a cold 24K-token prefill with 2,048-token forwards instead of 512,
+1 CPU thread) while the snapshots stay at K3's 512-token hashing granularity. Pieces of one step
+run as "rounds" (round i = the i-th sub-piece of every prefilling request). A round's rows are padded to
 its longest piece, so mixed prompt lengths waste work (32/64/96/128 in one forward: 896 token
 positions for 512 tokens); each round is therefore split into length groups, one batched forward
 each, wherever the padding saved exceeds ``forward_cost`` token positions per extra forward
@@ -136,15 +141,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
     def _pieces(self, req: Request, n: int) -> list[Piece]:
-        """Split ``req``'s next ``n`` tokens at snapshot boundaries (when the prefix cache is on)."""
+        """``req``'s next ``n`` tokens as pieces: snapshot points (when the prefix cache is on)
+        that a forward can capture become marks of the piece running past them, the others
+        split it (see the module docstring)."""
         start = req.num_computed
         end = req.num_computed + n
         step = self.cache.snapshot_interval
         if step is None:
             return [Piece(req, start, end)]
-        cuts = list(range((start // step + 1) * step, end, step))
-        bounds = [start] + cuts + [end]
-        return [Piece(req, a, b) for a, b in zip(bounds, bounds[1:])]
+        align = self.cache.state_mark_align
+        bounds, marks = [start], [[]]
+        for point in range((start // step + 1) * step, end, step):
+            if (point - bounds[-1]) % align:
+                bounds.append(point)
+                marks.append([])
+            else:
+                marks[-1].append(point)
+        bounds.append(end)
+        return [Piece(req, a, b, tuple(m)) for a, b, m in zip(bounds, bounds[1:], marks)]
 
     def schedule(self) -> StepPlan:
         """Admit what fits, decide this step's work (see the module docstring) and allocate the

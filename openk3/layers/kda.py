@@ -24,10 +24,10 @@ from openk3.cache import KDAStateEntry
 from openk3.config import KDA, K3Config
 from openk3.layers.norm import GatedRMSNorm
 from openk3.ops.cast import cast, fp32
-from openk3.ops.kda import MODES, fused_decode, kda
+from openk3.ops.kda import CHUNK_SIZE, MODES, fused_decode, kda
 from openk3.ops.kda_decode import kda_decode_step
 from openk3.ops.kda_gate import kda_gate_lower_bound, kda_gate_softplus, l2_normalize
-from openk3.ops.short_conv import short_conv, short_conv_step
+from openk3.ops.short_conv import short_conv, short_conv_step, tails_at
 from openk3.ops.varlen import check_lengths, pack_documents, unpack_documents
 from openk3.weight_init import init_module
 
@@ -121,7 +121,11 @@ class KimiDeltaAttention(nn.Module):
             cache: incoming per-row state (conv [B, 3, P, W-1], recurrent [B, H, K, K] fp32): a
                 ``KDALayerState`` or the engine's pooled ``SlotKDAState``; UPDATED IN PLACE (its
                 ``store``) with the state after each row's valid tokens. None = start from
-                zeros and keep nothing. With ``cu_seqlens`` it holds one row per document.
+                zeros and keep nothing. With ``cu_seqlens`` it holds one row per document. Its
+                ``marks`` (row b, tokens t) ask for the state after t tokens of row b as well
+                (t a multiple of :data:`~openk3.ops.kda.CHUNK_SIZE`, at most the row's valid
+                tokens): handed over through ``store_marks`` in the marks' order, conv tails
+                [M, 3, P, W-1] and the chunk kernel's per-chunk states [M, H, K, K].
             lengths: [B] valid (non-padding) tokens per row in this call, right padding;
                 None = all T. Padded positions leave the state unchanged and output zeros.
             cu_seqlens: [N+1] packed document offsets with B == 1 (excludes ``lengths``); every
@@ -132,7 +136,8 @@ class KimiDeltaAttention(nn.Module):
         Returns:
             [B, T, D] in x's dtype.
         Raises:
-            ValueError: bad shapes, lengths, cu_seqlens, mode, or a cache of the wrong size.
+            ValueError: bad shapes, lengths, cu_seqlens, mode, a cache of the wrong size, or marks
+                outside the call or off the chunk grid (or with ``cu_seqlens``).
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected [B, T, D={self.hidden_size}], got {tuple(x.shape)}")
@@ -144,6 +149,8 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(
                 "lengths and cu_seqlens are mutually exclusive (packed documents carry their own lengths)"
             )
+        if cache is not None and cache.marks:
+            raise ValueError("cache.marks: not supported with cu_seqlens (packed documents)")
         # Packed documents run as padded rows; a varlen kernel can skip this.
         rows, doc_lengths = unpack_documents(x, cu_seqlens)
         # doc_lengths come from the checked cu_seqlens: nothing left to check.
@@ -191,6 +198,17 @@ class KimiDeltaAttention(nn.Module):
                 f"cache.recurrent: expected [B={B}, H={H}, K={K}, V={K}], got {tuple(recurrent.shape)}"
             )
 
+    @staticmethod
+    def _check_marks(marks: tuple[tuple[int, int], ...], B: int, T: int) -> None:
+        """Each mark (row b, tokens t): 0 <= b < B, 0 < t <= T, t on the KDA chunk grid (the chunk
+        kernel's per-chunk states are the only mid-call states it yields)."""
+        for b, t in marks:
+            if not (0 <= b < B and 0 < t <= T and t % CHUNK_SIZE == 0):
+                raise ValueError(
+                    f"cache.marks: ({b}, {t}) must name a row < B={B} and a token count in "
+                    f"(0, T={T}] that is a multiple of {CHUNK_SIZE}"
+                )
+
     def _plain_projections(self) -> bool:
         """Whether q/k/v_proj are plain ``nn.Linear`` modules without hooks, so their three products
         may run as one (a subclass or a hook would be bypassed by the fused form)."""
@@ -200,17 +218,24 @@ class KimiDeltaAttention(nn.Module):
         )
 
     def _mixed_separate(
-        self, x: torch.Tensor, conv0: torch.Tensor | None, lengths: torch.Tensor | None, mode: str
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        conv0: torch.Tensor | None,
+        lengths: torch.Tensor | None,
+        mode: str,
+        marks: tuple[tuple[int, int], ...] = (),
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """q, k, v after projection, short conv and SiLU, one projection at a time (decode steps, and
         the plain form :meth:`_mixed_fused` is tested against).
 
-        Returns ([q, k, v] each [B, T, H, K] in x.dtype, new conv tails [B, 3, P, W-1])."""
+        Returns ([q, k, v] each [B, T, H, K] in x.dtype, new conv tails [B, 3, P, W-1], the conv
+        tails at ``marks`` [M, 3, P, W-1])."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         tails = conv0.unbind(1) if conv0 is not None else (None, None, None)
         mixed = []
         new_tails = []
+        marked = []
         for proj, conv, tail in zip(
             (self.q_proj, self.k_proj, self.v_proj),
             (self.q_conv1d, self.k_conv1d, self.v_conv1d),
@@ -234,11 +259,16 @@ class KimiDeltaAttention(nn.Module):
                 )
             mixed.append(out.reshape(B, T, H, K))
             new_tails.append(new_tail)
-        return mixed, torch.stack(new_tails, dim=1)
+            marked.append(tails_at(inp, tail, marks, self.conv_size))
+        return mixed, torch.stack(new_tails, dim=1), torch.stack(marked, dim=1)
 
     def _mixed_fused(
-        self, x: torch.Tensor, conv0: torch.Tensor | None, lengths: torch.Tensor | None
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        conv0: torch.Tensor | None,
+        lengths: torch.Tensor | None,
+        marks: tuple[tuple[int, int], ...] = (),
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """:meth:`_mixed_separate` for a multi-token call as one [D, 3P] projection and one short conv
         over the 3P channels (the conv is per channel, so stacking q, k and v changes nothing but
         the count of small ops: 0.74 + 1.06 -> ~1.1 ms per 512-token chunk at the shipped size,
@@ -253,7 +283,9 @@ class KimiDeltaAttention(nn.Module):
         tail = None if conv0 is None else cast(conv0.reshape(B, 3 * P, conv0.shape[-1]), inp.dtype)
         out, new_tail = short_conv(inp, cw, tail, lengths, activation="silu", validate=False)
         mixed = [t.reshape(B, T, H, K) for t in out.split(P, dim=-1)]
-        return mixed, new_tail.view(B, 3, P, new_tail.shape[-1])
+        W1 = new_tail.shape[-1]
+        marked = tails_at(inp, tail, marks, self.conv_size).view(len(marks), 3, P, W1)
+        return mixed, new_tail.view(B, 3, P, W1), marked
 
     def _forward_rows(
         self,
@@ -266,11 +298,14 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         conv0 = rec0 = None
+        marks = ()
         if cache is not None:
             # Read once: a pooled state (SlotKDAState) gathers on every access.
             conv0 = cache.conv
             rec0 = cache.recurrent
             self._check_state(conv0, rec0, B)
+            marks = tuple(cache.marks)
+            self._check_marks(marks, B, T)
         # The one lengths check of this call (or none: the caller's, validate=False); the short
         # conv and KDA below trust it.
         if lengths is not None:
@@ -280,14 +315,15 @@ class KimiDeltaAttention(nn.Module):
             and T == 1
             and mode == "recurrent"
             and lengths is None
+            and not marks
             and fused_decode()
         ):
             return self._decode_step(x, cache, conv0, rec0)
 
         if T == 1 and mode == "recurrent" or not self._plain_projections():
-            mixed, new_tail = self._mixed_separate(x, conv0, lengths, mode)
+            mixed, new_tail, marked_tails = self._mixed_separate(x, conv0, lengths, mode, marks)
         else:
-            mixed, new_tail = self._mixed_fused(x, conv0, lengths)
+            mixed, new_tail, marked_tails = self._mixed_fused(x, conv0, lengths, marks)
         q = l2_normalize(mixed[0])
         k = l2_normalize(mixed[1])
         v = fp32(mixed[2])
@@ -299,9 +335,27 @@ class KimiDeltaAttention(nn.Module):
             g = kda_gate_softplus(z, self.A_log, self.dt_bias)
         beta = torch.sigmoid(fp32(self.b_proj(x)))  # [B, T, H]
 
-        o, state = kda(q, k, v, g, beta, K**-0.5, rec0, lengths, mode=mode, validate=False)
+        o, state, *chunk_states = kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            K**-0.5,
+            rec0,
+            lengths,
+            mode=mode,
+            chunk_size=CHUNK_SIZE,
+            output_chunk_states=bool(marks),
+            validate=False,
+        )
         if cache is not None:
             cache.store(new_tail, state)
+        if marks:
+            # chunk_states[0]: [B, NC, H, K, V], entry c = the state after (c + 1) * CHUNK_SIZE tokens.
+            rows = torch.tensor([b for b, _ in marks], device=x.device)
+            chunk = torch.tensor([t // CHUNK_SIZE - 1 for _, t in marks], device=x.device)
+            cache.store_marks(marked_tails, chunk_states[0][rows, chunk])
 
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         out = self.o_norm(o, gate.reshape(B, T, H, K))  # fp32 [B, T, H, K]

@@ -23,6 +23,11 @@ from openk3.ops.kda_chunk import kda_chunk_batched
 
 MODES = ("chunk", "recurrent")
 
+# The chunk length of the chunkwise form (tokens). ``output_chunk_states`` yields the state after
+# every multiple of it, so a caller that wants the state at a position inside one call (the
+# engine's prefix-cache snapshots) needs that position to be a multiple of it from the call's start.
+CHUNK_SIZE = 64
+
 # backend name -> {mode -> function with the kda_reference signature}
 _BACKENDS: dict[str, dict[str, Callable]] = {
     "reference": {"chunk": kda_reference.kda_chunk, "recurrent": kda_reference.kda_recurrent},
@@ -68,7 +73,7 @@ def kda(
     cu_seqlens: torch.Tensor | None = None,
     mode: str = "chunk",
     *,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     output_chunk_states: bool = False,
     backend: str | None = None,
     validate: bool = True,

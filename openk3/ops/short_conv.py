@@ -170,6 +170,34 @@ def short_conv(
     return y, last.transpose(1, 2).contiguous().to(x.dtype)
 
 
+def tails_at(
+    x: torch.Tensor, tail: torch.Tensor | None, marks: tuple[tuple[int, int], ...], width: int
+) -> torch.Tensor:
+    """The tail a row would carry had its call stopped after ``t`` tokens, for each mark ``(b, t)``:
+    the last W-1 inputs of the stream ``tail[b] ++ x[b, :t]``, oldest first (what
+    :func:`short_conv` returns as ``new_tail`` for ``lengths[b] = t``).
+
+    Args:
+        x: [B, T, C] the call's inputs. tail: [B, C, W-1] the inputs before them (None = zeros).
+        marks: M pairs (row b, tokens t) with 0 <= b < B and 0 <= t <= T (host ints).
+        width: W, the kernel width.
+    Returns:
+        [M, C, W-1] in ``x.dtype`` (copies, contiguous).
+    """
+    W1 = width - 1
+    C = x.shape[-1]
+    out = []
+    for b, t in marks:
+        recent = x[b, max(t - W1, 0) : t].transpose(0, 1)  # [C, <= W-1]
+        if recent.shape[1] < W1:  # fewer than W-1 tokens into the call: the old tail continues
+            old = x.new_zeros(C, W1) if tail is None else tail[b].to(x.dtype)
+            recent = torch.cat([old, recent], dim=1)[:, -W1:]
+        out.append(recent)
+    if not out:
+        return x.new_zeros(0, C, W1)
+    return torch.stack(out).contiguous()
+
+
 def short_conv_reference(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -193,3 +193,69 @@ def test_many_short_prompts_share_one_parent(mild_model):
     indexed = {k for tails in snaps._tails.values() for k in tails}
     assert indexed == {k for k, v in snaps._index.items() if v.parent is not None}
     assert_idle(eng)
+
+
+def _snapshot_state(eng, prompt, position):
+    """(conv, recurrent) of every KDA layer in the snapshot stored after ``position`` tokens of
+    ``prompt`` (a multiple of the block size)."""
+    keys: list = []
+    extend_keys(keys, prompt, eng.cache.block_size)
+    snap = eng.cache.snapshots.get(keys[position // eng.cache.block_size - 1])
+    assert snap is not None and snap.position == position, f"no snapshot at {position}"
+    return eng.cache.snapshots.conv[:, snap.row].clone(), eng.cache.snapshots.recurrent[:, snap.row].clone()
+
+
+def _forwards(eng):
+    """Record (start, end, marks) of every prefill row the engine's forwards run."""
+    seen = []
+    forward = eng.runner.forward
+
+    def spy(pieces, need):
+        seen.extend((p.start, p.end, p.marks) for p in pieces if p.length > 1)
+        return forward(pieces, need)
+
+    eng.runner.forward = spy
+    return seen
+
+
+def test_forwards_spanning_snapshot_points_equal_forwards_cut_there(mild_model):
+    # A prefill forward of 256 tokens runs past the snapshot points at 64, 128 and 192 and captures
+    # the KDA state there; the engine that cuts every forward at those points (64-token budget)
+    # gets the same logits, and both store the same snapshots. A later request that diverges
+    # after 200 tokens resumes from the snapshot at 192 (taken inside a forward) and generates the
+    # same greedy tokens as a cold run.
+    model = mild_model
+    prompt = prompts_of((300,), seed=41)[0]
+    span, span_log = logged_engine(model, block_size=16, snapshot_interval=64, prefill_chunk=256)
+    cut, cut_log = logged_engine(model, block_size=16, snapshot_interval=64, prefill_chunk=64)
+    span_rows, cut_rows = _forwards(span), _forwards(cut)
+    toks_span, _, logits_span = generate(span, span_log, prompt)
+    toks_cut, _, logits_cut = generate(cut, cut_log, prompt)
+    assert span_rows == [(0, 256, (64, 128, 192)), (256, 300, ())]
+    assert all(m == () and e - s <= 64 for s, e, m in cut_rows)
+    assert toks_span == toks_cut
+    assert_close(logits_span, logits_cut, atol=1e-5, what="logits, 256-token vs 64-token forwards")
+    for position in (64, 128, 192, 256):
+        conv_span, rec_span = _snapshot_state(span, prompt, position)
+        conv_cut, rec_cut = _snapshot_state(cut, prompt, position)
+        assert_close(conv_span, conv_cut, atol=1e-6, what=f"conv tails at {position}")
+        assert_close(rec_span, rec_cut, atol=1e-6, what=f"recurrent state at {position}")
+    follow = prompt[:200] + prompts_of((37,), seed=42)[0]
+    check_hit(model, span, span_log, follow, 192)
+    assert_idle(span)
+    assert_idle(cut)
+
+
+def test_a_forward_is_cut_where_a_snapshot_point_is_off_the_chunk_grid(mild_model):
+    # Resumed at 40 tokens (a tail snapshot), the next snapshot point (64) is 24 tokens into the
+    # forward, off the KDA chunk grid: the forward ends there; from 64 on the points 128 and 192
+    # are 64 and 128 tokens into the next forward and become its marks.
+    model = mild_model
+    eng, log = logged_engine(model, block_size=16, snapshot_interval=64, prefill_chunk=256)
+    prompt = prompts_of((240,), seed=43)[0]
+    check_hit(model, eng, log, prompt[:40], 0)
+    rows = _forwards(eng)
+    check_hit(model, eng, log, prompt, 40)
+    assert rows[:2] == [(40, 64, ()), (64, 240, (128, 192))]
+    check_hit(model, eng, log, prompt[:150] + [1, 2, 3], 128)
+    assert_idle(eng)

@@ -151,8 +151,8 @@ def test_fused_qkv_projection_and_conv_equal_the_separate_ones(name, monkeypatch
     lengths = torch.tensor([37, 11, 2])
     start = random_state(layer, B)
     with torch.no_grad():
-        fused, tail_f = layer._mixed_fused(x, start.conv, lengths)
-        sep, tail_s = layer._mixed_separate(x, start.conv, lengths, "chunk")
+        fused, tail_f, _ = layer._mixed_fused(x, start.conv, lengths)
+        sep, tail_s, _ = layer._mixed_separate(x, start.conv, lengths, "chunk")
         for a, b, what in zip(fused, sep, "qkv"):
             assert_close(a, b, atol=1e-6, what=f"mixed {what}")
         assert_close(tail_f, tail_s, atol=0.0, what="conv tails")
@@ -164,6 +164,47 @@ def test_fused_qkv_projection_and_conv_equal_the_separate_ones(name, monkeypatch
     assert_close(y_fused, y_sep, atol=1e-6, what="layer output")
     assert_close(s_fused.recurrent, s_sep.recurrent, atol=1e-6, what="recurrent state")
     assert torch.equal(s_fused.conv, s_sep.conv)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_marked_states_equal_the_states_of_calls_cut_there(mode, separate, monkeypatch):
+    # One call over 200 tokens with marks at 64 and 128 (row 0) and 64 (row 1, 150 valid tokens)
+    # hands over exactly the states that calls cut at those points store, and changes nothing
+    # else: same outputs and final state as the call without marks.
+    if separate:
+        monkeypatch.setattr(KimiDeltaAttention, "_plain_projections", lambda self: False)
+    layer = make_layer("k3-test-tiny")
+    B, T = 2, 200
+    x = torch.randn(B, T, layer.hidden_size)
+    lengths = torch.tensor([200, 150])
+    start = random_state(layer, B)
+    marks = ((0, 64), (0, 128), (1, 64))
+    with torch.no_grad():
+        plain = clone(start)
+        y_plain = layer(x, plain, lengths=lengths, mode=mode)
+        marked = clone(start)
+        marked.marks = marks
+        y = layer(x, marked, lengths=lengths, mode=mode)
+        assert torch.equal(y, y_plain) and torch.equal(marked.recurrent, plain.recurrent)
+        assert torch.equal(marked.conv, plain.conv)
+        conv, rec = marked.marked
+        assert conv.shape == (3, 3, layer.proj_dim, layer.conv_size - 1) and rec.dtype == torch.float32
+        for m, (b, t) in enumerate(marks):
+            cut = KDALayerState(start.conv[b : b + 1].clone(), start.recurrent[b : b + 1].clone())
+            layer(x[b : b + 1, :t], cut, mode=mode)
+            assert torch.equal(conv[m], cut.conv[0]), f"conv tail at mark {(b, t)}"
+            assert_close(rec[m], cut.recurrent[0], atol=1e-6, what=f"recurrent state at mark {(b, t)}")
+
+
+def test_marks_off_the_chunk_grid_are_refused():
+    layer = make_layer("k3-test-tiny")
+    x = torch.randn(1, 100, layer.hidden_size)
+    for bad in ((0, 50), (0, 128), (1, 64), (0, 0)):
+        state = zeros_state(layer, 1)
+        state.marks = (bad,)
+        with pytest.raises(ValueError, match="cache.marks"):
+            layer(x, state)
 
 
 def test_a_hooked_projection_is_not_fused_away():
