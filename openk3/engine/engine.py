@@ -89,7 +89,11 @@ class EngineConfig:
             silently: more than the model declares, or more than the block pool holds for one
             sequence, is a ValueError naming both numbers.
         enable_prefix_cache: reuse prompt prefixes across requests.
-        prefill_chunk: token budget of one step (decodes count one each).
+        prefill_chunk: token budget of one step (decodes count one each). 2,048: one prefill
+            forward may run past the 512-token KDA snapshot points (:mod:`.scheduler`), and
+            2,048-token forwards take a cold 24K-token prefill to 0.92x of the time of 512-token
+            ones (fewer per-forward costs in MoE, MLA and Block AttnRes; 1 CPU thread,
+            interleaved A/B, docs/benchmarks.md "Long prefill").
         max_waiting: admission queue bound (:class:`EngineOverloaded` beyond it).
         chunked_prefill: split long prompts across steps (False: a prompt is computed whole).
         snapshot_interval: KDA snapshot spacing in tokens (multiple of L); None = the smallest
@@ -118,7 +122,7 @@ class EngineConfig:
     block_size: int = field(default=16, metadata={"expect": "an integer >= 1"})
     max_model_len: int | None = field(default=None, metadata={"expect": "an integer >= 2"})
     enable_prefix_cache: bool = True
-    prefill_chunk: int = field(default=512, metadata={"expect": "an integer >= 1"})
+    prefill_chunk: int = field(default=2048, metadata={"expect": "an integer >= 1"})
     max_waiting: int = field(default=256, metadata={"expect": "an integer >= 1"})
     chunked_prefill: bool = True
     snapshot_interval: int | None = None

@@ -1,6 +1,7 @@
 """Long prompts through the engine equal the plain full forward (fp32 correctness gate of the fast
-prefill path: 512-token chunks, the tiled latent attention over the paged pool, the KDA chunk form
-and its in-place state pass), on the shipped model with an agent-shaped prompt well past 8K tokens."""
+prefill path: 2,048-token forwards that capture the KDA state at the 512-token snapshot points they
+run past, the tiled latent attention over the paged pool, the KDA chunk form and its in-place state
+pass), on the shipped model with an agent-shaped prompt well past 8K tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 
 from openk3.bench.agent_prompt import claude_code_like_request, next_turn, prompt_ids
 from openk3.engine import Engine, EngineConfig, SamplingParams
+from openk3.engine.prefix_cache import extend_keys
+from tests.conftest import assert_close
 from tests.engine.common import full_forward_logits
 
 
@@ -64,3 +67,39 @@ def test_batched_rows_of_different_lengths_equal_the_full_forward(shipped):
     got, _ = _first_logits(eng, prompts)
     for p, x in zip(prompts, got):
         _assert_equal_logits(x, full_forward_logits(model, p), f"{len(p)}-token row of a batched prefill")
+
+
+def test_2048_token_forwards_equal_512_token_forwards(shipped):
+    # The default 2,048-token forwards against forwards cut at every 512-token snapshot point:
+    # the same prompt-end logits and the same stored snapshots (KDA state and conv tails at
+    # 512, 1024, 1536 and 2560 captured inside the forwards), and a prompt that shares 1,700 tokens
+    # resumes from the snapshot at 1,536 with the logits of the full forward.
+    model, _ = shipped
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 7900, (2600,), generator=g).tolist()
+    wide = Engine(model, EngineConfig(max_num_seqs=2))
+    narrow = Engine(model, EngineConfig(max_num_seqs=2, prefill_chunk=512))
+    assert wide.config.prefill_chunk == 2048 and wide.cache.prefix.interval == 512
+    rows, forward = [], wide.runner.forward
+    wide.runner.forward = lambda pieces, need: rows.extend((p.start, p.end, p.marks) for p in pieces) or forward(
+        pieces, need
+    )
+    (got,), _ = _first_logits(wide, [prompt])
+    assert rows == [(0, 2048, (512, 1024, 1536)), (2048, 2600, (2560,))]
+    wide.runner.forward = forward
+    (want,), _ = _first_logits(narrow, [prompt])
+    _assert_equal_logits(got, want, "2,048- vs 512-token forwards")
+    keys: list = []
+    extend_keys(keys, prompt, wide.cache.block_size)
+    for position in (512, 1024, 1536, 2048, 2560):
+        a, b = (e.cache.snapshots.get(keys[position // e.cache.block_size - 1]) for e in (wide, narrow))
+        assert a is not None and b is not None, f"snapshot at {position}"
+        for pool in ("conv", "recurrent"):
+            x = getattr(wide.cache.snapshots, pool)[:, a.row]
+            y = getattr(narrow.cache.snapshots, pool)[:, b.row]
+            # recurrent entries reach ~100 here: 1e-6 relative is ~1 ulp of fp32 at that size
+            assert_close(x, y, atol=1e-6, rtol=1e-6, what=f"{pool} state at {position}")
+    follow = prompt[:1700] + torch.randint(0, 7900, (50,), generator=g).tolist()
+    (got,), (usage,) = _first_logits(wide, [follow])
+    assert usage.cached_tokens == 1536
+    _assert_equal_logits(got, full_forward_logits(model, follow), "resumed at a captured snapshot")
