@@ -202,6 +202,7 @@ class K3Model(nn.Module):
         hidden_sink: dict | None = None,
         validate: bool = True,
         site_queries: torch.Tensor | None = None,
+        attn_res_state: type | None = None,
     ) -> torch.Tensor:
         """Run the backbone.
 
@@ -225,6 +226,11 @@ class K3Model(nn.Module):
                 without AttnRes); None computes them here. The compiled decode step passes
                 its cached copy: recomputed in its graph they cost 2(2L+1) more graph inputs
                 and products every step, ~3 % of a small model's B=1 step.
+            attn_res_state: the class whose ``start`` builds the forward's AttnRes state (the
+                interface of :class:`~openk3.layers.attn_res.AttnResState`, the default: the
+                two-phase form). The compiled decode step passes
+                :class:`~openk3.ops.attn_res_decode.DirectAttnRes` (direct per-site mixtures,
+                fewer graph ops for one token per row).
         Returns:
             [B, T, D] output of the final norm.
         Raises:
@@ -256,7 +262,7 @@ class K3Model(nn.Module):
         # batched pass scores every site of the block against the completed blocks; each site
         # then merges the current partial sum by online softmax (exactly the direct softmax).
         # With attn_res_block_size=None the state is the plain residual stream (Kimi Linear).
-        state = AttnResState.start(
+        state = (attn_res_state or AttnResState).start(
             x,
             cfg.attn_res_block_size,
             eps=cfg.rms_norm_eps,

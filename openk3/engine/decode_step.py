@@ -28,6 +28,7 @@ import torch
 
 from openk3.cache import HybridCache
 from openk3.engine.kv_pool import layer_views
+from openk3.ops.attn_res_decode import DirectAttnRes
 from openk3.ops.backends import env_var, forced_backend
 
 log = logging.getLogger("openk3.engine")
@@ -83,6 +84,11 @@ def bucket(n: int, most: int) -> int:
 class StaticDecodeStep:
     """Runs decode rows as a forward of bucketed shapes; compiled once per bucket when asked.
 
+    Under Block AttnRes the forward mixes each site directly over its sources
+    (:class:`~openk3.ops.attn_res_decode.DirectAttnRes`, from the cached pseudo-queries of
+    :meth:`site_queries`) instead of the reference's two-phase form: for one token per row the
+    direct form is fewer, fusable graph ops (no block-statistics products when a block opens).
+
     Args:
         model: the engine's :class:`~openk3.model.K3ForCausalLM`.
         blocks, slots: the engine's MLA block pool and KDA slot pool.
@@ -111,6 +117,7 @@ class StaticDecodeStep:
         self.max_batch = max_batch
         self.max_blocks = max_blocks
         self.compiled = compile
+        self.attn_res_state = DirectAttnRes
         # fullgraph=False: code compile cannot trace (e.g. a native kernel of packed MXFP4
         # experts) runs eagerly between graphs instead of failing the step. size_asserts off:
         # the guards of a dynamic=False graph already match every input's sizes and strides, and
@@ -164,7 +171,9 @@ class StaticDecodeStep:
         AttnRes pseudo-queries or None without AttnRes -> logits [Bp, V] fp32."""
         layers = layer_views(self.layer_pools, self.blocks, self.slots, slots, tables)
         cache = HybridCache(layers=layers, lengths=past.clone())
-        hidden = self.model.model(ids, cache, validate=False, site_queries=queries)
+        hidden = self.model.model(
+            ids, cache, validate=False, site_queries=queries, attn_res_state=self.attn_res_state
+        )
         return self.model.lm_head(hidden[:, -1]).float()
 
     def site_queries(self) -> torch.Tensor | None:

@@ -112,13 +112,18 @@ def test_buckets_are_powers_of_two_within_the_cap():
     assert bucket(12, 10) == 12 and bucket(7, 6) == 7  # never below n
 
 
-def test_compiled_decode_step_equals_eager_without_recompiles(kimi_linear_model):
+@pytest.mark.parametrize("which", ["k3", "kimi-linear"])
+def test_compiled_decode_step_equals_eager_without_recompiles(model, kimi_linear_model, which):
     """``EngineConfig(compile=True)``: one Inductor graph for the (4 rows, 4 blocks) bucket serves
     every decode step (no recompilation after the first), greedy tokens equal the eager engine's
-    and every sampled row's logits agree within 1e-5 (fp32)."""
+    and every sampled row's logits agree within 1e-5 (fp32; 2e-5 with AttnRes). k3-test-tiny has
+    Block AttnRes (the compiled step's direct per-site mixtures against the eager two-phase form,
+    whose logits, |x| <= 2.8 here, differ by up to 1.3e-5: the compiled two-phase form alone,
+    with Inductor's reassociated reductions, already differs by 9.8e-6), kimi-linear-tiny the
+    plain residual stream."""
     from torch._dynamo.utils import counters
 
-    m = kimi_linear_model
+    m = model if which == "k3" else kimi_linear_model
     prompts = prompts_of((9, 21, 14), seed=13, vocab=m.config.vocab_size)
     n_new = 8
     cfg = dict(block_size=8, enable_prefix_cache=False, max_num_seqs=4)
@@ -145,7 +150,8 @@ def test_compiled_decode_step_equals_eager_without_recompiles(kimi_linear_model)
     for a, b in zip(ref_logits.values(), got_logits.values()):
         assert len(a) == len(b) == n_new
         for x, y in zip(a, b):
-            assert_close(y, x, atol=1e-5, rtol=0, what="compiled decode logits")
+            assert_close(y, x, atol=2e-5 if which == "k3" else 1e-5, rtol=0,
+                         what="compiled decode logits")
 
 
 def _changing_batch_run(eng: Engine, prompts, logits: dict, buckets: list | None = None) -> list:
