@@ -147,3 +147,21 @@ def test_dense_mlp_matches_reference_fixture():
     x = rms_norm(ref["short.hidden.layer0.ffn_in"], norm_w, cfg.rms_norm_eps)
     with torch.no_grad():
         assert_close(mlp(x), ref["short.hidden.layer0.ffn_out"], atol=1e-5, what="layer-0 dense MLP")
+
+
+@pytest.mark.parametrize("b2", [25.0, None])
+def test_situ_in_place_inference_form_equals_the_autograd_form(b2):
+    # Without autograd situ_glu runs in place in one buffer; with inputs that need gradients it
+    # runs the plain expression. Both compute the same values (to fp32 rounding), leave the
+    # inputs unchanged, and the plain form still has its gradient.
+    g = torch.randn(64, 96) * 6
+    u = torch.randn(64, 96) * 30
+    g0, u0 = g.clone(), u.clone()
+    fast = situ_glu(g, u, 4.0, b2)
+    assert torch.equal(g, g0) and torch.equal(u, u0)
+    gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
+    plain = situ_glu(gr, ur, 4.0, b2)
+    assert plain.requires_grad and not fast.requires_grad
+    assert_close(fast, plain.detach(), atol=1e-6 * float(plain.abs().max()), what="in-place vs plain")
+    plain.sum().backward()
+    assert gr.grad is not None and torch.isfinite(gr.grad).all() and float(gr.grad.abs().max()) > 0
