@@ -53,8 +53,8 @@ def situ_glu(
         out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * capped_up
         return cast(out, gate.dtype)
     # Without autograd: the same product as tanh(g/β₁) σ(g) tanh(u/β₂) · β₁β₂, written in place
-    # into one buffer (five temporaries fewer; 0.66x of the time for a [4096, 64] expert batch,
-    # 1 thread: each of these elementwise passes costs about as much as the tanh itself).
+    # into one buffer (five temporaries fewer: 0.70-0.75x of the time for [4096, 64] expert and
+    # [2048, 384] dense batches, 1 thread; each elementwise pass costs about as much as the tanh).
     out = torch.div(g, beta1).tanh_().mul_(torch.sigmoid(g))
     if beta2 is None:
         return cast(out.mul_(u).mul_(beta1), gate.dtype)
