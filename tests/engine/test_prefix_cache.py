@@ -259,3 +259,37 @@ def test_a_forward_is_cut_where_a_snapshot_point_is_off_the_chunk_grid(mild_mode
     assert rows[:2] == [(40, 64, ()), (64, 240, (128, 192))]
     check_hit(model, eng, log, prompt[:150] + [1, 2, 3], 128)
     assert_idle(eng)
+
+
+def test_batched_rows_capture_their_own_snapshot_points(mild_model):
+    # Two prompts prefilled in one forward (padded rows of 300 and 200 tokens, marks at 64, 128,
+    # 192 and 256 / 64, 128 and 192): each row's captured states equal those of an engine that cuts
+    # every forward at the points, and each prompt's logits agree.
+    model = mild_model
+    prompts = prompts_of((300, 200), seed=44)
+    span, span_log = logged_engine(
+        model, block_size=16, snapshot_interval=64, prefill_chunk=512, prefill_forward_cost=None
+    )
+    cut, cut_log = logged_engine(model, block_size=16, snapshot_interval=64, prefill_chunk=64)
+    forwards = []
+    forward = span.runner.forward
+
+    def spy(pieces, need):
+        forwards.append(sorted((p.start, p.end, p.marks) for p in pieces))
+        return forward(pieces, need)
+
+    span.runner.forward = spy
+    got = run(span, [(p, greedy(2)) for p in prompts])
+    want = run(cut, [(p, greedy(2)) for p in prompts])
+    assert forwards[0] == [(0, 200, (64, 128, 192)), (0, 300, (64, 128, 192, 256))]
+    for g, w in zip(got.values(), want.values()):
+        assert g["tokens"] == w["tokens"]
+    for a, b in zip(span_log.values(), cut_log.values()):
+        assert_close(torch.stack(a), torch.stack(b), atol=1e-5, what="logits, batched spanning forward")
+    for prompt in prompts:
+        for position in range(64, len(prompt), 64):
+            conv_span, rec_span = _snapshot_state(span, prompt, position)
+            conv_cut, rec_cut = _snapshot_state(cut, prompt, position)
+            assert_close(conv_span, conv_cut, atol=1e-6, what=f"conv tails at {position}")
+            assert_close(rec_span, rec_cut, atol=1e-6, what=f"recurrent state at {position}")
+    assert_idle(span)
