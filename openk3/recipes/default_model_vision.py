@@ -26,7 +26,7 @@ image conversations (another seed, disjoint by hash). Knobs (:class:`VisionStage
 over :func:`tiny_vision_config`), ``image_items``, ``image_seed``, ``text_share`` in [0, 1),
 ``sft_items``, ``sft_seed``, ``sft_mixture`` (task -> share merged over
 :data:`openk3.datasets.sft_data.MIXTURE`, e.g. ``{"copy": 0.3}`` for the copying curriculum),
-``eval_items``, ``model_overrides`` (K3Config fields; tests shrink
+``facts_share`` / ``facts_items`` (column-fact drill rows among the text rows), ``eval_items``, ``model_overrides`` (K3Config fields; tests shrink
 the LM). Resume with ``--resume`` (data positions are in the checkpoint).
 """
 
@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from openk3.recipes.settings import OWNER, RecipeSettings, check_fraction
+from openk3.recipes.settings import OWNER, RecipeSettings, check_at_least, check_fraction
 from openk3.train.run_config import RunConfig
 
 
@@ -53,6 +53,10 @@ class VisionStageSettings(RecipeSettings):
         text_share: share of rows that are text SFT conversations, in [0, 1).
         sft_items, sft_seed, sft_mixture (None: ``sft_data.MIXTURE``; else ``{task: share}``
             merged over it; :attr:`mixture` is the normalised result): those text rows.
+        facts_share (in [0, 1)), facts_items (seed ``sft_seed`` + 400): share of the text rows
+            that are column-fact drill documents (:mod:`openk3.datasets.column_facts`), as in
+            the text SFT (``sft_facts_share``): without them this stage's updates wear down the
+            one-digit facts the arithmetic answers are built from.
         eval_items: held-out image conversations.
         model_overrides: K3Config fields replaced (tests shrink the LM).
     Raises (construction):
@@ -68,6 +72,8 @@ class VisionStageSettings(RecipeSettings):
     sft_items: int = 12000
     sft_seed: int = 3
     sft_mixture: dict[str, float] | None = None
+    facts_share: float = 0.2
+    facts_items: int = 4000
     eval_items: int = 24
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -80,6 +86,8 @@ class VisionStageSettings(RecipeSettings):
 
     def check(self) -> None:
         check_fraction(self, "text_share")
+        check_fraction(self, "facts_share")
+        check_at_least(self, "facts_items", 1)
 
     @property
     def mixture(self) -> dict[str, float] | None:
@@ -178,6 +186,12 @@ def vision_data(run: RunConfig, split: str):
         sft_conversations(x.sft_seed, x.sft_items, mixture=x.mixture), tok
     )
     text = PackedLoader(store, run.seq_len, 1, seed=run.seed + 1, split_documents=False, pad_id=pad)
+    if x.facts_share > 0:
+        from openk3.datasets.column_facts import column_facts_store
+
+        facts = column_facts_store(x.sft_seed + 400, x.facts_items, tok)
+        drills = PackedLoader(facts, run.seq_len, 1, seed=run.seed + 2, pad_id=pad)
+        text = MixedLoader(text, drills, x.facts_share, seed=run.seed + 6)
     return MixedLoader(images, text, x.text_share, seed=run.seed)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 import openk3
@@ -146,3 +147,33 @@ def test_bad_text_ckpt_is_named_before_anything_runs(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 2 and "extra.text_ckpt" in err, (value, err)
     assert not (tmp_path / "o" / "checkpoints").exists()
+
+
+def test_text_rows_carry_column_fact_drills(tmp_path):
+    """``facts_share`` of the text rows are drill documents (every real token a target, column
+    lines); ``facts_share`` 0 serves none; out-of-range values name the field."""
+    from openk3.recipes import get_recipe
+    from openk3.recipes.default_model_vision import settings, vision_data
+
+    extra = {"text_ckpt": "unused", "tokenizer_dir": TOK, "model_overrides": TINY_LM, "vision": TINY_VIT,
+             "image_items": 6, "sft_items": 12, "eval_items": 2, "text_share": 0.9, "facts_share": 0.5,
+             "facts_items": 20}
+    tok = _tok()
+
+    def drills(extra, n=40):
+        run = get_recipe("default-model-vision", seq_len=256, extra=extra)
+        pad = run.model_config().pad_token_id
+        data = vision_data(run, "train")
+        out = 0
+        for _ in range(n):
+            b = data.next_batch()
+            ids, labels = b["input_ids"][0], b["labels"][0]
+            text = tok.decode([i for i in ids.tolist() if i < tok.vocab_size])
+            out += ("ones: " in text or "tens: " in text) and bool((labels[ids != pad][:-1] != -100).all())
+        return out
+
+    assert 8 < drills(extra) < 28  # about 0.9 * 0.5 of 40 rows
+    assert drills({**extra, "facts_share": 0.0}) == 0
+    for field, bad in (("facts_share", 1.0), ("facts_items", 0)):
+        with pytest.raises(ValueError, match=f"extra.{field}={bad}"):
+            settings(get_recipe("default-model-vision", extra={**extra, field: bad}))
