@@ -97,8 +97,10 @@ def test_2048_token_forwards_equal_512_token_forwards(shipped):
         for pool in ("conv", "recurrent"):
             x = getattr(wide.cache.snapshots, pool)[:, a.row]
             y = getattr(narrow.cache.snapshots, pool)[:, b.row]
-            # recurrent entries reach ~100 here: 1e-6 relative is ~1 ulp of fp32 at that size
-            assert_close(x, y, atol=1e-6, rtol=1e-6, what=f"{pool} state at {position}")
+            # The layers below ran as GEMMs of other shapes (2,048 vs 512 rows), so the states differ
+            # by fp32 rounding only: measured up to 3.3e-6 (rel rms 1.1e-7, about one ulp); a wrong
+            # chunk index or row mapping gives errors of order one.
+            assert_close(x, y, atol=1e-5, rtol=1e-5, what=f"{pool} state at {position}")
     follow = prompt[:1700] + torch.randint(0, 7900, (50,), generator=g).tolist()
     (got,), (usage,) = _first_logits(wide, [follow])
     assert usage.cached_tokens == 1536
