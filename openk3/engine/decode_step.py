@@ -22,6 +22,7 @@ decode step runs is the ``"decode"`` op of :mod:`openk3.ops.backends` (:func:`de
 from __future__ import annotations
 
 import logging
+import types
 from typing import Callable
 
 import torch
@@ -127,7 +128,7 @@ class StaticDecodeStep:
         # B=1 that Python was ~0.2 ms of a ~2.5 ms step, thread CPU).
         self.forward: Callable = (
             torch.compile(
-                self._forward,
+                self._own_forward(),
                 dynamic=False,
                 options={"size_asserts": False, "cpp_wrapper": True},
             )
@@ -175,6 +176,20 @@ class StaticDecodeStep:
             ids, cache, validate=False, site_queries=queries, attn_res_state=self.attn_res_state
         )
         return self.model.lm_head(hidden[:, -1]).float()
+
+    def _own_forward(self) -> Callable:
+        """:meth:`_forward` bound to this instance through its own copy of the code object.
+
+        Dynamo keeps compiled graphs per code object (one cache, one size limit), and
+        :meth:`_run` skips its full guard check after a bucket's first call: the graphs it then
+        chooses from should all be this instance's. Through the shared ``_forward`` code every
+        engine of a process added its graphs to one cache, and in the engine tests run on the
+        compiled step (``OPENK3_DECODE_BACKEND=compiled``, one engine after another) later
+        engines' steps failed with "Recompilation triggered with skip_guard_eval_unsafe stance".
+        """
+        f = StaticDecodeStep._forward
+        own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__)
+        return types.MethodType(own, self)
 
     def site_queries(self) -> torch.Tensor | None:
         """[2L+1, D] fp32 AttnRes pseudo-queries of the current weights (None without AttnRes),
