@@ -437,8 +437,8 @@ def _check_model(serving: ChatServing, body: Any) -> Any:
     A ``claude-*`` id is answered by the served model: Anthropic clients send their own default
     model ids (Claude Code asks for e.g. ``claude-opus-4-8[1m]`` and a ``claude-*-haiku`` for side
     tasks) unless configured otherwise, and Moonshot's Anthropic gateway for Kimi Code is reached by
-    Claude Code with only a base URL and a key, answering with its own model id. Any other unknown
-    id stays a 404, as on the platform.
+    Claude Code with only a base URL and a key. The reply's ``model`` is the id asked for
+    (:func:`prepare`). Any other unknown id stays a 404, as on the platform.
     """
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         if body["model"].startswith(CLAUDE_MODEL_PREFIX) and body["model"] != serving.model.id:
@@ -491,6 +491,12 @@ def prepare(serving: ChatServing, body: Any) -> Prepared:
         e.message = e.anthropic_message or anthropic_names(e.message)
         raise
     prep.id = "msg_" + uuid.uuid4().hex
+    asked = body.get("model") if isinstance(body, dict) else None
+    if isinstance(asked, str) and asked.startswith(CLAUDE_MODEL_PREFIX):
+        # The reply names the id asked for, as Anthropic's API does. Claude Code drops the signed
+        # thinking blocks of history turns whose `model` differs from the request's, and a tool
+        # turn without its thinking block is then the 400 below on the next request.
+        prep.model = asked
     return prep
 
 

@@ -149,12 +149,15 @@ def test_anthropic_field_names_in_errors(ac):
 @pytest.mark.parametrize("claude_id", ["claude-opus-4-8[1m]", "claude-haiku-4-5-20251001"])
 def test_claude_model_ids_are_answered_by_the_served_model(ac, claude_id):
     """Claude Code's own default ids (its main model and the small one for side tasks) reach the served
-    model, which names itself in the reply; the count endpoint agrees with the served id's count."""
+    model; the reply names the id asked for (Claude Code strips the signed thinking blocks of history
+    turns whose ``model`` is another id, and its next tool-loop request is then a 400); the count
+    endpoint agrees with the served id's count."""
     msgs = [{"role": "user", "content": "say hi"}]
     m = ac.messages.create(model=claude_id, max_tokens=3, messages=msgs)
-    assert m.model == MODEL and m.usage.output_tokens == 3
+    assert m.model == claude_id and m.usage.output_tokens == 3
     assert (ac.messages.count_tokens(model=claude_id, messages=msgs).input_tokens
             == ac.messages.count_tokens(model=MODEL, messages=msgs).input_tokens)
     with ac.messages.stream(model=claude_id, max_tokens=2, messages=msgs) as s:
         final = s.get_final_message()
-    assert final.model == MODEL and final.usage.output_tokens == 2
+    assert final.model == claude_id and final.usage.output_tokens == 2
+    assert ac.messages.create(model=MODEL, max_tokens=1, messages=msgs).model == MODEL
