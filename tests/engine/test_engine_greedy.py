@@ -22,17 +22,21 @@ def test_batch_of_mixed_prompts_matches_full_forward(model, prefix, chunked):
                                      enable_prefix_cache=prefix, snapshot_interval=16))
     ids = [eng.add_request(p, greedy(N_NEW)) for p in prompts]
     widths: list[set] = []  # per step: the T of every forward it ran
-    forward, step = eng.runner.forward, eng.step
+    forward, decode, step = eng.runner.forward, eng.runner.decode, eng.step
 
     def spy_forward(pieces, need):
         widths[-1].add(max(p.length for p in pieces))
         return forward(pieces, need)
 
+    def spy_decode(reqs):  # the compiled decode step bypasses runner.forward: T = 1 either way
+        widths[-1].add(1)
+        return decode(reqs)
+
     def spy_step():
         widths.append(set())
         return step()
 
-    eng.runner.forward, eng.step = spy_forward, spy_step
+    eng.runner.forward, eng.runner.decode, eng.step = spy_forward, spy_decode, spy_step
     res = run(eng)
     for rid, ref, p in zip(ids, refs, prompts):
         assert res[rid]["tokens"] == ref, f"prompt of {len(p)} tokens"
