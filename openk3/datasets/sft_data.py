@@ -34,7 +34,14 @@ import random
 from collections.abc import Callable
 
 from openk3.datasets.pools import draw
-from openk3.datasets.sft_tasks import TASKS, Item, reasoning, set_effort, with_reasoning
+from openk3.datasets.sft_tasks import (
+    TASKS,
+    TOOL_REASONING,
+    Item,
+    reasoning,
+    set_effort,
+    with_reasoning,
+)
 
 EFFORTS = ("low", "medium", "high", "max")
 EVAL_SEED_OFFSET = 1_000_003
@@ -550,8 +557,16 @@ def is_held_out(item: Item) -> bool:
     return is_held_out_key(item_key(item))
 
 
-def _draw(rng: random.Random, suite: str, thinking_off: float) -> Item:
+# Suites whose generators take ``tool_reasoning`` (the reasoning style of their call turns).
+TOOL_SUITES = ("tools", "tools_two", "tool_result")
+
+
+def _draw(
+    rng: random.Random, suite: str, thinking_off: float, tool_reasoning: str = "restate"
+) -> Item:
     effort = None if rng.random() < thinking_off and suite != "effort" else rng.choice(EFFORTS)
+    if suite in TOOL_SUITES:
+        return GENERATORS[suite](rng, effort, tool_reasoning=tool_reasoning)
     return GENERATORS[suite](rng, effort)
 
 
@@ -581,7 +596,12 @@ def normalise_mixture(
 
 
 def sft_items(
-    seed: int, n: int, *, thinking_off: float = 0.1, mixture: dict | None = None
+    seed: int,
+    n: int,
+    *,
+    thinking_off: float = 0.1,
+    mixture: dict | None = None,
+    tool_reasoning: str = "restate",
 ) -> list[Item]:
     """``n`` training items of the mixture (:data:`MIXTURE`), held-out keys excluded.
 
@@ -590,14 +610,22 @@ def sft_items(
         thinking_off: share of items with thinking disabled (instant mode).
         mixture: task -> weight used instead of :data:`MIXTURE` (None = MIXTURE); weights are
             relative (``random.choices``), e.g. the output of :func:`normalise_mixture`.
+        tool_reasoning: the reasoning style of the tool-call turns of :data:`TOOL_SUITES`
+            (:data:`~openk3.datasets.sft_tasks.TOOL_REASONING`; ``"restate"``: the shipped
+            model's data). Only their reasoning text changes: the same seed draws the same
+            requests, calls and held-out exclusions in every style.
     Raises:
-        ValueError: ``n`` < 1, ``thinking_off`` outside [0, 1], or a bad ``mixture`` (unknown
-            task, negative / non-finite weight, all 0).
+        ValueError: ``n`` < 1, ``thinking_off`` outside [0, 1], an unknown ``tool_reasoning``,
+            or a bad ``mixture`` (unknown task, negative / non-finite weight, all 0).
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}: must be a positive integer")
     if not 0.0 <= thinking_off <= 1.0:
         raise ValueError(f"thinking_off={thinking_off!r}: must lie in [0, 1]")
+    if tool_reasoning not in TOOL_REASONING:
+        raise ValueError(
+            f"tool_reasoning={tool_reasoning!r}: must be one of {', '.join(TOOL_REASONING)}"
+        )
     if mixture is None:
         mixture = MIXTURE
     else:
@@ -607,7 +635,7 @@ def sft_items(
     weights = list(mixture.values())
     out: list[Item] = []
     while len(out) < n:
-        item = _draw(rng, rng.choices(suites, weights)[0], thinking_off)
+        item = _draw(rng, rng.choices(suites, weights)[0], thinking_off, tool_reasoning)
         if not is_held_out(item):
             out.append(item)
     return out
@@ -686,6 +714,7 @@ __all__ = [
     "normalise_mixture",
     "EVAL_SUITES",
     "EVAL_SEED_OFFSET",
+    "TOOL_SUITES",
     "GENERATORS",
     "Item",
     "column_add",

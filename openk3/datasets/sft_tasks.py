@@ -598,7 +598,44 @@ def _tool_request(
     return request, calls, names, text
 
 
-def _call_message(calls: list[Call], text: str, effort: str | None, start: int = 0) -> dict:
+# How the reasoning of a tool-call turn states the call (:func:`_call_message`).
+TOOL_REASONING = ("restate", "args", "name")
+
+
+def _call_lines(calls: list[Call], text: str, style: str) -> list[str]:
+    """The think-channel lines of a tool-call turn, most essential first (:func:`reasoning` cuts
+    them by effort).
+
+    ``restate``: the user's request restated in prose, the tool name(s), then each call's
+    arguments JSON and a check (the shipped model's data). ``args``: each call's name with its
+    arguments JSON as the call writes them (the values appear once before the call, in the call's
+    own tokens), then the check; the request is not restated. ``name``: the tool name(s) only, no
+    value: the call copies every value straight from the user's turn.
+
+    Why the styles: the shipped model corrupts values while restating them in prose and then
+    copies the corrupted restatement into the call (``Sleaxgaiia`` -> ``Sleal...``).
+
+    Raises:
+        ValueError: ``style`` not in :data:`TOOL_REASONING`.
+    """
+    names = " and ".join(c.name for c in calls)
+    check = "The arguments come from the user's words and fit the schema."
+    if style == "restate":
+        return [
+            f"The user wants {text}; I will call {names}.",
+            *[f"{c.name} arguments: {json.dumps(c.args)}" for c in calls],
+            check,
+        ]
+    if style == "args":
+        return [*[f"I will call {c.name} with {json.dumps(c.args)}." for c in calls], check]
+    if style == "name":
+        return [f"I will call {names}.", check]
+    raise ValueError(f"tool_reasoning={style!r}: must be one of {', '.join(TOOL_REASONING)}")
+
+
+def _call_message(
+    calls: list[Call], text: str, effort: str | None, start: int = 0, style: str = "restate"
+) -> dict:
     tcs = [
         {
             "id": make_tool_call_id(c.name, start + i),
@@ -607,13 +644,9 @@ def _call_message(calls: list[Call], text: str, effort: str | None, start: int =
         }
         for i, c in enumerate(calls)
     ]
-    lines = [
-        f"The user wants {text}; I will call {' and '.join(c.name for c in calls)}.",
-        *[f"{c.name} arguments: {json.dumps(c.args)}" for c in calls],
-        "The arguments come from the user's words and fit the schema.",
-    ]
     return with_reasoning(
-        {"role": "assistant", "content": None, "tool_calls": tcs}, reasoning(lines, effort)
+        {"role": "assistant", "content": None, "tool_calls": tcs},
+        reasoning(_call_lines(calls, text, style), effort),
     )
 
 
@@ -633,19 +666,25 @@ def _expected_calls(calls: list[Call], names: list[str]) -> dict:
 
 
 def gen_tool_call(
-    rng: random.Random, effort: str | None, held_out: bool = False, *, n_calls: int | None = None
+    rng: random.Random,
+    effort: str | None,
+    held_out: bool = False,
+    *,
+    n_calls: int | None = None,
+    tool_reasoning: str = "restate",
 ) -> Item:
     """Choose one (or, a quarter of the time, two) of 3-6 declared tools and fill their arguments
     from the user's words; variants: tool_choice auto/required, tools declared dynamically in a
     system message, two calls in one turn. The follow-up is the tool result(s) and an answer that
-    uses them."""
+    uses them. ``tool_reasoning``: the call turn's reasoning style (:func:`_call_lines`); it
+    changes text only, never what is drawn from ``rng``."""
     if n_calls is None:
         n_calls = 2 if rng.random() < 0.25 else 1
     request, calls, names, text = _tool_request(rng, effort, n_calls, held_out)
     choice = rng.choice(["auto", "auto", "required"])
     if choice != "auto":
         request["tool_choice"] = choice
-    ref = _call_message(calls, text, effort)
+    ref = _call_message(calls, text, effort, style=tool_reasoning)
     follow = [
         {"role": "tool", "tool_call_id": tc["id"], "content": c.result}
         for tc, c in zip(ref["tool_calls"], calls)
@@ -661,18 +700,31 @@ def gen_tool_call(
     )
 
 
-def gen_tool_two(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
+def gen_tool_two(
+    rng: random.Random,
+    effort: str | None,
+    held_out: bool = False,
+    *,
+    tool_reasoning: str = "restate",
+) -> Item:
     """A request that needs two calls in one turn (the ``tools_two`` eval suite)."""
-    it = gen_tool_call(rng, effort, held_out, n_calls=2)
+    it = gen_tool_call(rng, effort, held_out, n_calls=2, tool_reasoning=tool_reasoning)
     return Item("tools_two", it.request, it.reference, it.expected, it.follow_up)
 
 
-def gen_tool_result(rng: random.Random, effort: str | None, held_out: bool = False) -> Item:
-    """The turn after a tool result: the history holds the request, the call and its result; the
-    answer must state the result's value (``expected.values``)."""
+def gen_tool_result(
+    rng: random.Random,
+    effort: str | None,
+    held_out: bool = False,
+    *,
+    tool_reasoning: str = "restate",
+) -> Item:
+    """The turn after a tool result: the history holds the request, the call (its reasoning in
+    the ``tool_reasoning`` style) and its result; the answer must state the result's value
+    (``expected.values``)."""
     n_calls = 2 if rng.random() < 0.2 else 1
     request, calls, names, text = _tool_request(rng, effort, n_calls, held_out)
-    call = _call_message(calls, text, effort if effort is not None else None)
+    call = _call_message(calls, text, effort, style=tool_reasoning)
     if "reasoning_content" not in call:
         call["reasoning_content"] = (
             ""  # a tool-call turn in history needs its reasoning (may be "")
@@ -1031,6 +1083,7 @@ __all__ = [
     "Call",
     "TOOLS",
     "TASKS",
+    "TOOL_REASONING",
     "OOS_ANSWER",
     "reasoning",
     "gen_tool_call",

@@ -44,7 +44,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from openk3.recipes.settings import OWNER, RecipeSettings, check_at_least, check_fraction
 from openk3.train.optim import Schedule
@@ -94,6 +94,12 @@ class DefaultModelSettings(RecipeSettings):
             column-fact drill documents (:mod:`openk3.datasets.column_facts`).
         sft_facts_share (in [0, 1)): share of SFT train rows that are those drill rows (next-token
             loss on every token), interleaved with seed ``seed`` + 6.
+        sft_tool_reasoning: the reasoning of the SFT rows' tool-call turns
+            (:data:`~openk3.datasets.sft_tasks.TOOL_REASONING`): ``"restate"`` (the shipped
+            model's: the request restated, then the arguments JSON), ``"args"`` (each call's
+            arguments JSON only, in the call's tokens) or ``"name"`` (the tool name only). Text
+            only: the same conversations are drawn in every style. The README's "The
+            ``default-model`` recipe" section has the continuation experiment that compares them.
     Raises (construction):
         ValueError: a value of the wrong type or out of range, naming ``extra.<field>``.
     """
@@ -136,6 +142,7 @@ class DefaultModelSettings(RecipeSettings):
     mid_facts_share: float = 0.6
     mid_facts_items: int = 4000
     sft_facts_share: float = 0.2
+    sft_tool_reasoning: Literal["restate", "args", "name"] = "restate"
 
     def __post_init__(self) -> None:
         if self.sft_mixture is not None:  # its own messages name the task and share
@@ -245,7 +252,12 @@ def _sft_loader(run: RunConfig, x: DefaultModelSettings, tok, seq_len: int, seed
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.datasets.sft_data import sft_conversations
 
-    convs = sft_conversations(x.sft_seed + seed_offset, x.sft_items, mixture=x.mixture)
+    convs = sft_conversations(
+        x.sft_seed + seed_offset,
+        x.sft_items,
+        mixture=x.mixture,
+        tool_reasoning=x.sft_tool_reasoning,
+    )
     return PackedLoader(
         DocumentStore.from_conversations(convs, tok),
         seq_len,

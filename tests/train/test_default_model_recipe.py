@@ -237,3 +237,35 @@ def test_mid_training_mixes_column_fact_documents(monkeypatch):
         default_model.settings(run.replace(extra={"mid_facts_share": 1.0}))
     with pytest.raises(ValueError, match="extra.mid_steps=-1"):
         default_model.settings(run.replace(extra={"mid_steps": -1}))
+
+
+def test_sft_tool_reasoning_reaches_the_sft_rows(monkeypatch):
+    from openk3.datasets import sft_data
+    from openk3.recipes import default_model
+
+    seen = []
+    real = sft_data.sft_conversations
+    monkeypatch.setattr(
+        sft_data, "sft_conversations", lambda *a, **kw: seen.append(kw) or real(*a, **kw)
+    )
+    monkeypatch.setattr(default_model, "_tokenizer", lambda run: None)
+    run = get_recipe("default-model", seq_len=256)
+    assert default_model.settings(run).sft_tool_reasoning == "restate"  # the shipped model's data
+    from openk3.train import data as train_data
+
+    monkeypatch.setattr(
+        train_data.DocumentStore, "from_conversations", classmethod(lambda cls, c, tok: c)
+    )
+    monkeypatch.setattr(train_data, "PackedLoader", lambda store, *a, **kw: store)
+    named = run.replace(extra={"sft_items": 40, "sft_tool_reasoning": "name"})
+    convs = default_model._sft_loader(named, default_model.settings(named), None, 256)
+    assert seen[-1]["tool_reasoning"] == "name"
+    calls = [
+        m
+        for c in convs
+        for m in c["messages"]
+        if m.get("tool_calls") and m.get("reasoning_content")
+    ]
+    assert calls and all(m["reasoning_content"].startswith("I will call ") for m in calls)
+    with pytest.raises(ValueError, match="extra.sft_tool_reasoning"):
+        default_model.settings(run.replace(extra={"sft_tool_reasoning": "prose"}))

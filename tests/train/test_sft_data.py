@@ -226,3 +226,54 @@ def test_one_call_tool_requests_are_also_asked_as_questions():
     weather = [it.request["messages"][-1]["content"] for it in asked
                if it.reference["tool_calls"][0]["function"]["name"] == "get_weather"]
     assert any(w.startswith("What is the weather in ") for w in weather)
+
+
+def test_tool_reasoning_styles_change_only_the_call_turns_reasoning():
+    # the same seed draws the same conversations in every style; only tool-call reasoning differs
+    styles = {s: sft_items(3, 400, tool_reasoning=s) for s in ("restate", "args", "name")}
+    for a, b, c in zip(styles["restate"], styles["args"], styles["name"]):
+        assert a.suite == b.suite == c.suite and a.expected == b.expected == c.expected
+        if a.suite not in ("tools", "tools_two", "tool_result"):
+            assert a.conversation() == b.conversation() == c.conversation()
+            continue
+        calls = a.reference.get("tool_calls") or []
+        assert [tc["function"] for tc in calls] == [
+            tc["function"] for tc in (b.reference.get("tool_calls") or [])
+        ]
+        if a.suite == "tool_result" or a.reference.get("reasoning_content") is None:
+            continue
+        user = a.request["messages"][-1]["content"]
+        r_args, r_name = b.reference["reasoning_content"], c.reference["reasoning_content"]
+        assert r_name.startswith(
+            f"I will call {' and '.join(tc['function']['name'] for tc in calls)}."
+        )
+        first = calls[0]["function"]
+        assert r_args.startswith(f"I will call {first['name']} with {first['arguments']}.")
+        # "name" never restates a value; "restate" (the shipped data) restates the request
+        for v in json.loads(first["arguments"]).values():
+            s = json.dumps(v) if isinstance(v, (int, float)) else str(v)
+            assert s not in r_name and s in user and s in r_args
+        assert a.reference["reasoning_content"].startswith("The user wants ")
+    # a call turn kept in tool_result history carries the style too
+    hist = [
+        it
+        for it in styles["name"]
+        if it.suite == "tool_result" and it.request.get("reasoning_effort")
+    ]
+    call = next(m for m in hist[0].request["messages"] if m.get("tool_calls"))
+    assert call["reasoning_content"].startswith("I will call ")
+    with pytest.raises(ValueError, match="tool_reasoning='prose'"):
+        sft_items(3, 5, tool_reasoning="prose")
+
+
+def test_tool_reasoning_default_is_the_shipped_models_data():
+    from openk3.datasets.sft_tasks import gen_tool_call
+
+    it = gen_tool_call(random.Random(5), "max", n_calls=2)
+    assert it.reference["reasoning_content"] == (
+        "The user wants order 8 soup, then put on Golden Winter; I will call order_food and play_music.\n"
+        'order_food arguments: {"dish": "soup", "quantity": 8}\n'
+        'play_music arguments: {"song": "Golden Winter"}\n'
+        "The arguments come from the user's words and fit the schema."
+    )
+    assert sft_conversations(2, 60) == sft_conversations(2, 60, tool_reasoning="restate")
