@@ -33,7 +33,17 @@ from dataclasses import dataclass, field
 import torch
 
 
-def direct_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+def inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(v²) + eps) over the last dim: [*, D] -> [*] fp32 (the key norm's scale)."""
+    return torch.rsqrt(v.float().square().mean(-1) + eps)
+
+
+def direct_mix(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    eps: float,
+    scales: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """Softmax mixture over depth candidates at one site, from its pseudo-query.
 
     Written per source, without stacking them: Inductor's CPU backend lowers a stack to a copy
@@ -42,12 +52,18 @@ def direct_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, eps: float)
 
     Args:
         sources: N >= 1 tensors [*, D] of one dtype; query: [D] fp32 pseudo-query (norm weight ×
-            projection); eps: RMSNorm eps of the keys.
+            projection); eps: RMSNorm eps of the keys; scales: optional per-source [*] fp32
+            :func:`inv_rms` already computed (None entries are computed here): a completed block's
+            scale does not depend on the site, so callers compute it once per block.
     Returns:
         [*, D] in the sources' dtype (scores, softmax and the weighted sum in fp32).
     """
     vs = [s.float() for s in sources]
-    z = [(v * query).sum(-1) * torch.rsqrt(v.square().mean(-1) + eps) for v in vs]  # N x [*]
+    if scales is None:
+        scales = [None] * len(vs)
+    z = [
+        (v * query).sum(-1) * (inv_rms(v, eps) if r is None else r) for v, r in zip(vs, scales)
+    ]  # N x [*]
     m = z[0]
     for zj in z[1:]:
         m = torch.maximum(m, zj)
@@ -75,6 +91,8 @@ class DirectAttnRes:
         site_queries: [2L+1, D] fp32 (row 2l: layer l's mixer site, 2l+1 its FFN site, 2L the
             output site); may be None only with ``block_size=None``.
         blocks: completed block sums [*, D] (blocks[0] is the embedding).
+        block_scales: their :func:`inv_rms` [*] fp32, computed once when each block closes (a
+            block's key norm does not depend on the site; up to L later sites reuse it).
     Raises:
         ValueError: (``start``) AttnRes without ``site_queries``.
     """
@@ -84,6 +102,7 @@ class DirectAttnRes:
     eps: float = 1e-5
     site_queries: torch.Tensor | None = None
     blocks: list[torch.Tensor] = field(default_factory=list)
+    block_scales: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def start(
@@ -102,8 +121,13 @@ class DirectAttnRes:
             )
         return cls(partial=x0, block_size=block_size, eps=eps, site_queries=site_queries)
 
-    def _mix(self, row: int, sources: list[torch.Tensor]) -> torch.Tensor:
-        return direct_mix(sources, self.site_queries[row], self.eps)
+    def _mix(self, row: int, partial: torch.Tensor | None) -> torch.Tensor:
+        """Mixture at site ``row`` over the completed blocks (cached scales) and ``partial``."""
+        sources, scales = list(self.blocks), list(self.block_scales)
+        if partial is not None:
+            sources.append(partial)
+            scales.append(None)
+        return direct_mix(sources, self.site_queries[row], self.eps, scales)
 
     def attn_input(self, layer_idx: int, norm_weight=None, proj_weight=None) -> torch.Tensor:
         """The mixer input h [*, D] of layer ``layer_idx``; snapshots the partial sum as a new
@@ -114,8 +138,9 @@ class DirectAttnRes:
         if layer_idx % self.block_size == 0:
             had_blocks = bool(self.blocks)
             self.blocks.append(p)
-            return self._mix(2 * layer_idx, self.blocks) if had_blocks else p
-        return self._mix(2 * layer_idx, self.blocks + [p])
+            self.block_scales.append(inv_rms(p, self.eps))
+            return self._mix(2 * layer_idx, None) if had_blocks else p
+        return self._mix(2 * layer_idx, p)
 
     def after_mixer(self, layer_idx: int, a: torch.Tensor) -> None:
         """A new block starts with the mixer output a [*, D]; otherwise a is added."""
@@ -126,7 +151,7 @@ class DirectAttnRes:
         """The FFN input h' [*, D] = Mix_ffn(blocks ++ [partial])."""
         if self.block_size is None:
             return self.partial
-        return self._mix(2 * layer_idx + 1, self.blocks + [self.partial])
+        return self._mix(2 * layer_idx + 1, self.partial)
 
     def after_ffn(self, layer_idx: int, f: torch.Tensor) -> None:
         """partial = partial + f [*, D]."""
@@ -137,4 +162,4 @@ class DirectAttnRes:
         the final norm."""
         if self.block_size is None or not self.blocks:
             return self.partial
-        return self._mix(-1, self.blocks + [self.partial])
+        return self._mix(-1, self.partial)

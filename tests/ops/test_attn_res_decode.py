@@ -8,7 +8,7 @@ import torch
 
 import openk3
 from openk3.layers.attn_res import SiteWeights, depth_mix, run_attn_res
-from openk3.ops.attn_res_decode import DirectAttnRes, direct_mix
+from openk3.ops.attn_res_decode import DirectAttnRes, direct_mix, inv_rms
 from openk3.pretrained import build_model
 from tests.conftest import assert_close, perturb
 
@@ -26,6 +26,13 @@ def test_direct_mix_equals_depth_mix(n):
     assert_close(got, want, atol=1e-5, what="direct mixture")
     if n > 1:  # the weights are not degenerate: the mixture is not one of the sources
         assert min((got - s).abs().max().item() for s in sources) > 1e-2
+    # precomputed key scales for all but the last source (as DirectAttnRes passes its blocks')
+    scales = [inv_rms(s, 1e-5) for s in sources[:-1]] + [None]
+    assert_close(direct_mix(sources, q, 1e-5, scales), want, atol=1e-5, what="cached scales")
+    # the scales are used, not recomputed: doubling one source's scale changes the mixture
+    if n > 1:
+        wrong = [2 * scales[0]] + scales[1:]
+        assert (direct_mix(sources, q, 1e-5, wrong) - want).abs().max().item() > 1e-3
 
 
 def test_direct_mix_keeps_the_sources_dtype():
