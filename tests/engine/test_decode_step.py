@@ -27,11 +27,21 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = func.overloadpacket.__name__
         indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
-        bool_index = op in BOOL_INDEX_OPS and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                  for i in indices)
+        bool_index = op in BOOL_INDEX_OPS and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
+        )
         if op in SYNC_OPS or bool_index:
             self.seen.append(op)
         return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(autouse=True)
+def _steps_chosen_here(monkeypatch):
+    """Each test here builds its eager reference and its compiled step explicitly; the
+    environment's backend switch (``OPENK3_DECODE_BACKEND=compiled``, which reruns the engine
+    suite on the compiled step) must not turn the references into compiled steps too.
+    test_one_switch_chooses_the_decode_step sets it itself."""
+    monkeypatch.delenv("OPENK3_DECODE_BACKEND", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +104,25 @@ def test_bucketed_decode_rows_equal_the_eager_step(model):
     of reductions over a different number of (masked) cache positions."""
     prompts = prompts_of((9, 21, 14), seed=12)
     ref_logits, got_logits = {}, {}
-    ref = Engine(model, EngineConfig(block_size=8, enable_prefix_cache=False),
-                 on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()))
-    eng = Engine(model, EngineConfig(block_size=8, enable_prefix_cache=False),
-                 on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()))
-    eng.runner.decode_step = StaticDecodeStep(model, eng.cache.blocks, eng.cache.slots, eng.runner.layer_pools,
-                                              max_batch=16, max_blocks=64, compile=False)
+    ref = Engine(
+        model,
+        EngineConfig(block_size=8, enable_prefix_cache=False),
+        on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()),
+    )
+    eng = Engine(
+        model,
+        EngineConfig(block_size=8, enable_prefix_cache=False),
+        on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()),
+    )
+    eng.runner.decode_step = StaticDecodeStep(
+        model,
+        eng.cache.blocks,
+        eng.cache.slots,
+        eng.runner.layer_pools,
+        max_batch=16,
+        max_blocks=64,
+        compile=False,
+    )
     assert _greedy_run(eng, prompts, 6, got_logits) == _greedy_run(ref, prompts, 6, ref_logits)
     assert eng.runner.decode_step.shapes == {(4, 4)}  # 3 rows -> 4, 2-4 blocks -> 4
     for a, b in zip(ref_logits.values(), got_logits.values()):
@@ -128,13 +151,20 @@ def test_compiled_decode_step_equals_eager_without_recompiles(model, kimi_linear
     n_new = 8
     cfg = dict(block_size=8, enable_prefix_cache=False, max_num_seqs=4)
     ref_logits, got_logits = {}, {}
-    ref = Engine(m, EngineConfig(**cfg), on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()))
+    ref = Engine(
+        m,
+        EngineConfig(**cfg),
+        on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()),
+    )
     ref_tokens = _greedy_run(ref, prompts, n_new, ref_logits)
 
     torch._dynamo.reset()
     counters.clear()
-    eng = Engine(m, EngineConfig(**cfg, compile=True),
-                 on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()))
+    eng = Engine(
+        m,
+        EngineConfig(**cfg, compile=True),
+        on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()),
+    )
     ids = [eng.add_request(p, greedy(n_new)) for p in prompts]
     tokens = {rid: [] for rid in ids}
     graphs = []
@@ -150,8 +180,9 @@ def test_compiled_decode_step_equals_eager_without_recompiles(model, kimi_linear
     for a, b in zip(ref_logits.values(), got_logits.values()):
         assert len(a) == len(b) == n_new
         for x, y in zip(a, b):
-            assert_close(y, x, atol=2e-5 if which == "k3" else 1e-5, rtol=0,
-                         what="compiled decode logits")
+            assert_close(
+                y, x, atol=2e-5 if which == "k3" else 1e-5, rtol=0, what="compiled decode logits"
+            )
 
 
 def _changing_batch_run(eng: Engine, prompts, logits: dict, buckets: list | None = None) -> list:
@@ -179,16 +210,23 @@ def test_compiled_decode_step_follows_the_batch_bucket(kimi_linear_model):
     prompts = prompts_of((9, 21, 14, 10), seed=14, vocab=m.config.vocab_size)
     cfg = dict(block_size=8, enable_prefix_cache=False, max_num_seqs=4)
     ref_logits, got_logits = {}, {}
-    ref = Engine(m, EngineConfig(**cfg), on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()))
+    ref = Engine(
+        m,
+        EngineConfig(**cfg),
+        on_logits=lambda rid, x: ref_logits.setdefault(rid, []).append(x.clone()),
+    )
     ref_tokens = _changing_batch_run(ref, prompts, ref_logits)
     torch._dynamo.reset()
-    eng = Engine(m, EngineConfig(**cfg, compile=True),
-                 on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()))
+    eng = Engine(
+        m,
+        EngineConfig(**cfg, compile=True),
+        on_logits=lambda rid, x: got_logits.setdefault(rid, []).append(x.clone()),
+    )
     buckets: list = []
     assert _changing_batch_run(eng, prompts, got_logits, buckets) == ref_tokens
     rows = [bp for bp, _ in buckets]
     # 3 rows (bucket 4), 2 rows (bucket 2), then 3 rows again: bucket 4 after bucket 2
-    assert rows[:2] == [4, 4] and 2 in rows and 4 in rows[rows.index(2):], rows
+    assert rows[:2] == [4, 4] and 2 in rows and 4 in rows[rows.index(2) :], rows
     assert {k[0] for k in eng.runner.decode_step.checked} == set(buckets)
     for a, b in zip(ref_logits.values(), got_logits.values()):
         assert len(a) == len(b)
@@ -216,16 +254,26 @@ def test_one_switch_chooses_the_decode_step(model, monkeypatch, caplog):
     with use_backend("decode", "reference"):
         assert decode_step.decode_backend(True, cpu) == "reference"
     monkeypatch.setenv("OPENK3_DECODE_BACKEND", "fast")
-    with pytest.raises(ValueError, match=r"OPENK3_DECODE_BACKEND='fast': unknown; known: \['compiled', 'reference'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"OPENK3_DECODE_BACKEND='fast': unknown; known: \['compiled', 'reference'\]",
+    ):
         Engine(model, EngineConfig(block_size=8))
 
-    monkeypatch.setattr(decode_step, "compiler_missing", lambda device: "no C++ compiler for Inductor (test)")
+    monkeypatch.setattr(
+        decode_step, "compiler_missing", lambda device: "no C++ compiler for Inductor (test)"
+    )
     monkeypatch.delenv("OPENK3_DECODE_BACKEND")
     with caplog.at_level("WARNING", logger="openk3.engine"):
         assert decode_step.decode_backend(True, cpu) == "reference"
-    assert "compile=True: no C++ compiler for Inductor (test); decode steps run the eager reference" in caplog.text
+    assert (
+        "compile=True: no C++ compiler for Inductor (test); decode steps run the eager reference"
+        in caplog.text
+    )
     monkeypatch.setenv("OPENK3_DECODE_BACKEND", "compiled")
-    with pytest.raises(ValueError, match=r"OPENK3_DECODE_BACKEND=compiled \(or use_backend\): no C\+\+ compiler"):
+    with pytest.raises(
+        ValueError, match=r"OPENK3_DECODE_BACKEND=compiled \(or use_backend\): no C\+\+ compiler"
+    ):
         decode_step.decode_backend(False, cpu)
 
 
