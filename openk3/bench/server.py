@@ -34,7 +34,8 @@ Targets (performance.md §6.4, server overhead): added TTFT <= 5 ms, added per-t
 at once: per stream its completion tokens over its end-to-end time (tokens/s per stream, p50 and
 summary), and per round all tokens over the round's wall time. ``--set model=openk3-tiny`` (or
 any checkpoint directory) serves that model instead of the random benchmark checkpoint (``hidden``
-and ``layers`` then do not apply).
+and ``layers`` then do not apply). ``--set compile=true`` runs both sides' decode steps compiled
+(``openk3 serve --compile``); request 0 and one untimed round per stream count warm the graphs up.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ FULL = {
     "streams": (1, 8),
     "stream_rounds": 3,
     "model": "",
+    "compile": False,
 }
 QUICK = {
     "hidden": 64,
@@ -70,6 +72,7 @@ QUICK = {
     "streams": (1, 2),
     "stream_rounds": 1,
     "model": "",
+    "compile": False,
 }
 _STARTUP = re.compile(r"openk3 serve: model (\S+) at (http://\S+)/v1")
 MODEL_ID = "openk3-bench"
@@ -128,6 +131,7 @@ class _Server:
         device: str = "cpu",
         dtype: str = "float32",
         max_num_seqs: int = 4,
+        compile: bool = False,
     ) -> None:
         self._log = open(log, "w+")
         self.log = log
@@ -152,6 +156,7 @@ class _Server:
                 "--dtype",
                 dtype,
                 "--quiet",
+                *(["--compile"] if compile else []),
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -213,22 +218,23 @@ def _stream_server(client, body: dict) -> dict:
     return {"first_text": first_text, "final": last, "text": "".join(text), "usage": usage}
 
 
-def _concurrent_streams(client, n: int, rounds: int, new_tokens: int) -> dict:
+def _concurrent_streams(client, n: int, rounds: int, new_tokens: int, warmup: bool = False) -> dict:
     """``rounds`` rounds of ``n`` streamed requests sent at once (one thread each): per stream its
     completion tokens over its end-to-end time (tokens/s), and per round all tokens over the
-    round's wall time."""
+    round's wall time. ``warmup``: one untimed round first (a compiled decode step builds its
+    graph for each new batch / block-table bucket on first use)."""
     from concurrent.futures import ThreadPoolExecutor
 
     per_stream = []
     aggregate = []
-    for r in range(rounds):
+    for r in range(-1 if warmup else 0, rounds):
         bodies = [
             {
                 "model": MODEL_ID,
                 "messages": [{"role": "user", "content": f"{PROMPT} (stream {r}.{i})"}],
                 "stream": True,
                 "max_completion_tokens": new_tokens,
-                "seed": 99 + 100 * r + i,
+                "seed": 99 + 100 * r + i if r >= 0 else 9000 + i,
             }
             for i in range(n)
         ]
@@ -236,6 +242,8 @@ def _concurrent_streams(client, n: int, rounds: int, new_tokens: int) -> dict:
         with ThreadPoolExecutor(n) as pool:
             outs = list(pool.map(lambda b: _stream_server(client, b), bodies))
         wall = time.perf_counter() - t0
+        if r < 0:
+            continue
         for o in outs:
             check(
                 o["usage"] is not None and o["final"], f"{n} streams: a stream ended without usage"
@@ -329,6 +337,7 @@ def run(
             device=str(device),
             dtype=dtype_name,
             max_num_seqs=max(4, *p["streams"]),
+            compile=bool(p["compile"]),
         )
         serving, aeng = build_serving(
             str(ckpt),
@@ -337,6 +346,7 @@ def run(
             enable_prefix_cache=False,
             device=device,
             dtype=dtype,
+            compile=bool(p["compile"]),
         )
         loop = asyncio.new_event_loop()
         rows = {"server": [], "in_process": []}
@@ -409,7 +419,9 @@ def run(
             loop.run_until_complete(aeng.shutdown(drain=False))
             with httpx.Client(base_url=server.base, timeout=600) as client:
                 streams = {
-                    f"{n}": _concurrent_streams(client, n, p["stream_rounds"], p["new_tokens"])
+                    f"{n}": _concurrent_streams(
+                        client, n, p["stream_rounds"], p["new_tokens"], warmup=bool(p["compile"])
+                    )
                     for n in p["streams"]
                 }
         finally:
@@ -464,6 +476,7 @@ def run(
             "transport": "httpx streaming over 127.0.0.1",
             "sampling": "API fixed (temperature 1.0, top_p 0.95), same seed both sides",
             "prefix_cache": False,
+            "decode": "compiled" if p["compile"] else "eager",
         },
         "latency": stats,
         "added_ttft_ms_p50": added_ttft,
