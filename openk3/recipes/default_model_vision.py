@@ -132,23 +132,29 @@ def tiny_vision_config(text_hidden_size: int = 128, **changes):
     return vc.replace(**changes) if changes else vc
 
 
-def vision_model_config(run: RunConfig):
-    """The LM config of the run (tokenizer ids, ``model_overrides``) as a ``kimi_k3`` wrapper with
-    the ``vision_config`` of :func:`tiny_vision_config` (+ ``extra.vision``)."""
+def vision_model_config(run: RunConfig, text_config=None):
+    """The LM config as a ``kimi_k3`` wrapper with the ``vision_config`` of
+    :func:`tiny_vision_config` (+ ``extra.vision``).
+
+    The LM is ``text_config`` when given (the text checkpoint's own ``config.json``: the stage
+    loads its weights, so its shapes — ``kv_lora_rank``, widths, layer pattern — are the ones a
+    text run trained with ``model_overrides`` chose), else the run's preset with the tokenizer's
+    ids; ``extra.model_overrides`` apply on top either way."""
     from openk3.tokenizer import load_tokenizer
 
     x = settings(run)
     tok = load_tokenizer(x.tokenizer_dir)
-    cfg = run.model_config()
+    cfg = run.model_config() if text_config is None else text_config
     if cfg.wrapper is not None and cfg.wrapper.get("vision_config") is not None:
         return cfg  # already prepared
-    cfg = cfg.replace(
-        vocab_size=tok.vocab_size,
-        bos_token_id=tok.bos_id,
-        eos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id,
-        media_placeholder_token_id=tok.media_pad_id,
-    )
+    cfg = cfg.replace(media_placeholder_token_id=tok.media_pad_id)
+    if text_config is None:
+        cfg = cfg.replace(
+            vocab_size=tok.vocab_size,
+            bos_token_id=tok.bos_id,
+            eos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+        )
     if x.model_overrides:
         cfg = cfg.replace(**x.model_overrides)
     vc = tiny_vision_config(cfg.hidden_size, **dict(x.vision))
@@ -216,7 +222,18 @@ def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
         f"[default-model-vision] vision stage from {x.text_ckpt} with {run.qat or 'no'} QAT",
         file=sys.stderr,
     )
-    return run.replace(model=vision_model_config(run), init_from=str(x.text_ckpt), prepare=None)
+    from openk3.config import K3Config
+    from openk3.tokenizer import load_tokenizer
+
+    text_config = K3Config.from_pretrained(ckpt)
+    vocab = load_tokenizer(x.tokenizer_dir).vocab_size
+    if text_config.vocab_size != vocab:
+        raise ValueError(
+            f"extra.text_ckpt={ckpt!r}: vocab_size {text_config.vocab_size} differs from the tokenizer at "
+            f"extra.tokenizer_dir={x.tokenizer_dir!r} ({vocab})"
+        )
+    model = vision_model_config(run, text_config)
+    return run.replace(model=model, init_from=str(x.text_ckpt), prepare=None)
 
 
 def default_model_vision() -> RunConfig:

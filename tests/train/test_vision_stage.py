@@ -87,13 +87,13 @@ def test_image_loader_resume_is_exact():
         assert x.keys() == y.keys() and all(torch.equal(x[n], y[n]) for n in x)
 
 
-def _text_ckpt(tmp_path) -> str:
+def _text_ckpt(tmp_path, **overrides) -> str:
     from openk3.pretrained import build_model
     from openk3.recipes import RunConfig
     from openk3.recipes.default_model_vision import VisionStageSettings, vision_model_config
 
     run = RunConfig("t", "openk3-tiny", lambda run, split: None, 1,
-                    settings=VisionStageSettings(tokenizer_dir=TOK, model_overrides=TINY_LM))
+                    settings=VisionStageSettings(tokenizer_dir=TOK, model_overrides={**TINY_LM, **overrides}))
     cfg = vision_model_config(run)
     cfg.wrapper = None  # the text model of the same LM
     model = build_model(cfg, seed=5)
@@ -136,6 +136,23 @@ def test_vision_stage_trains_from_text_ckpt_exports_and_resumes(tmp_path):
         want = ref(batch["input_ids"], pixel_values=batch["pixel_values"], grid_thws=batch["grid_thws"]).logits
         got = exported(batch["input_ids"], pixel_values=batch["pixel_values"], grid_thws=batch["grid_thws"]).logits
     assert float((got - want).abs().max()) <= 1e-4
+
+
+def test_vision_stage_takes_the_lm_shape_from_the_text_checkpoint(tmp_path):
+    """A text run trained with ``model_overrides`` (here kv_lora_rank 24, not TINY_LM's 16) needs
+    no repeat of them in the vision stage: the LM is the checkpoint's config, and its weights load."""
+    from openk3.recipes import get_recipe
+
+    text = _text_ckpt(tmp_path, kv_lora_rank=24)
+    extra = {"text_ckpt": text, "tokenizer_dir": TOK, "vision": TINY_VIT, "image_items": 2, "sft_items": 2,
+             "eval_items": 1}
+    run = get_recipe("default-model-vision", total_steps=1, warmup_steps=0, seq_len=256, extra=extra)
+    prepared = run.prepare(run, str(tmp_path / "x"), False)
+    model, _, _ = prepared.build()
+    cfg = model.config
+    assert (cfg.kv_lora_rank, cfg.hidden_size, cfg.num_hidden_layers) == (24, 64, 4)
+    assert model.config.media_placeholder_token_id == _tok().media_pad_id
+    assert model.model.layers[-1].self_attn.kv_a_proj_with_mqa.weight.shape[0] == 24 + 8
 
 
 def test_bad_text_ckpt_is_named_before_anything_runs(tmp_path, capsys):
