@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops import exp2_cpu
+from openk3.ops.exp2_cpu import exp2_rowsum_
 from openk3.ops.varlen import check_cache_room, check_lengths, check_past_lengths
 
 # Query tokens and keys per tile: QUERY_TOKENS * H rows by KEY_BLOCK keys (1 MiB of fp32 scores
@@ -108,13 +110,16 @@ def _tile_fixed(
     n_full: int,
     heads: int,
     key_block: int,
+    native: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_tiles exp2(qx @ keysᵀ) @ values and its row sums over the visible keys (``qx`` [r, D'],
     ``keys`` [keys, D'] row-major with D' = C+R for the offset-free form, or C+R+1 with the base-2
     offsets in qx's last column against the keys' ones column): the tile loop is a product into one
     reused score buffer, an in-place ``exp2``, a product and a row sum into its own row of a
-    [tiles, r] buffer (one reduction at the end instead of an add per tile). Returns
-    (acc [r, C], den [r])."""
+    [tiles, r] buffer (one reduction at the end instead of an add per tile). ``native``: the
+    ``exp2``, the row sum and the diagonal tile's causal zeros in one pass of
+    :func:`openk3.ops.exp2_cpu.exp2_rowsum_` (CPU, AVX-512F) instead of torch's ``masked_fill_``,
+    ``exp2_`` and ``sum``. Returns (acc [r, C], den [r])."""
     r = qx.shape[0]
     nd = r // heads
     spans = _spans(n_full, nd, key_block)
@@ -127,9 +132,14 @@ def _tile_fixed(
     key_tiles = (keys[:n_full].T.split(key_block, dim=1) if n_full else ()) + (keys[n_full:].T,)
     value_tiles = (values[:n_full].split(key_block) if n_full else ()) + (values[n_full:],)
     full = buf[: r * key_block].view(r, key_block)
+    threads = torch.get_num_threads()
     for (s, e, diagonal), kt, vt, den in zip(spans, key_tiles, value_tiles, dens.unbind(0)):
         p = full if e - s == key_block else buf[: r * (e - s)].view(r, e - s)
         torch.mm(qx, kt, out=p)
+        if native:
+            exp2_rowsum_(p, den, heads=heads, diagonal=diagonal, threads=threads)
+            acc.addmm_(p, vt)
+            continue
         if diagonal:
             p.masked_fill_(_causal_mask(nd, heads, qx.device), float("-inf"))
         p.exp2_()
@@ -190,6 +200,7 @@ def latent_attention_blocked(
     lengths: torch.Tensor | None = None,
     query_tokens: int = QUERY_TOKENS,
     key_block: int = KEY_BLOCK,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA attention of new queries over a latent cache, tiled (see the module docstring).
 
@@ -202,6 +213,9 @@ def latent_attention_blocked(
         scale: multiplies the logit.
         lengths: [B] int64 valid new tokens per row, or None (all T).
         query_tokens, key_block: tile sizes (tokens per query tile, keys per key tile).
+        native: each tile's ``exp2`` and row sum in the native CPU kernel
+            (:mod:`openk3.ops.exp2_cpu`); None = wherever it is available (CPU tensors, AVX-512F,
+            not disabled by ``OPENK3_NO_NATIVE=1``). True where it is not raises RuntimeError.
     Returns:
         [B, T, H, C] in ``q_latent.dtype`` (computed in fp32); zero for padded queries.
     Raises:
@@ -221,6 +235,8 @@ def latent_attention_blocked(
     if lengths is not None:
         check_lengths(lengths, B, T)
     check_cache_room(past_lengths, lengths, T, S)
+    if native is None:
+        native = q_latent.device.type == "cpu" and exp2_cpu.available()
     lens = [T] * B if lengths is None else lengths.tolist()
     past = past_lengths.tolist()
     out = q_latent.new_zeros(B, T, H, C)
@@ -254,7 +270,7 @@ def latent_attention_blocked(
             rows = slice(t0 * H, t1 * H)
             if top <= OFFSET_FREE_BOUND:
                 acc, den = _tile_fixed(
-                    q[rows], keys[: p + t1], values[: p + t1], p + t0, H, key_block
+                    q[rows], keys[: p + t1], values[: p + t1], p + t0, H, key_block, native
                 )
                 ok = bool(
                     (
@@ -270,7 +286,7 @@ def latent_attention_blocked(
                     qx = torch.cat([q, (BOUND_MARGIN * LOG2E - bound)[:, None]], dim=1)
                 if top > OFFSET_FREE_BOUND:
                     acc, den = _tile_fixed(
-                        qx[rows], keys1[: p + t1], values[: p + t1], p + t0, H, key_block
+                        qx[rows], keys1[: p + t1], values[: p + t1], p + t0, H, key_block, native
                     )
                     ok = bool(
                         (

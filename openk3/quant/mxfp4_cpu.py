@@ -8,9 +8,8 @@ slower than an fp32 GEMV on this project's CPUs), and torch.compile's CPU code f
 better. A small C kernel that decodes each 32-element block in registers and feeds it straight into
 FMAs reads 4.25 bits per weight from DRAM instead of 32, which is the whole point of MXFP4 decode.
 
-The kernel is compiled once with the system C compiler (``$CC``, else ``cc``) into a cache directory
-(``$OPENK3_KERNEL_CACHE``, else ``~/.cache/openk3``) and loaded with ctypes; no torch headers, so the
-build takes about a second. ``OPENK3_NO_NATIVE=1`` disables it. When it cannot be built,
+The kernel is compiled once with the system C compiler and loaded with ctypes (:mod:`openk3.native`:
+cache directory, ``OPENK3_NO_NATIVE=1`` disables it). When it cannot be built,
 :func:`available` is False and callers use the PyTorch path (same results; it is the reference).
 
 Numerics: each weight is formed exactly as :func:`openk3.quant.mx.dequantize_mxfp4` forms it
@@ -24,13 +23,12 @@ Sources: architecture.md §10, k3-release-notes.md §1.9 (nibble order: element 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import subprocess
-import tempfile
 import threading
 
 import torch
+
+from openk3 import native
 
 _C_SOURCE = r"""
 #include <stdint.h>
@@ -267,45 +265,8 @@ _tried = False
 _build_error: str | None = None
 
 
-def _cache_dir() -> str:
-    d = os.environ.get("OPENK3_KERNEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "openk3"
-    )
-    try:
-        os.makedirs(d, exist_ok=True)
-        return d
-    except OSError:
-        return tempfile.gettempdir()
-
-
 def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
-    attempts = (
-        ["-O3", "-fPIC", "-shared", "-std=gnu99", "-fopenmp"],
-        ["-O3", "-fPIC", "-shared", "-std=gnu99"],
-    )
-    tag = hashlib.sha256(
-        (_C_SOURCE + cc + repr(attempts) + os.uname().machine).encode()
-    ).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"openk3_mxfp4_cpu_{tag}.so")
-    if not os.path.isfile(target):
-        errors = []
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.c")
-            with open(src, "w", encoding="utf-8") as f:
-                f.write(_C_SOURCE)
-            for flags in attempts:  # without OpenMP the kernel is single-threaded but still correct
-                part = f"{target}.{os.getpid()}.tmp"
-                r = subprocess.run([cc, *flags, src, "-o", part], capture_output=True, text=True)
-                if r.returncode == 0:
-                    os.replace(part, target)  # atomic: concurrent builders never see a partial file
-                    break
-                errors.append(r.stderr[-2000:])
-                if os.path.exists(part):
-                    os.remove(part)
-            else:
-                raise OSError("building the MXFP4 CPU kernel failed:\n" + "\n".join(errors))
-    lib = ctypes.CDLL(target)
+    lib = native.build("openk3_mxfp4_cpu", _C_SOURCE, "MXFP4 CPU kernel")
     p = ctypes.c_void_p
     i64 = ctypes.c_int64
     lib.openk3_mxfp4_grouped_gemm.argtypes = [p, p, i64, p, p, i64, i64, p, i64, i64]
@@ -321,7 +282,7 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             _tried = True
-            if os.environ.get("OPENK3_NO_NATIVE") == "1":
+            if native.disabled():
                 _build_error = "disabled by OPENK3_NO_NATIVE=1"
             else:
                 try:

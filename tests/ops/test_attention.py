@@ -20,6 +20,21 @@ from tests.conftest import assert_close
 BACKENDS = ("sdpa", "reference")
 
 
+def _native_params():
+    from openk3.ops import exp2_cpu
+
+    on = pytest.param(
+        True,
+        id="native",
+        marks=pytest.mark.skipif(not exp2_cpu.available(), reason=str(exp2_cpu.unavailable_reason())),
+    )
+    return [pytest.param(False, id="torch"), on]
+
+
+# The blocked latent attention runs each tile's exp2 and row sum in torch or in the native kernel.
+NATIVE = _native_params()
+
+
 def naive_attention(q, k, v, scale, visible):
     """Per (b, h, i): softmax over the keys j with visible(b, i, j); zeros if none. float64.
 
@@ -157,8 +172,9 @@ def test_latent_attention_overflow_and_shapes():
         latent_attention(ql, qr[..., :1], lat, kr, torch.tensor([0]), scale=1.0)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("tiles", [(256, 512), (3, 4), (1, 1), (2, 7)], ids=lambda t: f"q{t[0]}k{t[1]}")
-def test_blocked_latent_attention_matches_naive(tiles):
+def test_blocked_latent_attention_matches_naive(tiles, native):
     # Several query and key tiles, partial tiles, rows with different histories, a padded row and
     # an empty one; the tiled online softmax equals the definition.
     from openk3.ops.latent_blocked import latent_attention_blocked
@@ -169,7 +185,7 @@ def test_blocked_latent_attention_matches_naive(tiles):
     lat, kr = torch.randn(B, S, C, generator=g), torch.randn(B, S, R, generator=g)
     past, lengths = torch.tensor([0, 13, 30, 4]), torch.tensor([9, 9, 5, 0])
     out = latent_attention_blocked(ql, qr, lat, kr, past, scale=0.6, lengths=lengths, query_tokens=tiles[0],
-                                   key_block=tiles[1])
+                                   key_block=tiles[1], native=native)
     q = torch.cat([ql, qr], -1).transpose(1, 2)
     k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
     v = lat[:, None].expand(B, H, S, C)
@@ -180,7 +196,8 @@ def test_blocked_latent_attention_matches_naive(tiles):
     assert_close(out, dense, atol=2e-6, what="blocked vs dense")
 
 
-def test_blocked_latent_attention_moves_its_offset_exactly():
+@pytest.mark.parametrize("native", NATIVE)
+def test_blocked_latent_attention_moves_its_offset_exactly(native):
     # Logits of hundreds: the first key (the initial offset) scores far below later keys, so the
     # running offset must move (tile maxima beyond the margin) without overflow or lost precision.
     from openk3.ops.latent_blocked import latent_attention_blocked
@@ -192,7 +209,7 @@ def test_blocked_latent_attention_moves_its_offset_exactly():
     lat[0, 0] = -ql[0, :, 0].mean(0) * 4  # key 0 scores low for every query
     lat[0, 30] = ql[0, :, 0].mean(0) * 6  # a sharp peak late in the history
     past = torch.tensor([44])
-    out = latent_attention_blocked(ql, qr, lat, kr, past, scale=20.0, query_tokens=2, key_block=8)
+    out = latent_attention_blocked(ql, qr, lat, kr, past, scale=20.0, query_tokens=2, key_block=8, native=native)
     q = torch.cat([ql, qr], -1).transpose(1, 2)
     k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
     v = lat[:, None].expand(B, H, S, C)
@@ -205,7 +222,8 @@ def test_blocked_latent_attention_moves_its_offset_exactly():
     assert_close(out, want.transpose(1, 2), atol=max(4 * ref_err, 1e-6), what="blocked latent attention, large logits")
 
 
-def test_blocked_latent_attention_offset_free_and_fixed_offset_tiles(monkeypatch):
+@pytest.mark.parametrize("native", NATIVE)
+def test_blocked_latent_attention_offset_free_and_fixed_offset_tiles(monkeypatch, native):
     # Query tiles of one call take different forms: small logits run offset-free (the score product
     # C + R wide), logits of hundreds the fixed offset (C + R + 1 wide, a ones column); both equal
     # the definition.
@@ -220,7 +238,8 @@ def test_blocked_latent_attention_offset_free_and_fixed_offset_tiles(monkeypatch
     ql[:, 2:], qr[:, 2:] = ql[:, 2:] * 60, qr[:, 2:] * 60  # tokens 2-3: logits of hundreds
     lat, kr = torch.randn(B, S, C, generator=g), torch.randn(B, S, R, generator=g)
     past = torch.tensor([20])
-    out = latent_blocked.latent_attention_blocked(ql, qr, lat, kr, past, scale=0.5, query_tokens=2, key_block=8)
+    out = latent_blocked.latent_attention_blocked(ql, qr, lat, kr, past, scale=0.5, query_tokens=2, key_block=8,
+                                                  native=native)
     assert sorted(set(widths)) == [C + R, C + R + 1], widths
     q = torch.cat([ql, qr], -1).transpose(1, 2)
     k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
@@ -232,7 +251,8 @@ def test_blocked_latent_attention_offset_free_and_fixed_offset_tiles(monkeypatch
     assert_close(out, want.transpose(1, 2), atol=max(4 * ref_err, 2e-6), what="blocked latent attention, mixed tiles")
 
 
-def test_blocked_latent_attention_recovers_when_every_logit_underflows():
+@pytest.mark.parametrize("native", NATIVE)
+def test_blocked_latent_attention_recovers_when_every_logit_underflows(native):
     # Every visible logit near -200: the offset-free form's exp2 underflows to 0 for every key, the
     # denominator check sends the tile to the running-offset form, which gives the softmax.
     from openk3.ops.latent_blocked import latent_attention_blocked
@@ -245,7 +265,7 @@ def test_blocked_latent_attention_recovers_when_every_logit_underflows():
     q = -base * (200 / float(base @ base)) + 0.05 * torch.randn(B, T, H, C + R, generator=g)
     ql, qr = q[..., :C].contiguous(), q[..., C:].contiguous()
     past = torch.tensor([S - T])
-    out = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, query_tokens=2, key_block=8)
+    out = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, query_tokens=2, key_block=8, native=native)
     qq = torch.cat([ql, qr], -1).transpose(1, 2)
     k = torch.cat([lat, kr], -1)[:, None].expand(B, H, S, C + R)
     v = lat[:, None].expand(B, H, S, C)
@@ -264,15 +284,35 @@ def test_column_extrema_match_amax_amin():
         assert torch.equal(hi, keys.amax(0)) and torch.equal(lo, keys.amin(0)), S
 
 
-def test_blocked_latent_attention_never_reads_past_the_visible_prefix():
+@pytest.mark.parametrize("native", NATIVE)
+def test_blocked_latent_attention_never_reads_past_the_visible_prefix(native):
     from openk3.ops.latent_blocked import latent_attention_blocked
 
     ql, qr = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 2)
     lat, kr = torch.randn(2, 10, 4), torch.randn(2, 10, 2)
     past = torch.tensor([2, 5])
-    a = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, key_block=2)
+    a = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, key_block=2, native=native)
     lat[0, 5:], kr[1, 8:] = float("nan"), float("inf")  # beyond past + T of each row
-    b = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, key_block=2)
+    b = latent_attention_blocked(ql, qr, lat, kr, past, scale=1.0, key_block=2, native=native)
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="exceed"):
         latent_attention_blocked(ql, qr, lat, kr, torch.tensor([8, 0]), scale=1.0)
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_blocked_latent_attention_equals_the_reference_at_model_widths(native):
+    # The shipped model's widths (H 4, C 32, R 16), default tiles, histories of 0 to ~1.5 tiles of
+    # keys, lengths off the 256-token tile grid and a padded row: fp32 agreement with the dense form.
+    from openk3.ops.attention import latent_attention_reference
+    from openk3.ops.latent_blocked import latent_attention_blocked
+
+    g = torch.Generator().manual_seed(10)
+    B, T, H, C, R = 4, 300, 4, 32, 16
+    past, lengths = torch.tensor([0, 1, 257, 390]), torch.tensor([300, 299, 130, 0])
+    S = int((past + T).max())
+    ql, qr = 0.8 * torch.randn(B, T, H, C, generator=g), 0.8 * torch.randn(B, T, H, R, generator=g)
+    lat, kr = 0.7 * torch.randn(B, S, C, generator=g), torch.randn(B, S, R, generator=g)
+    out = latent_attention_blocked(ql, qr, lat, kr, past, scale=48**-0.5, lengths=lengths, native=native)
+    want = latent_attention_reference(ql, qr, lat, kr, past, scale=48**-0.5, lengths=lengths)
+    assert_close(out, want, atol=1e-5, what="blocked vs reference latent attention")
+    assert bool((out[2, 130:] == 0).all()) and bool((out[3] == 0).all()), "padded queries must be zero"
