@@ -94,6 +94,11 @@ class DefaultModelSettings(RecipeSettings):
             column-fact drill documents (:mod:`openk3.datasets.column_facts`).
         sft_facts_share (in [0, 1)): share of SFT train rows that are those drill rows (next-token
             loss on every token), interleaved with seed ``seed`` + 6.
+        sft_copy_share (in [0, 1); seed ``sft_seed`` + 303): share of SFT train rows that are
+            random-span copy documents over every ordinary id (``pretrain_copy_span``, every
+            token a target), interleaved with seed ``seed`` + 7: SFT at its peak LR otherwise
+            wears away the copy circuit pretraining built (the induction probe's second copy of
+            a random span: ~1.2 nats after pretraining, no better than the first after SFT).
         sft_tool_reasoning: the reasoning of the SFT rows' tool-call turns
             (:data:`~openk3.datasets.sft_tasks.TOOL_REASONING`): ``"restate"`` (the shipped
             model's: the request restated, then the arguments JSON), ``"args"`` (each call's
@@ -142,6 +147,7 @@ class DefaultModelSettings(RecipeSettings):
     mid_facts_share: float = 0.6
     mid_facts_items: int = 4000
     sft_facts_share: float = 0.2
+    sft_copy_share: float = 0.0
     sft_tool_reasoning: Literal["restate", "args", "name"] = "restate"
 
     def __post_init__(self) -> None:
@@ -160,6 +166,7 @@ class DefaultModelSettings(RecipeSettings):
             "long_share",
             "mid_facts_share",
             "sft_facts_share",
+            "sft_copy_share",
         ):
             check_fraction(self, name)
         if self.pretrain_sft_share + self.pretrain_induction_share >= 1:
@@ -322,6 +329,16 @@ def sft_data(run: RunConfig, split: str):
         data = MixedLoader(data, corpus_data(run, "train"), x.sft_replay, seed=run.seed)
     if x.sft_facts_share > 0:  # SFT's peak LR overwrites the facts mid-training taught otherwise
         data = MixedLoader(data, _facts_loader(run, x, tok), x.sft_facts_share, seed=run.seed + 6)
+    if x.sft_copy_share > 0:
+        from openk3.datasets.induction import span_store
+        from openk3.train.data import PackedLoader
+
+        spans = span_store(
+            x.sft_seed + 303, x.pretrain_copy_items, tok, tuple(x.pretrain_copy_span)
+        )
+        pad = run.model_config().pad_token_id
+        copies = PackedLoader(spans, run.seq_len, run.batch_size, seed=run.seed, pad_id=pad)
+        data = MixedLoader(data, copies, x.sft_copy_share, seed=run.seed + 7)
     return data
 
 

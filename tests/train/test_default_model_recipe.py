@@ -231,6 +231,19 @@ def test_mid_training_mixes_column_fact_documents(monkeypatch):
     drill = [r for r in rows if ("ones: " in text(r) or "tens: " in text(r))
              and bool((r["labels"][0][r["input_ids"][0] != pad][:-1] != -100).all())]
     assert 10 < len(drill) < 30  # about half the SFT rows
+    sft = default_model.sft_data(run.replace(extra={**extra, "sft_items": 30, "sft_facts_share": 0.0,
+                                                     "sft_copy_share": 0.5, "pretrain_copy_items": 50}), "train")
+    copies = 0
+    ordinary = set(range(256, min(tok.special_ids))) | {tok.bos_id, tok.eos_id}
+    for _ in range(40):
+        r = sft.next_batch()
+        ids, labels = r["input_ids"][0].tolist(), r["labels"][0].tolist()
+        targets = sum(t != -100 for t in labels)
+        # span-copy rows: ordinary ids only (no chat tokens), a target on every token but EOS's
+        copies += set(ids) <= ordinary and targets >= len(ids) - ids.count(tok.eos_id) - 1
+    assert 10 < copies < 30  # about half the SFT rows
+    with pytest.raises(ValueError, match="extra.sft_copy_share=1.0"):
+        default_model.settings(run.replace(extra={"sft_copy_share": 1.0}))
     with pytest.raises(ValueError, match="extra.sft_facts_share=1.0"):
         default_model.settings(run.replace(extra={"sft_facts_share": 1.0}))
     with pytest.raises(ValueError, match="extra.mid_facts_share=1.0"):
