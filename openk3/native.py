@@ -13,6 +13,8 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 
 # Flag sets tried in order: without OpenMP a kernel is single-threaded but still correct.
 FLAG_ATTEMPTS = (
@@ -73,3 +75,56 @@ def build(stem: str, source: str, what: str) -> ctypes.CDLL:
             else:
                 raise OSError(f"building the {what} failed:\n" + "\n".join(errors))
     return ctypes.CDLL(target)
+
+
+class Kernel:
+    """One native library, built and loaded on first use, once per process (thread-safe).
+
+    Args:
+        stem, source, what: as :func:`build`.
+        setup: called with the loaded library to declare its functions' ``argtypes`` /
+            ``restype``; returns why this CPU cannot use it (e.g. a missing SIMD level), or None.
+    A failed build, ``OPENK3_NO_NATIVE=1`` or a ``setup`` refusal leaves :meth:`load` returning
+    None and :meth:`unavailable_reason` saying why; callers then run their PyTorch path.
+    """
+
+    def __init__(
+        self, stem: str, source: str, what: str, setup: Callable[[ctypes.CDLL], str | None]
+    ):
+        self.stem, self.source, self.what, self.setup = stem, source, what, setup
+        self._lock = threading.Lock()
+        self._tried = False
+        self._lib: ctypes.CDLL | None = None
+        self._error: str | None = None
+
+    def load(self) -> ctypes.CDLL | None:
+        """The loaded library, or None when it is unavailable (see :meth:`unavailable_reason`)."""
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                if disabled():
+                    self._error = "disabled by OPENK3_NO_NATIVE=1"
+                else:
+                    try:
+                        lib = build(self.stem, self.source, self.what)
+                        self._error = self.setup(lib)
+                        self._lib = lib if self._error is None else None
+                    except (OSError, subprocess.SubprocessError) as exc:
+                        self._error = str(exc)
+        return self._lib
+
+    def available(self) -> bool:
+        """True when the library is built (or buildable now), loaded and usable on this CPU."""
+        return self.load() is not None
+
+    def unavailable_reason(self) -> str | None:
+        """Why :meth:`available` is False (compiler error text, the CPU, the env switch); else None."""
+        self.load()
+        return self._error
+
+    def require(self) -> ctypes.CDLL:
+        """The loaded library. Raises RuntimeError naming the kernel and why it is unavailable."""
+        lib = self.load()
+        if lib is None:
+            raise RuntimeError(f"{self.what} unavailable: {self._error}")
+        return lib

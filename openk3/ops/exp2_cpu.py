@@ -24,8 +24,6 @@ where AVX-512F is present; elsewhere :func:`available` is False and the caller k
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
 
 import torch
 
@@ -120,44 +118,26 @@ int openk3_exp2_rowsum(float* p, int64_t rows, int64_t cols, float* den, int64_t
 }
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_build_error: str | None = None
+
+def _setup(lib: ctypes.CDLL) -> str | None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.openk3_exp2_rowsum.argtypes = [p, i64, i64, p, i64, i64, i64]
+    lib.openk3_exp2_rowsum.restype = ctypes.c_int
+    lib.openk3_exp2_simd_level.restype = ctypes.c_int
+    return None if lib.openk3_exp2_simd_level() >= 2 else "this CPU has no AVX-512F"
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried, _build_error
-    with _lock:
-        if not _tried:
-            _tried = True
-            if native.disabled():
-                _build_error = "disabled by OPENK3_NO_NATIVE=1"
-            else:
-                try:
-                    lib = native.build("openk3_exp2_cpu", _C_SOURCE, "exp2 row-sum CPU kernel")
-                    p, i64 = ctypes.c_void_p, ctypes.c_int64
-                    lib.openk3_exp2_rowsum.argtypes = [p, i64, i64, p, i64, i64, i64]
-                    lib.openk3_exp2_rowsum.restype = ctypes.c_int
-                    lib.openk3_exp2_simd_level.restype = ctypes.c_int
-                    if lib.openk3_exp2_simd_level() < 2:
-                        _build_error = "this CPU has no AVX-512F"
-                    else:
-                        _lib = lib
-                except (OSError, subprocess.SubprocessError) as exc:
-                    _build_error = str(exc)
-    return _lib
+_kernel = native.Kernel("openk3_exp2_cpu", _C_SOURCE, "exp2 row-sum CPU kernel", _setup)
 
 
 def available() -> bool:
     """True when the kernel is built (or buildable now), loaded, and this CPU has AVX-512F."""
-    return _load() is not None
+    return _kernel.available()
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (compiler error, missing AVX-512F, the env switch); else None."""
-    _load()
-    return _build_error
+    return _kernel.unavailable_reason()
 
 
 def exp2_rowsum_(
@@ -180,9 +160,7 @@ def exp2_rowsum_(
         ValueError: wrong dtype, device, layout or shape (``diagonal`` needs r <= s * heads).
         RuntimeError: the kernel is not available (check :func:`available` first).
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"exp2 row-sum CPU kernel unavailable: {_build_error}")
+    lib = _kernel.require()
     if (
         scores.dtype != torch.float32
         or den.dtype != torch.float32

@@ -54,7 +54,6 @@ from __future__ import annotations
 import torch
 
 from openk3.ops import exp2_cpu
-from openk3.ops.exp2_cpu import exp2_rowsum_
 from openk3.ops.varlen import check_cache_room, check_lengths, check_past_lengths
 
 # Query tokens and keys per tile: QUERY_TOKENS * H rows by KEY_BLOCK keys (1 MiB of fp32 scores
@@ -137,7 +136,7 @@ def _tile_fixed(
         p = full if e - s == key_block else buf[: r * (e - s)].view(r, e - s)
         torch.mm(qx, kt, out=p)
         if native:
-            exp2_rowsum_(p, den, heads=heads, diagonal=diagonal, threads=threads)
+            exp2_cpu.exp2_rowsum_(p, den, heads=heads, diagonal=diagonal, threads=threads)
             acc.addmm_(p, vt)
             continue
         if diagonal:

@@ -23,8 +23,6 @@ Sources: architecture.md §10, k3-release-notes.md §1.9 (nibble order: element 
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
 
 import torch
 
@@ -259,14 +257,9 @@ int openk3_mxfp4_dequant(const uint8_t* packed, const uint8_t* scales, int64_t R
 }
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_build_error: str | None = None
 
-
-def _build() -> ctypes.CDLL:
-    lib = native.build("openk3_mxfp4_cpu", _C_SOURCE, "MXFP4 CPU kernel")
+def _setup(lib: ctypes.CDLL) -> None:
+    """Declare the functions; None: the kernel has a portable scalar path, every CPU can use it."""
     p = ctypes.c_void_p
     i64 = ctypes.c_int64
     lib.openk3_mxfp4_grouped_gemm.argtypes = [p, p, i64, p, p, i64, i64, p, i64, i64]
@@ -274,38 +267,24 @@ def _build() -> ctypes.CDLL:
     lib.openk3_mxfp4_dequant.argtypes = [p, p, i64, i64, p, i64]
     lib.openk3_mxfp4_dequant.restype = ctypes.c_int
     lib.openk3_mxfp4_simd_level.restype = ctypes.c_int
-    return lib
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried, _build_error
-    with _lock:
-        if not _tried:
-            _tried = True
-            if native.disabled():
-                _build_error = "disabled by OPENK3_NO_NATIVE=1"
-            else:
-                try:
-                    _lib = _build()
-                except (OSError, subprocess.SubprocessError) as exc:
-                    _build_error = str(exc)
-    return _lib
+_kernel = native.Kernel("openk3_mxfp4_cpu", _C_SOURCE, "MXFP4 CPU kernel", _setup)
 
 
 def available() -> bool:
     """True when the native kernel is built (or buildable now) and loaded; builds it on first call."""
-    return _load() is not None
+    return _kernel.available()
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (compiler error text, or the env switch); None when available."""
-    _load()
-    return _build_error
+    return _kernel.unavailable_reason()
 
 
 def simd_level() -> int:
     """The widest path this CPU runs: 2 AVX-512F, 1 AVX2+FMA, 0 portable scalar (-1: no kernel)."""
-    lib = _load()
+    lib = _kernel.load()
     return -1 if lib is None else int(lib.openk3_mxfp4_simd_level())
 
 
@@ -358,9 +337,7 @@ def grouped_gemm(
     Raises:
         ValueError: bad shapes/dtypes/devices. RuntimeError: the kernel is not available.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"MXFP4 CPU kernel unavailable: {_build_error}")
+    lib = _kernel.require()
     e, o, k = _check(packed, scales, "grouped_gemm")
     if xs.dtype != torch.float32 or xs.dim() != 2 or xs.shape[1] != k or xs.device.type != "cpu":
         raise ValueError(
@@ -401,9 +378,7 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: bad shapes/dtypes. RuntimeError: the kernel is not available.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"MXFP4 CPU kernel unavailable: {_build_error}")
+    lib = _kernel.require()
     _, r, k = _check(packed.unsqueeze(0), scales.unsqueeze(0), "dequantize")
     out = torch.empty(r, k, dtype=torch.float32)
     rc = lib.openk3_mxfp4_dequant(
