@@ -45,6 +45,11 @@ order, which keeps the work in matrix products:
   ``[0, past + t0)`` whole and only the last ``t1 - t0`` keys through a triangular mask. The
   history is never expanded per head and the ``[B, H, T, S]`` logits never exist.
 
+* On CPU with AVX-512F/DQ and C = 32, an offset-free query tile runs in one native call
+  (:func:`openk3.ops.latent_tile_cpu.latent_tile`): the same sums per register block of 6 query
+  rows x 32 keys, so no score tile is written and read back (0.94x of the cold long prefill). The
+  tile loop (:func:`_tile_fixed`) stays the torch path and the oracle the kernel is tested against.
+
 Padded query positions (``t >= lengths[b]``) produce zeros; rows are processed one at a time (each
 has its own history length).
 """
@@ -53,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.ops import exp2_cpu
+from openk3.ops import exp2_cpu, latent_tile_cpu
 from openk3.ops.varlen import check_cache_room, check_lengths, check_past_lengths
 
 # Query tokens and keys per tile: QUERY_TOKENS * H rows by KEY_BLOCK keys (1 MiB of fp32 scores
@@ -200,6 +205,7 @@ def latent_attention_blocked(
     query_tokens: int = QUERY_TOKENS,
     key_block: int = KEY_BLOCK,
     native: bool | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA attention of new queries over a latent cache, tiled (see the module docstring).
 
@@ -215,6 +221,11 @@ def latent_attention_blocked(
         native: each tile's ``exp2`` and row sum in the native CPU kernel
             (:mod:`openk3.ops.exp2_cpu`); None = wherever it is available (CPU tensors, AVX-512F,
             not disabled by ``OPENK3_NO_NATIVE=1``). True where it is not raises RuntimeError.
+        fused: offset-free query tiles in the fused native kernel
+            (:func:`openk3.ops.latent_tile_cpu.latent_tile`: score, ``exp2``, row sum and value
+            product per register block, no score tile in memory) instead of the tile loop; None =
+            wherever it applies (CPU, AVX-512F/DQ, C = 32, ``native`` not False). True where it
+            does not apply raises ValueError.
     Returns:
         [B, T, H, C] in ``q_latent.dtype`` (computed in fp32); zero for padded queries.
     Raises:
@@ -236,6 +247,18 @@ def latent_attention_blocked(
     check_cache_room(past_lengths, lengths, T, S)
     if native is None:
         native = q_latent.device.type == "cpu" and exp2_cpu.available()
+    fused_fits = (
+        q_latent.device.type == "cpu"
+        and C == latent_tile_cpu.VALUE_WIDTH
+        and latent_tile_cpu.available()
+    )
+    if fused is None:
+        fused = fused_fits and native is not False
+    elif fused and not fused_fits:
+        raise ValueError(
+            "fused=True needs CPU tensors, C = 32 and the native tile kernel "
+            f"(C = {C}; {latent_tile_cpu.unavailable_reason()})"
+        )
     lens = [T] * B if lengths is None else lengths.tolist()
     past = past_lengths.tolist()
     out = q_latent.new_zeros(B, T, H, C)
@@ -251,6 +274,9 @@ def latent_attention_blocked(
         )  # [p+n, C+R] row-major
         keys1 = None  # with a ones column (the fixed offset's), built only if a tile needs it
         values = latent[b, : p + n].to(f32).contiguous()
+        if fused:  # the kernel's operand layout, made once for every query tile of the row
+            packed_keys = latent_tile_cpu.pack_keys(keys)
+            padded_values = latent_tile_cpu.pad_values(values)
         q = torch.cat([q_latent[b, :n], q_rope[b, :n]], dim=-1).reshape(n * H, D).to(f32) * (
             scale * LOG2E
         )
@@ -268,9 +294,14 @@ def latent_attention_blocked(
             t1 = min(n, t0 + query_tokens)
             rows = slice(t0 * H, t1 * H)
             if top <= OFFSET_FREE_BOUND:
-                acc, den = _tile_fixed(
-                    q[rows], keys[: p + t1], values[: p + t1], p + t0, H, key_block, native
-                )
+                if fused:
+                    acc, den = latent_tile_cpu.latent_tile(
+                        q[rows], packed_keys, padded_values, p + t0, H
+                    )
+                else:
+                    acc, den = _tile_fixed(
+                        q[rows], keys[: p + t1], values[: p + t1], p + t0, H, key_block, native
+                    )
                 ok = bool(
                     (
                         (den >= MIN_DENOMINATOR) & torch.isfinite(den) & torch.isfinite(acc).all(1)
