@@ -21,6 +21,10 @@ extern batched products and [S, *, D] buffers every time a block opened. Scoring
 ``(v · q) * rsqrt(...)`` instead of ``RMSNorm(v) · q`` folds the normalisation into the [*]
 logits rather than scaling every [*, D] source.
 
+Eager on CPU in float32 (a prefill forward; not under ``torch.compile``), each mixture is one call
+of the native kernel :func:`openk3.ops.attn_res_cpu.mix` instead (same function, one pass per
+token over its sources).
+
 This module imports nothing from the reference; tests compare it with
 :func:`openk3.layers.attn_res.depth_mix` and with the reference forward.
 """
@@ -31,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from openk3.ops import attn_res_cpu
 
 
 def inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,7 +98,8 @@ class DirectAttnRes:
             output site); may be None only with ``block_size=None``.
         blocks: completed block sums [*, D] (blocks[0] is the embedding).
         block_scales: their :func:`inv_rms` [*] fp32, computed once when each block closes (a
-            block's key norm does not depend on the site; up to L later sites reuse it).
+            block's key norm does not depend on the site; up to L later sites reuse it); None
+            where the native mixture will run (it computes the norms in its own pass).
     Raises:
         ValueError: (``start``) AttnRes without ``site_queries``.
     """
@@ -102,7 +109,7 @@ class DirectAttnRes:
     eps: float = 1e-5
     site_queries: torch.Tensor | None = None
     blocks: list[torch.Tensor] = field(default_factory=list)
-    block_scales: list[torch.Tensor] = field(default_factory=list)
+    block_scales: list[torch.Tensor | None] = field(default_factory=list)
 
     @classmethod
     def start(
@@ -127,7 +134,10 @@ class DirectAttnRes:
         if partial is not None:
             sources.append(partial)
             scales.append(None)
-        return direct_mix(sources, self.site_queries[row], self.eps, scales)
+        query = self.site_queries[row]
+        if attn_res_cpu.applies(sources, query):  # eager CPU fp32: one native pass per site
+            return attn_res_cpu.mix(sources, query, self.eps)
+        return direct_mix(sources, query, self.eps, scales)
 
     def attn_input(self, layer_idx: int, norm_weight=None, proj_weight=None) -> torch.Tensor:
         """The mixer input h [*, D] of layer ``layer_idx``; snapshots the partial sum as a new
@@ -138,7 +148,9 @@ class DirectAttnRes:
         if layer_idx % self.block_size == 0:
             had_blocks = bool(self.blocks)
             self.blocks.append(p)
-            self.block_scales.append(inv_rms(p, self.eps))
+            # the native mixture computes the norms itself (None: direct_mix computes it too)
+            native = attn_res_cpu.applies([p], self.site_queries[0])
+            self.block_scales.append(None if native else inv_rms(p, self.eps))
             return self._mix(2 * layer_idx, None) if had_blocks else p
         return self._mix(2 * layer_idx, p)
 
