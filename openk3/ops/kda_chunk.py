@@ -140,8 +140,7 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
 def _intra_bounded(q, k, v, g, beta):
     """State-independent stage on chunks of :data:`SUB` tokens under the gate bound.
 
-    q, k, g: [..., SUB, K]; v: [..., SUB, V]; beta: [..., SUB, 1] (any leading dims, e.g. the
-    chunk-major [N, B, H] of :func:`_chunk_rows`). Every score is one
+    q, k, g: [B, H, N, SUB, K]; v: [B, H, N, SUB, V]; beta: [B, H, N, SUB, 1]. Every score is one
     matmul factored through the chunk's middle position m (|G_x - G_m| <= (SUB/2) * bound = 40,
     e^40 ~ 2e17); the masked j > i pairs stay finite (exponent <= 75) and are dropped. Decays are
     taken in base 2 (``exp2`` of the log-decay times log2 e: torch's CPU ``exp2`` is ~3x faster
@@ -214,28 +213,25 @@ def _chunk_rows(
     # the intra-chunk FLOPs scale with the chunk length; snapshots stay at chunk_size boundaries.
     C = SUB if bounded and chunk_size % SUB == 0 else chunk_size
     N = NC * chunk_size // C
-
-    # Chunk-major [N, B, H, C, *]; padded tail positions are identity steps (g = 0, beta = 0,
-    # k = 0). Contiguous in that order: the elementwise ops below combine these with tensors they
-    # produce (mixed layouts made each of them a strided gather, ~15x slower on the CPU), and the
-    # inference state pass wants every chunk's factors of all rows and heads side by side; built
-    # here in one copy each, its per-chunk views need no further permute copies (2.3 -> 0.7 ms of
-    # the pass at 2,048 tokens, shipped size, 1 thread).
-    def chunk_major(t: torch.Tensor) -> torch.Tensor:  # [B, T, H, x] -> [N, B, H, C, x]
-        t = F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t
-        return t.reshape(B, N, C, H, -1).permute(1, 0, 3, 2, 4).contiguous()
-
-    q, k, v, g = (chunk_major(t) for t in (q * scale, k, v, g))
-    beta = chunk_major(beta[..., None])
+    # [B, H, N, C, *]; padded tail positions are identity steps (g = 0, beta = 0, k = 0).
+    # Contiguous in the [B, H, N, C, *] order: the elementwise ops below combine these with
+    # tensors they produce; mixed layouts (token-major inputs against head-major results) made
+    # each of those ops a strided gather, ~15x slower than the contiguous form on the CPU.
+    q, k, v, g = (
+        F.pad(t.transpose(1, 2), (0, 0, 0, pad)).contiguous().reshape(B, H, N, C, -1)
+        for t in (q * scale, k, v, g)
+    )
+    beta = F.pad(beta.transpose(1, 2), (0, pad)).reshape(B, H, N, C, 1)
     if C == SUB:
         parts = _intra_bounded(q, k, v, g, beta)
     else:  # one chunk at a time: the pairwise [.., L, L, K] tensors of the exact form must stay cache-sized
-        pieces = [_intra_general(*xs) for xs in zip(*(t.split(1) for t in (q, k, v, g, beta)))]
-        parts = [torch.cat(p) for p in zip(*pieces)]
+        pieces = [
+            _intra_general(*xs) for xs in zip(*(t.split(1, dim=2) for t in (q, k, v, g, beta)))
+        ]
+        parts = [torch.cat(p, dim=2) for p in zip(*pieces)]
     every = chunk_size // C if output_chunk_states else None
-    # The state pass takes [B, H, N, C, *]: permuted views of the chunk-major tensors.
-    o, states = kda_state_pass(*(t.permute(1, 2, 0, 3, 4) for t in parts), S, every=every)
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]  # token-major [B, T, H, V]
+    o, states = kda_state_pass(*parts, S, every=every)
+    o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
     res = (finish_output(o, valid, dtype), states[:, :, -1])
     if output_chunk_states:
         res += (states.transpose(1, 2),)
