@@ -242,10 +242,16 @@ def load_model_weights_(
         if os.path.isfile(os.path.join(path, "config.json"))
         else model.config
     )
+    # A tied file stores the shared matrix once, as embed_tokens (save_pretrained skips lm_head).
+    tied = file_config.tie_word_embeddings
     expected = {
-        k: v.shape for k, v in model.state_dict().items() if not k.startswith(VISION_PREFIXES)
+        k: v.shape
+        for k, v in model.state_dict().items()
+        if not k.startswith(VISION_PREFIXES) and not (tied and k == "lm_head.weight")
     }
     state = from_hf_state_dict(tensors, file_config, expected)
+    if tied and "lm_head.weight" in model.state_dict():
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.no_grad():
         own = model.state_dict()
         for k, v in state.items():

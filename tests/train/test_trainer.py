@@ -243,6 +243,28 @@ def test_checkpoint_is_atomic_when_a_save_crashes(tmp_path, monkeypatch):
     assert not opt3.state
 
 
+def test_init_from_a_tied_checkpoint(tmp_path):
+    """A ``tie_word_embeddings`` file stores the shared matrix once (no ``lm_head.weight``): the
+    trainer's init_from loader takes it from ``embed_tokens``, for a tied model (which stays tied)
+    and for an untied one (both matrices get the file's values)."""
+    from openk3.train.checkpointing import load_model_weights_
+
+    tied_cfg = preset("k3-test-tiny").replace(tie_word_embeddings=True)
+    src = build_model(tied_cfg, seed=1)
+    src.save_pretrained(tmp_path)
+    embed = src.model.embed_tokens.weight
+    tied = build_model(tied_cfg, seed=2)
+    assert not torch.equal(tied.model.embed_tokens.weight, embed)
+    load_model_weights_(tied, tmp_path)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert all(torch.equal(p, src.state_dict()[n]) for n, p in tied.state_dict().items())
+    untied = build_model(preset("k3-test-tiny"), seed=2)
+    load_model_weights_(untied, tmp_path)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    assert torch.equal(untied.lm_head.weight, embed)
+    assert torch.equal(untied.model.embed_tokens.weight, embed)
+
+
 def resume_recipe() -> RunConfig:
     """The recipe of the subprocess resume tests (``--recipe tests.train.test_trainer:resume_recipe``);
     OPENK3_TEST_STEP_DELAY slows the data so a signal lands mid-run (timing only, same numbers)."""
