@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import K3Config
+from openk3.ops import situ_cpu
 from openk3.ops.cast import cast
 from openk3.weight_init import init_module
 
@@ -52,6 +53,8 @@ def situ_glu(
         capped_up = u if beta2 is None else beta2 * torch.tanh(u / beta2)
         out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * capped_up
         return cast(out, gate.dtype)
+    if situ_cpu.fits(g, u):  # one native pass instead of ~7 elementwise ones (fp32 CPU)
+        return cast(situ_cpu.situ_glu(g, u, beta1, beta2), gate.dtype)
     # Without autograd: the same product as tanh(g/β₁) σ(g) tanh(u/β₂) · β₁β₂, written in place
     # into one buffer (five temporaries fewer: 0.70-0.75x of the time for [4096, 64] expert and
     # [2048, 384] dense batches, 1 thread; each elementwise pass costs about as much as the tanh).
