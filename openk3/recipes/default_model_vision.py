@@ -26,7 +26,8 @@ image conversations (another seed, disjoint by hash). Knobs (:class:`VisionStage
 over :func:`tiny_vision_config`), ``image_items``, ``image_seed``, ``text_share`` in [0, 1),
 ``sft_items``, ``sft_seed``, ``sft_mixture`` (task -> share merged over
 :data:`openk3.datasets.sft_data.MIXTURE`, e.g. ``{"copy": 0.3}`` for the copying curriculum),
-``facts_share`` / ``facts_items`` (column-fact drill rows among the text rows), ``eval_items``, ``model_overrides`` (K3Config fields; tests shrink
+``facts_share`` / ``facts_items`` (column-fact drill rows among the text rows), ``lm_lr_scale``
+(the language model's LR as a fraction of the tower's), ``eval_items``, ``model_overrides`` (K3Config fields; tests shrink
 the LM). Resume with ``--resume`` (data positions are in the checkpoint).
 """
 
@@ -57,6 +58,10 @@ class VisionStageSettings(RecipeSettings):
             that are column-fact drill documents (:mod:`openk3.datasets.column_facts`), as in
             the text SFT (``sft_facts_share``): without them this stage's updates wear down the
             one-digit facts the arithmetic answers are built from.
+        lm_lr_scale: LR multiplier, in (0, 1], of the language model's parameters (every one
+            outside ``vision_tower.`` / ``mm_projector.``, which train at the peak LR): the
+            LLaVA-style split between a fresh tower that must learn fast and a trained LM whose
+            text skills the stage should keep (``RunConfig.lr_scales``); 1 = one LR for all.
         eval_items: held-out image conversations.
         model_overrides: K3Config fields replaced (tests shrink the LM).
     Raises (construction):
@@ -74,6 +79,7 @@ class VisionStageSettings(RecipeSettings):
     sft_mixture: dict[str, float] | None = None
     facts_share: float = 0.2
     facts_items: int = 4000
+    lm_lr_scale: float = 1.0
     eval_items: int = 24
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -88,6 +94,8 @@ class VisionStageSettings(RecipeSettings):
         check_fraction(self, "text_share")
         check_fraction(self, "facts_share")
         check_at_least(self, "facts_items", 1)
+        if not 0 < self.lm_lr_scale <= 1:
+            raise ValueError(f"{OWNER}.lm_lr_scale={self.lm_lr_scale!r}: must be in (0, 1]")
 
     @property
     def mixture(self) -> dict[str, float] | None:
@@ -233,7 +241,12 @@ def prepare_vision(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
             f"extra.tokenizer_dir={x.tokenizer_dir!r} ({vocab})"
         )
     model = vision_model_config(run, text_config)
-    return run.replace(model=model, init_from=str(x.text_ckpt), prepare=None)
+    changes: dict[str, Any] = {}
+    if x.lm_lr_scale != 1:
+        from openk3.multimodal import VISION_PREFIXES
+
+        changes["lr_scales"] = {**{p: 1.0 for p in VISION_PREFIXES}, "": x.lm_lr_scale}
+    return run.replace(model=model, init_from=str(x.text_ckpt), prepare=None, **changes)
 
 
 def default_model_vision() -> RunConfig:

@@ -16,6 +16,7 @@ import functools
 import math
 import re
 import typing
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -102,40 +103,75 @@ def param_groups(
     adamw_weight_decay: float = 0.0,
     adamw_lr: float | None = None,
     per_head: bool = True,
+    lr: float | None = None,
+    lr_scales: Mapping[str, float] | None = None,
 ) -> list[dict]:
     """Split ``model``'s trainable parameters into :class:`~openk3.train.muon.Muon` groups.
 
+    Args:
+        lr: the peak LR (needed only with ``lr_scales``: a scaled group carries its own ``lr``).
+        lr_scales: parameter-name prefix -> LR multiplier; a parameter takes the first prefix
+            (in mapping order) its name starts with, ``""`` matches every name, unmatched
+            parameters keep 1.0. A group splits into one group per multiplier (a vision stage
+            that trains the language model slower than its fresh tower:
+            ``{"vision_tower.": 1, "mm_projector.": 1, "": 0.2}``).
     Returns:
-        Non-empty groups in a fixed order, each ``{"name", "params", "param_names", "use_muon",
-        "head_blocks", "weight_decay"}`` (+ ``"lr"`` on the AdamW group if ``adamw_lr`` is set).
+        Non-empty groups in a fixed order (kind, then multiplier in ``lr_scales`` order), each
+        ``{"name", "params", "param_names", "use_muon", "head_blocks", "weight_decay"}``
+        (+ ``"lr"`` on the AdamW group if ``adamw_lr`` is set, and on every group whose
+        multiplier is not 1, with ``"lr_scale"``; its name then ends in ``@<multiplier>``).
         AdamW parameters get ``adamw_weight_decay`` (0 by default: the issue asks for no decay on
         embeddings, head, norms, vectors, ``A_log`` and ``dt_bias``).
     Raises:
-        ValueError: from :func:`classify_parameter`.
+        ValueError: from :func:`classify_parameter`; a multiplier that is not a finite number
+            > 0, or ``lr_scales`` without ``lr``.
     """
+    scales = dict(lr_scales or {})
+    for prefix, scale in scales.items():
+        if (
+            not isinstance(scale, (int, float))
+            or isinstance(scale, bool)
+            or not math.isfinite(scale)
+            or not scale > 0
+        ):
+            raise ValueError(f"lr_scales[{prefix!r}]={scale!r}: must be a finite number > 0")
+    if scales and lr is None:
+        raise ValueError("lr_scales: needs lr (the peak LR the multipliers scale)")
+    scale_order = {s: i for i, s in enumerate(dict.fromkeys([1.0, *map(float, scales.values())]))}
+
+    def scale_of(name: str) -> float:
+        return next((float(s) for p, s in scales.items() if name.startswith(p)), 1.0)
+
     order = ("muon", "muon_kda_qkv", "muon_mla_q", "muon_mla_kv", "adamw")
-    buckets: dict[str, dict] = {}
+    buckets: dict[tuple[str, float], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         group, blocks = classify_parameter(name, p, config, per_head=per_head)
         if group == "skip":
             continue
-        if group not in buckets:
+        scale = scale_of(name)
+        key = (group, scale)
+        if key not in buckets:
             g = {
-                "name": group,
+                "name": group if scale == 1.0 else f"{group}@{scale:g}",
                 "params": [],
                 "param_names": [],
                 "use_muon": group != "adamw",
                 "head_blocks": blocks,
                 "weight_decay": weight_decay if group != "adamw" else adamw_weight_decay,
             }
+            base = adamw_lr if group == "adamw" and adamw_lr is not None else lr
             if group == "adamw" and adamw_lr is not None:
                 g["lr"] = adamw_lr
-            buckets[group] = g
-        buckets[group]["params"].append(p)
-        buckets[group]["param_names"].append(name)
-    return [buckets[g] for g in order if g in buckets]
+            if scale != 1.0:
+                g["lr"] = base * scale
+                g["lr_scale"] = scale
+            buckets[key] = g
+        buckets[key]["params"].append(p)
+        buckets[key]["param_names"].append(name)
+    keys = sorted(buckets, key=lambda k: (order.index(k[0]), scale_order[k[1]]))
+    return [buckets[k] for k in keys]
 
 
 def build_optimizer(
@@ -151,6 +187,7 @@ def build_optimizer(
     eps: float = 1e-8,
     ns_dtype: torch.dtype = torch.float32,
     per_head: bool = True,
+    lr_scales: Mapping[str, float] | None = None,
 ) -> Muon:
     """K3's optimizer: Per-Head Muon for hidden-layer matrices, AdamW for everything else.
 
@@ -164,6 +201,7 @@ def build_optimizer(
         momentum: Muon's Nesterov momentum (0.95). betas, eps: AdamW's (0.9, 0.95), 1e-8.
         ns_dtype: Newton-Schulz arithmetic (fp32; bf16 for speed on GPUs).
         per_head: False gives plain full-matrix Muon on Q/K/V too.
+        lr_scales: LR multipliers by parameter-name prefix (:func:`param_groups`).
     Returns:
         A :class:`~openk3.train.muon.Muon` whose ``param_groups`` carry ``name`` and
         ``param_names`` for logging.
@@ -177,6 +215,8 @@ def build_optimizer(
         adamw_weight_decay=adamw_weight_decay,
         adamw_lr=adamw_lr,
         per_head=per_head,
+        lr=lr,
+        lr_scales=lr_scales,
     )
     if not groups:
         raise ValueError("model: no trainable parameters")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,8 @@ class RunConfig:
         decay_fraction: WSD's decay share of ``total_steps``, in [0, 1].
         lr: peak LR of both Muon and AdamW (Muon's RMS matching makes them comparable);
             adamw_lr overrides it for the AdamW group. weight_decay: Muon groups (K3: 0.1).
+        lr_scales: LR multipliers by parameter-name prefix, first match in order, ``""`` for
+            every other name (:func:`openk3.train.optim.param_groups`); None: one LR for all.
         grad_clip: global norm clip. qk_clip_tau: QK-Clip threshold (None: off).
         qb_bins, qb_ema: Quantile Balancing histogram bins and optional EMA.
         qat: None or a scheme name of :data:`openk3.quant.qat.SCHEMES` ("mxfp4": MXFP4 weights
@@ -81,6 +84,7 @@ class RunConfig:
     decay_fraction: float = 0.2
     lr: float = 1e-2
     adamw_lr: float | None = None
+    lr_scales: dict[str, float] | None = None
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
     qk_clip_tau: float | None = 100.0
@@ -151,6 +155,16 @@ class RunConfig:
                 raise ValueError(f"RunConfig.qat={self.qat!r}: {e}") from None
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr={self.lr!r}: must be > 0")
+        for prefix, scale in (self.lr_scales or {}).items():
+            if (
+                not isinstance(scale, (int, float))
+                or isinstance(scale, bool)
+                or not math.isfinite(scale)
+                or not scale > 0
+            ):
+                raise ValueError(
+                    f"RunConfig.lr_scales[{prefix!r}]={scale!r}: must be a finite number > 0"
+                )
         self.step_config()  # validates the schedule and clip fields
 
     def _check_device(self) -> None:
@@ -219,7 +233,12 @@ class RunConfig:
 
             model_qat(model, self.qat)
         optimizer = build_optimizer(
-            model, model.config, lr=self.lr, weight_decay=self.weight_decay, adamw_lr=self.adamw_lr
+            model,
+            model.config,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            adamw_lr=self.adamw_lr,
+            lr_scales=self.lr_scales,
         )
         return model, optimizer, make_balancers(model, self.qb_bins, self.qb_ema)
 

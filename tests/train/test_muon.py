@@ -331,3 +331,56 @@ def test_qk_clip_weights_validates():
     with pytest.raises(ValueError, match="q_weight"):
         qk_clip_weights_(torch.zeros(7, 4), torch.zeros(8, 4), torch.ones(2), 1.0,
                          num_heads=2, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2)
+
+
+def test_lr_scales_split_groups_and_scale_every_update():
+    """``lr_scales``: a prefix's parameters get their own groups at ``multiplier x lr``; with the
+    same gradients, one Muon / AdamW step moves them by exactly that multiple of the unscaled
+    optimizer's step (both halves' updates, weight decay included, are linear in the LR), and the
+    schedule (``initial_lr x multiplier(step)``) keeps the ratio."""
+    from openk3.model import K3ForCausalLM
+
+    cfg = preset("k3-test-tiny")
+    torch.manual_seed(0)
+    a = K3ForCausalLM(cfg)
+    b = K3ForCausalLM(cfg)
+    b.load_state_dict(a.state_dict())
+    plain = build_optimizer(a, cfg, lr=1e-2)
+    scaled = build_optimizer(b, cfg, lr=1e-2, lr_scales={"model.layers.0.": 0.25, "lm_head.": 0.5})
+    names = [g["name"] for g in scaled.param_groups]
+    assert names == ["muon", "muon@0.25", "muon_kda_qkv", "muon_kda_qkv@0.25", "muon_mla_q", "muon_mla_kv",
+                     "adamw", "adamw@0.25", "adamw@0.5"]
+    lrs = {g["name"]: g["lr"] for g in scaled.param_groups}
+    assert lrs["muon@0.25"] == pytest.approx(2.5e-3) and lrs["adamw@0.5"] == pytest.approx(5e-3)
+    assert lrs["muon"] == lrs["adamw"] == 1e-2
+    assert [n for g in scaled.param_groups if g["name"] == "adamw@0.5" for n in g["param_names"]] == ["lm_head.weight"]
+    # the trainer's schedule: lr = initial_lr * multiplier
+    for opt in (plain, scaled):
+        for g in opt.param_groups:
+            g.setdefault("initial_lr", g["lr"])
+            g["lr"] = g["initial_lr"] * 0.5
+    torch.manual_seed(1)
+    grads = {n: torch.randn_like(p) for n, p in a.named_parameters()}
+    for model in (a, b):
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+    before = {n: p.detach().clone() for n, p in a.named_parameters()}
+    plain.step()
+    scaled.step()
+    pb = dict(b.named_parameters())
+    for n, p in a.named_parameters():
+        scale = 0.25 if n.startswith("model.layers.0.") else 0.5 if n.startswith("lm_head.") else 1.0
+        assert_close((pb[n] - before[n]).detach(), scale * (p - before[n]).detach(), atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scales, match", [
+    ({"": 0}, r"lr_scales\[''\]=0: must be a finite number > 0"),
+    ({"x.": float("inf")}, r"lr_scales\['x.'\]=inf"),
+    ({"x.": True}, r"lr_scales\['x.'\]=True"),
+])
+def test_lr_scales_reject_bad_multipliers(scales, match):
+    from openk3.model import K3ForCausalLM
+
+    cfg = preset("k3-test-tiny")
+    with pytest.raises(ValueError, match=match):
+        build_optimizer(K3ForCausalLM(cfg), cfg, lr=1e-3, lr_scales=scales)

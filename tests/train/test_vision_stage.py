@@ -194,3 +194,34 @@ def test_text_rows_carry_column_fact_drills(tmp_path):
     for field, bad in (("facts_share", 1.0), ("facts_items", 0)):
         with pytest.raises(ValueError, match=f"extra.{field}={bad}"):
             settings(get_recipe("default-model-vision", extra={**extra, field: bad}))
+
+
+def test_lm_lr_scale_trains_the_language_model_slower_than_the_tower(tmp_path):
+    """``lm_lr_scale`` 0.1: the tower and projector keep the peak LR, every language-model
+    parameter (embeddings and head included) is in a group at a tenth of it; 1 (the shipped run)
+    leaves one LR; values outside (0, 1] name the field."""
+    from openk3.recipes import get_recipe
+    from openk3.recipes.default_model_vision import settings
+
+    text = _text_ckpt(tmp_path)
+    extra = {"text_ckpt": text, "tokenizer_dir": TOK, "model_overrides": TINY_LM, "vision": TINY_VIT,
+             "image_items": 2, "sft_items": 2, "eval_items": 1}
+
+    def groups(scale):
+        run = get_recipe("default-model-vision", total_steps=1, warmup_steps=0, seq_len=256,
+                         extra={**extra, "lm_lr_scale": scale})
+        _, opt, _ = run.prepare(run, str(tmp_path / "x"), False).build()
+        return {n: g.get("lr", opt.defaults["lr"]) for g in opt.param_groups for n in g["param_names"]}
+
+    lr = get_recipe("default-model-vision").lr
+    slow = groups(0.1)
+    assert slow["model.embed_tokens.weight"] == pytest.approx(lr * 0.1)
+    assert slow["model.layers.0.self_attn.q_proj.weight"] == pytest.approx(lr * 0.1)
+    assert slow["lm_head.weight"] == pytest.approx(lr * 0.1)
+    tower = [n for n in slow if n.startswith(("vision_tower.", "mm_projector."))]
+    assert tower and all(slow[n] == lr for n in tower)
+    assert sum(v == lr for v in slow.values()) == len(tower)
+    assert set(groups(1.0).values()) == {lr}
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=f"extra.lm_lr_scale={bad}"):
+            settings(get_recipe("default-model-vision", extra={**extra, "lm_lr_scale": bad}))
