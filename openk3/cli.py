@@ -102,16 +102,21 @@ def _rank0() -> bool:
 
 def _parse_overrides(items: Sequence[str]) -> dict:
     """``["lr=0.01", "qat=mxfp4", "warmup_steps=null"]`` -> {field: value}; values are JSON when
-    they parse as JSON, strings otherwise. Raises ValueError for an item without ``=``."""
-    out = {}
+    they parse as JSON, strings otherwise; a later item replaces an earlier one of the same field,
+    except two ``extra`` objects, which merge key by key (a script's ``extra`` plus the user's).
+    Raises ValueError for an item without ``=``."""
+    out: dict = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
         try:
-            out[key] = json.loads(text)
+            value = json.loads(text)
         except json.JSONDecodeError:
-            out[key] = text
+            value = text
+        if key == "extra" and isinstance(out.get(key), dict) and isinstance(value, dict):
+            value = {**out[key], **value}
+        out[key] = value
     return out
 
 

@@ -8,7 +8,8 @@
 # Every stage skips what is already done, so rerunning after an interruption continues where it
 # stopped. Environment: OPENK3 (the CLI, default `openk3`), THREADS (default 1), PORT (default
 # 8765), EVAL_N (items per suite, default 100), EVAL_SUITES (default: every suite), TEXT_ARGS and
-# VISION_ARGS (more `openk3 train` arguments for each stage, e.g. `--set total_steps=3` for a smoke run).
+# VISION_ARGS (more `openk3 train` arguments for each stage, e.g. `--set total_steps=3` for a smoke run;
+# a `--set extra=...` in VISION_ARGS merges with the script's text_ckpt, e.g. `--set extra={"lm_lr_scale":0.2}`).
 # The text recipe reads data/corpus and data/tokenizer relative to the current directory
 # (`openk3 build-corpus --install --out data/corpus` builds the corpus first on a fresh machine).
 set -euo pipefail

@@ -225,3 +225,18 @@ def test_lm_lr_scale_trains_the_language_model_slower_than_the_tower(tmp_path):
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match=f"extra.lm_lr_scale={bad}"):
             settings(get_recipe("default-model-vision", extra={**extra, "lm_lr_scale": bad}))
+
+
+def test_repeated_set_extra_merges_so_a_script_and_a_user_can_both_give_keys():
+    """scripts/train_shipped_model.sh passes ``--set extra={"text_ckpt": ...}`` and then the
+    user's VISION_ARGS (``--set extra={"lm_lr_scale": 0.2}``): both keys reach the recipe, the
+    later value wins on a shared key, and any other field is still replaced whole."""
+    from openk3.cli import _parse_overrides
+    from openk3.recipes import get_recipe
+    from openk3.recipes.default_model_vision import settings
+
+    got = _parse_overrides(['extra={"text_ckpt": "a", "image_seed": 5}', 'extra={"lm_lr_scale": 0.2, "image_seed": 7}',
+                            "lr=0.1", "lr=0.2"])
+    assert got == {"extra": {"text_ckpt": "a", "image_seed": 7, "lm_lr_scale": 0.2}, "lr": 0.2}
+    x = settings(get_recipe("default-model-vision", **got))
+    assert (x.text_ckpt, x.image_seed, x.lm_lr_scale) == ("a", 7, 0.2)
