@@ -95,6 +95,22 @@ def classify_parameter(
     return group, blocks
 
 
+def check_lr_scales(scales: Mapping[str, float], what: str = "lr_scales") -> None:
+    """Every multiplier of an ``lr_scales`` mapping (:func:`param_groups`) is a finite number > 0.
+
+    Raises:
+        ValueError: ``<what>['<prefix>']=<value>: must be a finite number > 0``.
+    """
+    for prefix, scale in scales.items():
+        if (
+            not isinstance(scale, (int, float))
+            or isinstance(scale, bool)
+            or not math.isfinite(scale)
+            or not scale > 0
+        ):
+            raise ValueError(f"{what}[{prefix!r}]={scale!r}: must be a finite number > 0")
+
+
 def param_groups(
     model: nn.Module,
     config: K3Config,
@@ -119,7 +135,7 @@ def param_groups(
         Non-empty groups in a fixed order (kind, then multiplier in ``lr_scales`` order), each
         ``{"name", "params", "param_names", "use_muon", "head_blocks", "weight_decay"}``
         (+ ``"lr"`` on the AdamW group if ``adamw_lr`` is set, and on every group whose
-        multiplier is not 1, with ``"lr_scale"``; its name then ends in ``@<multiplier>``).
+        multiplier is not 1; its name then ends in ``@<multiplier>``).
         AdamW parameters get ``adamw_weight_decay`` (0 by default: the issue asks for no decay on
         embeddings, head, norms, vectors, ``A_log`` and ``dt_bias``).
     Raises:
@@ -127,14 +143,7 @@ def param_groups(
             > 0, or ``lr_scales`` without ``lr``.
     """
     scales = dict(lr_scales or {})
-    for prefix, scale in scales.items():
-        if (
-            not isinstance(scale, (int, float))
-            or isinstance(scale, bool)
-            or not math.isfinite(scale)
-            or not scale > 0
-        ):
-            raise ValueError(f"lr_scales[{prefix!r}]={scale!r}: must be a finite number > 0")
+    check_lr_scales(scales)
     if scales and lr is None:
         raise ValueError("lr_scales: needs lr (the peak LR the multipliers scale)")
     scale_order = {s: i for i, s in enumerate(dict.fromkeys([1.0, *map(float, scales.values())]))}
@@ -166,7 +175,6 @@ def param_groups(
                 g["lr"] = adamw_lr
             if scale != 1.0:
                 g["lr"] = base * scale
-                g["lr_scale"] = scale
             buckets[key] = g
         buckets[key]["params"].append(p)
         buckets[key]["param_names"].append(name)

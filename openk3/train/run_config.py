@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,16 +154,10 @@ class RunConfig:
                 raise ValueError(f"RunConfig.qat={self.qat!r}: {e}") from None
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr={self.lr!r}: must be > 0")
-        for prefix, scale in (self.lr_scales or {}).items():
-            if (
-                not isinstance(scale, (int, float))
-                or isinstance(scale, bool)
-                or not math.isfinite(scale)
-                or not scale > 0
-            ):
-                raise ValueError(
-                    f"RunConfig.lr_scales[{prefix!r}]={scale!r}: must be a finite number > 0"
-                )
+        if self.lr_scales:
+            from openk3.train.optim import check_lr_scales
+
+            check_lr_scales(self.lr_scales, "RunConfig.lr_scales")
         self.step_config()  # validates the schedule and clip fields
 
     def _check_device(self) -> None:
