@@ -6,7 +6,7 @@ repository root on PYTHONPATH. In one launch, one after another, it runs:
 
 * ``fsdp``: ``train()`` of :func:`tiny_recipe` (FSDP2 only) into ``OUT/fsdp``;
 * ``ep2``: ``openk3 train --recipe ...:tiny_recipe --set ep_size=2`` (FSDP2 + EP=2, the CLI);
-* ``ep2_qat``: ``train()`` with ``ep_size=2, qat="mxfp4"``;
+* ``ep2_qat``: ``train()`` with ``ep_size=2, qat="mxfp4"``, a checkpoint after every step;
 * ``resume``: the CLI with ``--max-steps 2``, then ``--resume`` to the end (EP=2);
 * ``sigterm``: rank 1 alone receives SIGTERM while drawing the data of step 3;
 * ``nan``: rank 1 alone sees a NaN loss in step 3.
@@ -115,7 +115,7 @@ def scenario(name: str, out: str) -> dict:
     if name == "ep2":
         return _cli("--out", out, "--set", "ep_size=2")
     if name == "ep2_qat":
-        return _outcome(train(run.replace(ep_size=2, qat="mxfp4"), out, progress=False))
+        return _outcome(train(run.replace(ep_size=2, qat="mxfp4", ckpt_every=1), out, progress=False))
     if name == "resume":
         first = _cli("--out", out, "--set", "ep_size=2", "--max-steps", "2")
         return {"first": first, "second": _cli("--out", out, "--set", "ep_size=2", "--resume")}
