@@ -3,7 +3,8 @@
 Stages (``openk3 train --recipe default-model --out runs/default-model``)::
 
     1. corpus      build_corpus(default_sources())          -> extra.corpus_dir   (skipped if built)
-    2. tokenizer   train_tokenizer(corpus, 8192)            -> extra.tokenizer_dir (skipped if trained)
+    2. tokenizer   train_tokenizer(corpus, 8192)            -> extra.tokenizer_dir (skipped if trained
+                   from the same inputs: tokenizer_training.json)
     3. pretrain    openk3-tiny on the corpus, next-token     -> OUT/pretrain/checkpoints/step-*
     3b. mid-train  from the pretrained weights, the mixture with column-fact drill documents
                    (``mid_steps``; 0 skips it)               -> OUT/mid/checkpoints/step-*
@@ -40,6 +41,7 @@ this run's last checkpoint, written by ``openk3 export`` (MODEL_CARD.md).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -60,7 +62,8 @@ class DefaultModelSettings(RecipeSettings):
         corpus_dir: built by stage 1 unless it holds a manifest already.
         corpus_sources: None: :func:`~openk3.datasets.corpus_sources.default_sources`; else
             ``["NAME:LICENCE:PATH", ...]`` directories.
-        tokenizer_dir: trained by stage 2 unless it holds ``tokenizer.json``.
+        tokenizer_dir: trained by stage 2 unless it holds ``tokenizer.json`` (then reused, and
+            checked against the inputs its ``tokenizer_training.json`` records).
         vocab_size, tokenizer_max_mb (None: the whole corpus), tokenizer_split_digits (numbers
             pre-tokenized into single digits), tokenizer_sft_items (synthetic conversations,
             seed 77, added to the tokenizer's corpus): the BPE.
@@ -494,12 +497,27 @@ def tokenizer_texts(n: int, seed: int = 77) -> list[str]:
     ]
 
 
+def tokenizer_source(x: DefaultModelSettings, corpus: Path) -> Any:
+    """What stage 2 trains the BPE on: the corpus directory, or (``tokenizer_sft_items`` > 0) its
+    train documents followed by :func:`tokenizer_texts` (rendering those takes about a minute at
+    the default 12,000)."""
+    if not x.tokenizer_sft_items:
+        return corpus
+    from openk3.datasets.corpus import read_documents
+
+    return [d["text"] for d in read_documents(corpus, "train")] + tokenizer_texts(
+        x.tokenizer_sft_items
+    )
+
+
 def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConfig:
     """Stages 1-3 (module docstring), then the SFT run config for stage 4.
 
     Raises:
-        ValueError: a bad ``extra`` setting, a corpus source spec not ``NAME:LICENCE:PATH``, or
-            a stage failure (from the corpus builder, tokenizer trainer or trainer).
+        ValueError: a bad ``extra`` setting, a corpus source spec not ``NAME:LICENCE:PATH``, a
+            ``tokenizer_dir`` whose ``tokenizer_training.json`` records other inputs than this
+            run's (the differing field named), or a stage failure (from the corpus builder,
+            tokenizer trainer or trainer).
     """
 
     x = settings(run)
@@ -524,25 +542,36 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
         log(f"stage 1/4: building the corpus into {corpus}")
         build_corpus(sources, corpus, overwrite=corpus.exists(), log=log)
     tok_dir = Path(x.tokenizer_dir)
+    record_path = tok_dir / "tokenizer_training.json"
+    max_mb = x.tokenizer_max_mb
+    bpe_args = {
+        "max_bytes": None if max_mb is None else int(max_mb * 2**20),
+        "split_digits": x.tokenizer_split_digits,
+    }
     if not (tok_dir / "tokenizer.json").is_file():
         from openk3.train.tokenizer_train import train_tokenizer
 
         log(f"stage 2/4: training a {x.vocab_size}-id BPE into {tok_dir}")
-        max_mb = x.tokenizer_max_mb
-        source = corpus
-        if x.tokenizer_sft_items:
-            from openk3.datasets.corpus import read_documents
+        train_tokenizer(tokenizer_source(x, corpus), x.vocab_size, tok_dir, **bpe_args)
+    elif record_path.is_file():
+        # A tokenizer directory outlives the code that trained it (every later run on the
+        # machine reuses it): a run whose synthetic conversations changed would otherwise train
+        # on ids the current recipe no longer reproduces.
+        from openk3.train.tokenizer_train import training_inputs
 
-            source = [d["text"] for d in read_documents(corpus, "train")] + tokenizer_texts(
-                x.tokenizer_sft_items
+        recorded = json.loads(record_path.read_text(encoding="utf-8"))
+        want = training_inputs(tokenizer_source(x, corpus), x.vocab_size, **bpe_args)
+        changed = [k for k in want if want[k] != recorded.get(k)]
+        if changed:
+            k = changed[0]
+            raise ValueError(
+                f"extra.tokenizer_dir={str(tok_dir)!r}: its BPE was trained from other inputs than "
+                f"this recipe's ({k}: recorded {recorded.get(k)!r}, now {want[k]!r}); delete the "
+                f"directory to retrain it, or delete {record_path} to use it unchecked"
             )
-        train_tokenizer(
-            source,
-            x.vocab_size,
-            tok_dir,
-            max_bytes=None if max_mb is None else int(max_mb * 2**20),
-            split_digits=x.tokenizer_split_digits,
-        )
+        log(f"stage 2/4: reusing {tok_dir} (trained from these inputs: {record_path.name})")
+    else:
+        log(f"stage 2/4: reusing {tok_dir} (no {record_path.name}: its inputs are unchecked)")
     cfg = model_for_tokenizer(run)
     if x.pretrain_steps == 0:
         log("stage 3/4: skipped (pretrain_steps 0); stage 4/4 starts from the initialisation")

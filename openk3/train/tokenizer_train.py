@@ -168,6 +168,43 @@ def _corpus_texts(
     )
 
 
+def _inputs_record(
+    origin: dict[str, Any],
+    vocab_size: int,
+    min_frequency: int,
+    max_token_length: int | None,
+    split_digits: bool,
+) -> dict[str, Any]:
+    return {
+        "requested_vocab_size": vocab_size,
+        "min_frequency": min_frequency,
+        "max_token_length": max_token_length,
+        "pre_tokenizer": "kimi-regex"
+        + (" (single digits)" if split_digits else "")
+        + " + byte-level",
+        **origin,
+    }
+
+
+def training_inputs(
+    corpus: Any,
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    max_bytes: int | None = None,
+    max_token_length: int | None = 32,
+    split_digits: bool = False,
+) -> dict[str, Any]:
+    """The part of ``tokenizer_training.json`` that :func:`train_tokenizer` with these arguments
+    would write before training: the settings and where the text came from (the corpus manifest's
+    sha256, or for an iterable its document count and the sha256 over the texts' sha256s). Equal
+    records mean the same BPE (training is deterministic), so a saved tokenizer can be checked
+    against the inputs a later run would train it on. Raises the ``corpus`` errors of
+    :func:`train_tokenizer`."""
+    _, origin = _corpus_texts(corpus, max_bytes)
+    return _inputs_record(origin, vocab_size, min_frequency, max_token_length, split_digits)
+
+
 def train_tokenizer(
     corpus: Any,
     vocab_size: int,
@@ -253,17 +290,11 @@ def train_tokenizer(
     info = {
         "format": "openk3-bpe/1",
         "vocab_size": tok.vocab_size,
-        "requested_vocab_size": vocab_size,
         "bpe_tokens": n_ranks,
         "special_slots": NUM_SPECIAL_SLOTS,
-        "min_frequency": min_frequency,
-        "max_token_length": max_token_length,
-        "pre_tokenizer": "kimi-regex"
-        + (" (single digits)" if split_digits else "")
-        + " + byte-level",
         "training_bytes": n_bytes,
         "tokenizers_version": __import__("tokenizers").__version__,
-        **origin,
+        **_inputs_record(origin, vocab_size, min_frequency, max_token_length, split_digits),
     }
     (out / "tokenizer_training.json").write_text(
         json.dumps(info, indent=2) + "\n", encoding="utf-8"

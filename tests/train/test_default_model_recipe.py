@@ -98,6 +98,14 @@ def test_default_model_pipeline_runs_every_stage_and_resumes(tmp_path):
 
     assert record["run"]["model"]["vocab_size"] == load_tokenizer(tmp_path / "tok").vocab_size  # from the BPE
     assert any(f.endswith(".safetensors") for f in os.listdir(second.checkpoint))
+    # The BPE's inputs are recorded; a later run whose tokenizer inputs differ (here: other
+    # synthetic conversations) refuses the stale directory instead of training on its ids.
+    inputs = json.load(open(tmp_path / "tok" / "tokenizer_training.json"))
+    docs = json.load(open(tmp_path / "corpus" / "manifest.json"))["totals"]["train_documents"]
+    assert inputs["documents"] == docs + 30 and len(inputs["sha256"]) == 64  # corpus + conversations
+    changed = get_recipe("default-model", total_steps=2, seq_len=256, extra={**extra, "tokenizer_sft_items": 31})
+    with pytest.raises(ValueError, match=r"extra.tokenizer_dir=.*documents: recorded \d+, now \d+"):
+        train(changed, tmp_path / "run-changed", progress=False)
 
 
 def test_default_model_rejects_unknown_extra_key():

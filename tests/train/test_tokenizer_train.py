@@ -14,7 +14,7 @@ import openk3
 from openk3.chat_format import encode_request, render_template, template_variables
 from openk3.tokenizer import K3_SPECIAL_TOKENS, KIMI_PAT_STR, load_tokenizer
 from openk3.train.tokenizer_train import (
-    K3_SPECIAL_SLOT_OFFSETS, kimi_pre_tokenizer, special_slot_names, train_tokenizer,
+    K3_SPECIAL_SLOT_OFFSETS, kimi_pre_tokenizer, special_slot_names, train_tokenizer, training_inputs,
 )
 from tests.conftest import shared_path
 
@@ -116,6 +116,23 @@ def test_training_is_deterministic(tmp_path):
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
     assert a.encode_text(PARAGRAPHS[4]) == b.encode_text(PARAGRAPHS[4])
 
+
+
+def test_training_inputs_is_the_saved_record_of_the_inputs(tmp_path):
+    """``training_inputs`` gives, before any training, the settings and origin that
+    ``tokenizer_training.json`` records, so a saved BPE can be checked against a later run's texts."""
+    train_tokenizer(CORPUS[:200], 700, tmp_path / "a", split_digits=True)
+    saved = json.loads((tmp_path / "a" / "tokenizer_training.json").read_text())
+    want = training_inputs(CORPUS[:200], 700, split_digits=True)
+    assert want == {k: saved[k] for k in want}
+    assert (want["documents"], want["requested_vocab_size"], want["pre_tokenizer"]) == (
+        200, 700, "kimi-regex (single digits) + byte-level")
+    assert saved["vocab_size"] == 700 and saved["bpe_tokens"] + saved["special_slots"] == 700
+    edited = [*CORPUS[:199], CORPUS[199] + "!"]  # one character in one text
+    assert training_inputs(edited, 700, split_digits=True)["sha256"] != want["sha256"]
+    assert training_inputs(CORPUS[:200], 700)["pre_tokenizer"] == "kimi-regex + byte-level"
+    with pytest.raises(ValueError, match="corpus"):
+        training_inputs(tmp_path / "missing", 700)
 
 def _kimi_chunks(text: str) -> list[bytes]:
     """Reference chunks from tiktoken with the Kimi regex: give every substring of `text` a rank, so
