@@ -561,7 +561,9 @@ def prepare_default_model(run: RunConfig, out_dir: str, resume: bool) -> RunConf
 
         recorded = json.loads(record_path.read_text(encoding="utf-8"))
         want = training_inputs(tokenizer_source(x, corpus), x.vocab_size, **bpe_args)
-        changed = [k for k in want if want[k] != recorded.get(k)]
+        # "corpus" is where the text was read (a path): the manifest's or the texts' sha256
+        # identifies what it was, so a moved corpus directory still matches.
+        changed = [k for k in want if k != "corpus" and want[k] != recorded.get(k)]
         if changed:
             k = changed[0]
             raise ValueError(
