@@ -198,9 +198,9 @@ def training_inputs(
     """The part of ``tokenizer_training.json`` that :func:`train_tokenizer` with these arguments
     would write before training: the settings and where the text came from (the corpus manifest's
     sha256, or for an iterable its document count and the sha256 over the texts' sha256s). Equal
-    records mean the same BPE (training is deterministic), so a saved tokenizer can be checked
-    against the inputs a later run would train it on. Raises the ``corpus`` errors of
-    :func:`train_tokenizer`."""
+    records and the same ``tokenizers`` version (recorded beside them, not part of this) mean the
+    same BPE, as training is deterministic, so a saved tokenizer can be checked against the inputs
+    a later run would train it on. Raises the ``corpus`` errors of :func:`train_tokenizer`."""
     _, origin = _corpus_texts(corpus, max_bytes)
     return _inputs_record(origin, vocab_size, min_frequency, max_token_length, split_digits)
 
