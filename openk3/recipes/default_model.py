@@ -278,22 +278,39 @@ def _sft_loader(run: RunConfig, x: DefaultModelSettings, tok, seq_len: int, seed
     )
 
 
-def long_data(run: RunConfig, x: DefaultModelSettings, tok):
-    """Long rows: ``long_items`` SFT conversations behind synthetic agent-harness prompts
-    (:func:`openk3.datasets.harness.long_conversations`, seed ``sft_seed`` + 100), one or two per
-    row of ``long_seq_len`` tokens."""
+def long_rows(seed: int, items: int, seq_len: int, tok, *, mixture, loader_seed: int, pad_id: int):
+    """Long harness-prompt rows: ``items`` SFT conversations of ``mixture`` behind synthetic
+    agent-harness prompts (:func:`openk3.datasets.harness.long_conversations`, seed ``seed``), one
+    or two per row of ``seq_len`` tokens (batch 1, assistant-only loss). Shared by the text SFT
+    (``long_share``) and the vision stage's text rows.
+
+    Raises:
+        ValueError: ``seq_len`` below 2,048 (no room for a prompt and an item).
+    """
     from openk3.train.data import DocumentStore, PackedLoader
     from openk3.datasets.harness import long_conversations
 
-    convs = long_conversations(
-        x.sft_seed + 100, x.long_items, x.long_seq_len, tok, mixture=x.mixture
-    )
+    convs = long_conversations(seed, items, seq_len, tok, mixture=mixture)
     return PackedLoader(
         DocumentStore.from_conversations(convs, tok),
-        x.long_seq_len,
+        seq_len,
         1,
-        seed=run.seed,
+        seed=loader_seed,
         split_documents=False,
+        pad_id=pad_id,
+    )
+
+
+def long_data(run: RunConfig, x: DefaultModelSettings, tok):
+    """The text SFT's long rows: :func:`long_rows` of ``long_items`` conversations (seed
+    ``sft_seed`` + 100) at ``long_seq_len`` tokens."""
+    return long_rows(
+        x.sft_seed + 100,
+        x.long_items,
+        x.long_seq_len,
+        tok,
+        mixture=x.mixture,
+        loader_seed=run.seed,
         pad_id=run.model_config().pad_token_id,
     )
 
@@ -683,6 +700,7 @@ __all__ = [
     "settings",
     "corpus_data",
     "sft_data",
+    "long_rows",
     "long_data",
     "pretrain_mixture",
     "pretrain_data",

@@ -26,7 +26,8 @@ image conversations (another seed, disjoint by hash). Knobs (:class:`VisionStage
 over :func:`tiny_vision_config`), ``image_items``, ``image_seed``, ``text_share`` in [0, 1),
 ``sft_items``, ``sft_seed``, ``sft_mixture`` (task -> share merged over
 :data:`openk3.datasets.sft_data.MIXTURE`, e.g. ``{"copy": 0.3}`` for the copying curriculum),
-``facts_share`` / ``facts_items`` (column-fact drill rows among the text rows), ``lm_lr_scale``
+``facts_share`` / ``facts_items`` (column-fact drill rows among the text rows), ``long_share`` /
+``long_seq_len`` / ``long_items`` (long harness-prompt rows among the text rows), ``lm_lr_scale``
 (the language model's LR as a fraction of the tower's), ``eval_items``, ``model_overrides`` (K3Config fields; tests shrink
 the LM). Resume with ``--resume`` (data positions are in the checkpoint).
 """
@@ -58,6 +59,11 @@ class VisionStageSettings(RecipeSettings):
             that are column-fact drill documents (:mod:`openk3.datasets.column_facts`), as in
             the text SFT (``sft_facts_share``): without them this stage's updates wear down the
             one-digit facts the arithmetic answers are built from.
+        long_share (in [0, 1)), long_seq_len (tokens per row, >= 2,048), long_items (>= 1; seed
+            ``sft_seed`` + 100): share of the text rows that are SFT conversations behind a
+            synthetic agent-harness prompt (:func:`openk3.recipes.default_model.long_rows`), as
+            the text SFT's ``long_share``: the 1,024-token rows alone teach nothing about finding
+            the last user turn behind a 15K-token system prompt. 0 (the default) serves none.
         lm_lr_scale: LR multiplier, in (0, 1], of the language model's parameters (every one
             outside ``vision_tower.`` / ``mm_projector.``, which train at the peak LR): the
             LLaVA-style split between a fresh tower that must learn fast and a trained LM whose
@@ -79,6 +85,9 @@ class VisionStageSettings(RecipeSettings):
     sft_mixture: dict[str, float] | None = None
     facts_share: float = 0.2
     facts_items: int = 4000
+    long_share: float = 0.0
+    long_seq_len: int = 8192
+    long_items: int = 1000
     lm_lr_scale: float = 1.0
     eval_items: int = 24
     model_overrides: dict[str, Any] = field(default_factory=dict)
@@ -93,7 +102,11 @@ class VisionStageSettings(RecipeSettings):
     def check(self) -> None:
         check_fraction(self, "text_share")
         check_fraction(self, "facts_share")
+        check_fraction(self, "long_share")
         check_at_least(self, "facts_items", 1)
+        check_at_least(self, "long_items", 1)
+        # harness.long_conversations needs 1,024 tokens of prompt + 1,024 for the item
+        check_at_least(self, "long_seq_len", 2048)
         if not 0 < self.lm_lr_scale <= 1:
             raise ValueError(f"{OWNER}.lm_lr_scale={self.lm_lr_scale!r}: must be in (0, 1]")
 
@@ -172,8 +185,9 @@ def vision_model_config(run: RunConfig, text_config=None):
 
 
 def vision_data(run: RunConfig, split: str):
-    """ "train": image conversations mixed with ``text_share`` text SFT rows; "eval": the held-out
-    image conversations in fixed order."""
+    """ "train": image conversations mixed with ``text_share`` text rows (SFT conversations, of
+    which ``facts_share`` are drill rows and then ``long_share`` long harness-prompt rows);
+    "eval": the held-out image conversations in fixed order."""
     from openk3.tokenizer import load_tokenizer
     from openk3.datasets.vision_data import eval_image_items, image_items
     from openk3.train.vision_loader import ImageSFTLoader, image_chat_document
@@ -206,6 +220,19 @@ def vision_data(run: RunConfig, split: str):
         facts = column_facts_store(x.sft_seed + 400, x.facts_items, tok)
         drills = PackedLoader(facts, run.seq_len, 1, seed=run.seed + 2, pad_id=pad)
         text = MixedLoader(text, drills, x.facts_share, seed=run.seed + 6)
+    if x.long_share > 0:
+        from openk3.recipes.default_model import long_rows
+
+        long = long_rows(
+            x.sft_seed + 100,
+            x.long_items,
+            x.long_seq_len,
+            tok,
+            mixture=x.mixture,
+            loader_seed=run.seed + 3,
+            pad_id=pad,
+        )
+        text = MixedLoader(text, long, x.long_share, seed=run.seed + 7)
     return MixedLoader(images, text, x.text_share, seed=run.seed)
 
 

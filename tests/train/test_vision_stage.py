@@ -196,6 +196,44 @@ def test_text_rows_carry_column_fact_drills(tmp_path):
             settings(get_recipe("default-model-vision", extra={**extra, field: bad}))
 
 
+def test_text_rows_carry_long_harness_prompt_rows(tmp_path):
+    """``long_share`` of the text rows are ``long_seq_len``-token rows: SFT conversations behind a
+    harness system prompt, loss on assistant tokens only, the same rows on a rebuild; 0 serves
+    none; out-of-range values name the field."""
+    from openk3.datasets.harness import _SECTIONS
+    from openk3.recipes import get_recipe
+    from openk3.recipes.default_model_vision import settings, vision_data
+
+    extra = {"text_ckpt": "unused", "tokenizer_dir": TOK, "model_overrides": TINY_LM, "vision": TINY_VIT,
+             "image_items": 6, "sft_items": 12, "eval_items": 2, "text_share": 0.9, "facts_share": 0.0,
+             "long_share": 0.5, "long_seq_len": 3000, "long_items": 6}
+    tok = _tok()
+
+    def rows(extra, n=40):
+        run = get_recipe("default-model-vision", seq_len=256, extra=extra)
+        pad = run.model_config().pad_token_id
+        data = vision_data(run, "train")
+        out = []
+        for _ in range(n):
+            b = data.next_batch()
+            ids, labels = b["input_ids"][0], b["labels"][0]
+            out.append(ids.shape[0])
+            if ids.shape[0] == 3000:
+                text = tok.decode([i for i in ids.tolist() if i < tok.vocab_size])
+                assert any(s in text for s in _SECTIONS) and len(text) > 4000, text[:200]  # the harness prose
+                real = labels[ids != pad]
+                assert 0 < int((real != -100).sum()) < 0.2 * real.numel()  # assistant turns only
+        return out
+
+    got = rows(extra)
+    assert set(got) == {256, 3000} and 8 < got.count(3000) < 30  # about 0.9 * 0.5 of 40 rows
+    assert rows(extra) == got
+    assert 3000 not in rows({**extra, "long_share": 0.0})
+    for field, bad in (("long_share", 1.0), ("long_items", 0), ("long_seq_len", 2047)):
+        with pytest.raises(ValueError, match=f"extra.{field}={bad}"):
+            settings(get_recipe("default-model-vision", extra={**extra, field: bad}))
+
+
 def test_lm_lr_scale_trains_the_language_model_slower_than_the_tower(tmp_path):
     """``lm_lr_scale`` 0.1: the tower and projector keep the peak LR, every language-model
     parameter (embeddings and head included) is in a group at a tenth of it; 1 (the shipped run)
