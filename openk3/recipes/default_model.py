@@ -284,6 +284,10 @@ def long_rows(seed: int, items: int, seq_len: int, tok, *, mixture, loader_seed:
     or two per row of ``seq_len`` tokens (batch 1, assistant-only loss). Shared by the text SFT
     (``long_share``) and the vision stage's text rows.
 
+    Returns:
+        a PackedLoader whose batches hold ``input_ids`` / ``labels`` of shape [1, seq_len]
+        (int64 token ids; labels -100 outside assistant turns and on padding ``pad_id``),
+        shuffled with ``loader_seed``.
     Raises:
         ValueError: ``seq_len`` below 2,048 (no room for a prompt and an item).
     """
