@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The shipped model's whole pipeline, end to end and resumable: the text recipe (corpus -> BPE ->
-# pretraining -> SFT with MXFP4 QAT), the vision stage from its last checkpoint, the export, and
+# pretraining -> SFT with MXFP4 QAT), the vision stage from its last checkpoint, the long-prompt
+# stage from the vision stage's (long harness-prompt rows among the text rows), the export, and
 # the held-out eval through a live server (the way users meet the model; MODEL_CARD.md's table).
 #
 #   scripts/train_shipped_model.sh [OUT]        # default OUT: runs/shipped; run from a work dir
 #
 # Every stage skips what is already done, so rerunning after an interruption continues where it
 # stopped. Environment: OPENK3 (the CLI, default `openk3`), THREADS (default 1), PORT (default
-# 8765), EVAL_N (items per suite, default 100), EVAL_SUITES (default: every suite), TEXT_ARGS and
-# VISION_ARGS (more `openk3 train` arguments for each stage, e.g. `--set total_steps=3` for a smoke run;
-# a `--set extra=...` in VISION_ARGS merges with the script's text_ckpt, e.g. `--set extra={"lm_lr_scale":0.2}`).
+# 8765), EVAL_N (items per suite, default 100), EVAL_SUITES (default: every suite), TEXT_ARGS,
+# VISION_ARGS and LONG_ARGS (more `openk3 train` arguments for each stage, e.g. `--set total_steps=3`
+# for a smoke run; a `--set extra=...` in VISION_ARGS / LONG_ARGS merges with the script's text_ckpt,
+# e.g. `--set extra={"lm_lr_scale":0.2}`).
 # The text recipe reads data/corpus and data/tokenizer relative to the current directory
 # (`openk3 build-corpus --install --out data/corpus` builds the corpus first on a fresh machine).
 set -euo pipefail
@@ -21,13 +23,14 @@ EVAL_N=${EVAL_N:-100}
 EVAL_SUITES=${EVAL_SUITES:-}
 TEXT_ARGS=${TEXT_ARGS:-}
 VISION_ARGS=${VISION_ARGS:-}
+LONG_ARGS=${LONG_ARGS:-}
 mkdir -p "$OUT"
 
 last_checkpoint() {  # the highest step-N directory under $1/checkpoints
     ls -d "$1"/checkpoints/step-* 2>/dev/null | sort | tail -n 1
 }
 
-echo "[ship] 1/4 text recipe into $OUT/text"
+echo "[ship] 1/5 text recipe into $OUT/text"
 # A stage that finished leaves DONE, so a rerun skips it (resuming it would check its settings again).
 if [ ! -f "$OUT/text/DONE" ]; then
     # shellcheck disable=SC2086  # TEXT_ARGS / VISION_ARGS are argument lists
@@ -37,7 +40,7 @@ if [ ! -f "$OUT/text/DONE" ]; then
 fi
 text_ckpt=$(last_checkpoint "$OUT/text")
 
-echo "[ship] 2/4 vision stage from $text_ckpt into $OUT/vision"
+echo "[ship] 2/5 vision stage from $text_ckpt into $OUT/vision"
 if [ ! -f "$OUT/vision/DONE" ]; then
     # shellcheck disable=SC2086
     $OPENK3 train --recipe default-model-vision --out "$OUT/vision" --resume --threads "$THREADS" \
@@ -46,12 +49,21 @@ if [ ! -f "$OUT/vision/DONE" ]; then
 fi
 vision_ckpt=$(last_checkpoint "$OUT/vision")
 
-echo "[ship] 3/4 export $vision_ckpt -> $OUT/export"
+echo "[ship] 3/5 long-prompt stage from $vision_ckpt into $OUT/long"
+if [ ! -f "$OUT/long/DONE" ]; then
+    # shellcheck disable=SC2086
+    $OPENK3 train --recipe default-model-long --out "$OUT/long" --resume --threads "$THREADS" \
+        --no-progress --set extra="{\"text_ckpt\": \"$vision_ckpt\"}" $LONG_ARGS
+    touch "$OUT/long/DONE"
+fi
+long_ckpt=$(last_checkpoint "$OUT/long")
+
+echo "[ship] 4/5 export $long_ckpt -> $OUT/export"
 if [ ! -f "$OUT/export/model.safetensors" ]; then
-    $OPENK3 export "$vision_ckpt" "$OUT/export" --tokenizer data/tokenizer
+    $OPENK3 export "$long_ckpt" "$OUT/export" --tokenizer data/tokenizer
 fi
 
-echo "[ship] 4/4 eval through a server on 127.0.0.1:$PORT -> $OUT/eval.json"
+echo "[ship] 5/5 eval through a server on 127.0.0.1:$PORT -> $OUT/eval.json"
 if [ ! -f "$OUT/eval.json" ]; then
     # --greedy: the eval table is greedy (an evaluation switch; the platform itself samples)
     $OPENK3 serve "$OUT/export" --host 127.0.0.1 --port "$PORT" --greedy > "$OUT/serve.log" 2>&1 &

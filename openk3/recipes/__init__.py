@@ -11,6 +11,8 @@ Built in:
 * ``default-model`` (:mod:`openk3.recipes.default_model`): the shipped ``openk3-tiny`` end to end.
 * ``default-model-vision`` (:mod:`openk3.recipes.default_model_vision`): the vision stage from a
   text SFT checkpoint.
+* ``default-model-long`` (same module): the long-prompt stage, the vision stage's recipe continued
+  from its checkpoint with long harness-prompt rows among the text rows.
 * ``tiny-chat`` (:mod:`openk3.recipes.tiny_chat`): the default-model pipeline in ~10 minutes.
 """
 
@@ -75,6 +77,7 @@ def get_recipe(name: str, **overrides) -> RunConfig:
 register_recipe("smoke")(smoke.smoke)
 register_recipe("default-model")(default_model.default_model)
 register_recipe("default-model-vision")(default_model_vision.default_model_vision)
+register_recipe("default-model-long")(default_model_vision.default_model_long)
 register_recipe("tiny-chat")(tiny_chat.tiny_chat)
 
 __all__ = [

@@ -89,8 +89,8 @@ class DefaultModelSettings(RecipeSettings):
         sft_mixture: None (:data:`openk3.datasets.sft_data.MIXTURE`) or ``{task: share}`` merged
             over it (:attr:`mixture` is the normalised result).
         sft_replay: share of SFT train rows that are corpus rows, in [0, 1).
-        long_share (in [0, 1)), long_seq_len (>= 1), long_items (>= 1, seed ``sft_seed`` + 100):
-            long harness-prompt SFT rows.
+        long_share (in [0, 1)), long_seq_len (>= 2,048: 1,024 tokens of harness prompt + 1,024
+            for the item), long_items (>= 1, seed ``sft_seed`` + 100): long harness-prompt SFT rows.
         mid_steps (>= 0; 0 skips the stage), mid_lr, mid_facts_share (in [0, 1)),
             mid_facts_items (>= 1, seed ``sft_seed`` + 400): stage 3b, mid-training from the
             pretrained weights on the pretraining mixture with ``mid_facts_share`` of the rows
@@ -191,8 +191,9 @@ class DefaultModelSettings(RecipeSettings):
         ):
             check_at_least(self, name, 0)
         check_at_least(self, "pretrain_copy_narrow_ids", 2)
+        # harness.long_conversations needs 1,024 tokens of prompt + 1,024 for the item
+        check_at_least(self, "long_seq_len", 2048)
         for name in (
-            "long_seq_len",
             "long_items",
             "sft_items",
             "induction_items",

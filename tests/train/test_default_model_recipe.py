@@ -197,8 +197,9 @@ def test_long_rows_and_pretraining_share_mix_deterministically(monkeypatch):
         default_model.settings(run.replace(extra={"pretrain_copy_narrow_ids": 1}))
     with pytest.raises(ValueError, match="extra.pretrain_copy_steps=-2"):
         default_model.settings(run.replace(extra={"pretrain_copy_steps": -2}))
-    with pytest.raises(ValueError, match="extra.long_seq_len"):
-        default_model.settings(run.replace(extra={"long_seq_len": 0}))
+    with pytest.raises(ValueError, match="extra.long_seq_len=2047: must be an integer >= 2048"):
+        default_model.settings(run.replace(extra={"long_seq_len": 2047}))
+    assert default_model.settings(run.replace(extra={"long_seq_len": 2048})).long_seq_len == 2048
     with pytest.raises(ValueError, match="extra.pretrain_schedule='step': must be one of cosine, wsd"):
         default_model.settings(run.replace(extra={"pretrain_schedule": "step"}))
     with pytest.raises(ValueError, match="extra.pretrain_decay_fraction=1.5"):

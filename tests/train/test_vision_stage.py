@@ -278,3 +278,42 @@ def test_repeated_set_extra_merges_so_a_script_and_a_user_can_both_give_keys():
     assert got == {"extra": {"text_ckpt": "a", "image_seed": 7, "lm_lr_scale": 0.2}, "lr": 0.2}
     x = settings(get_recipe("default-model-vision", **got))
     assert (x.text_ckpt, x.image_seed, x.lm_lr_scale) == ("a", 7, 0.2)
+
+
+def test_long_stage_continues_from_a_vision_checkpoint_with_long_rows(tmp_path):
+    """``default-model-long`` (scripts/train_shipped_model.sh stage 3) starts from the vision
+    stage's checkpoint: every tensor, tower and projector included, is the checkpoint's, not a
+    fresh init; its text rows carry long harness-prompt rows by default, and a script's
+    ``extra={"text_ckpt": ...}`` keeps them."""
+    from openk3.pretrained import load_pretrained
+    from openk3.recipes import get_recipe
+    from openk3.recipes.default_model_vision import (LONG_STAGE_LR, LONG_STAGE_SEQ_LEN, LONG_STAGE_SHARE,
+                                                     LONG_STAGE_STEPS, settings, vision_data)
+    from openk3.train.trainer import train
+
+    torch.set_num_threads(1)
+    small = {"tokenizer_dir": TOK, "model_overrides": TINY_LM, "vision": TINY_VIT, "image_items": 4,
+             "sft_items": 4, "eval_items": 1}
+    vision = train(get_recipe("default-model-vision", total_steps=2, warmup_steps=0, seq_len=256, eval_every=2,
+                              eval_batches=1, extra={**small, "text_ckpt": _text_ckpt(tmp_path)}),
+                   tmp_path / "vision", progress=False)
+
+    run = get_recipe("default-model-long", extra={"text_ckpt": vision.checkpoint})
+    x = settings(run)
+    assert (run.name, run.total_steps, run.lr, run.qat) == ("default-model-long", LONG_STAGE_STEPS, LONG_STAGE_LR,
+                                                            "mxfp4")
+    assert (x.text_ckpt, x.long_share, x.long_seq_len) == (vision.checkpoint, LONG_STAGE_SHARE, LONG_STAGE_SEQ_LEN)
+    assert 0 < x.long_share < 1 and x.long_seq_len > run.seq_len  # long rows are on by default
+
+    run = get_recipe("default-model-long", total_steps=1, warmup_steps=0, seq_len=256,
+                     extra={**small, "text_ckpt": vision.checkpoint, "text_share": 0.9, "long_share": 0.5,
+                            "long_seq_len": 3000, "long_items": 4})
+    model, _, _ = run.prepare(run, str(tmp_path / "x"), False).build()
+    src = load_pretrained(vision.checkpoint)
+    got, want = model.state_dict(), src.state_dict()
+    assert got.keys() == want.keys() and any(k.startswith("vision_tower.") for k in got)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k  # the tower continues, it is not re-initialised
+    data = vision_data(run, "train")
+    lengths = [data.next_batch()["input_ids"].shape[1] for _ in range(30)]
+    assert set(lengths) == {256, 3000}
