@@ -40,22 +40,22 @@ if [ ! -f "$OUT/text/DONE" ]; then
 fi
 text_ckpt=$(last_checkpoint "$OUT/text")
 
+# A stage that continues from a checkpoint: RECIPE into $OUT/NAME from CKPT, then ARGS.
+continue_stage() {  # NAME RECIPE CKPT ARGS
+    if [ ! -f "$OUT/$1/DONE" ]; then
+        # shellcheck disable=SC2086  # ARGS is an argument list
+        $OPENK3 train --recipe "$2" --out "$OUT/$1" --resume --threads "$THREADS" \
+            --no-progress --set extra="{\"text_ckpt\": \"$3\"}" $4
+        touch "$OUT/$1/DONE"
+    fi
+}
+
 echo "[ship] 2/5 vision stage from $text_ckpt into $OUT/vision"
-if [ ! -f "$OUT/vision/DONE" ]; then
-    # shellcheck disable=SC2086
-    $OPENK3 train --recipe default-model-vision --out "$OUT/vision" --resume --threads "$THREADS" \
-        --no-progress --set extra="{\"text_ckpt\": \"$text_ckpt\"}" $VISION_ARGS
-    touch "$OUT/vision/DONE"
-fi
+continue_stage vision default-model-vision "$text_ckpt" "$VISION_ARGS"
 vision_ckpt=$(last_checkpoint "$OUT/vision")
 
 echo "[ship] 3/5 long-prompt stage from $vision_ckpt into $OUT/long"
-if [ ! -f "$OUT/long/DONE" ]; then
-    # shellcheck disable=SC2086
-    $OPENK3 train --recipe default-model-long --out "$OUT/long" --resume --threads "$THREADS" \
-        --no-progress --set extra="{\"text_ckpt\": \"$vision_ckpt\"}" $LONG_ARGS
-    touch "$OUT/long/DONE"
-fi
+continue_stage long default-model-long "$vision_ckpt" "$LONG_ARGS"
 long_ckpt=$(last_checkpoint "$OUT/long")
 
 echo "[ship] 4/5 export $long_ckpt -> $OUT/export"
